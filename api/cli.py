@@ -1,0 +1,130 @@
+"""``rlrun``: serve (API + one worker), worker, migrate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from api.settings import Settings
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def _settings() -> Settings:
+    from api.settings import get_settings
+
+    return get_settings()
+
+
+def cmd_migrate(_args: argparse.Namespace) -> int:
+    from api.migrate import upgrade_head
+
+    settings = _settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    upgrade_head(settings.resolved_database_url)
+    return 0
+
+
+def cmd_worker(_args: argparse.Namespace) -> int:
+    """One Celery worker, solo pool (CUDA and prefork do not mix; DataLoader workers need a parent)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    from trainer.worker import default_worker_id, make_worker_app
+
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    settings = _settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    app = make_worker_app(settings)
+    app.worker_main(
+        [
+            "worker",
+            "--pool=solo",
+            "--concurrency=1",
+            "-Q",
+            settings.queue,
+            "--loglevel=INFO",
+            "-n",
+            f"rlrun-{default_worker_id()}",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
+    )
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Migrate, start one worker process, then serve the API until interrupted; stop the worker after."""
+    import uvicorn
+
+    cmd_migrate(args)
+    settings = _settings()
+    port = args.port or settings.port
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with the default handler that would
+    # kill this process before `finally` stops the worker. Exiting through SystemExit keeps `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    worker = None
+    if not args.no_worker:
+        worker = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], preexec_fn=_die_with_parent)
+    try:
+        uvicorn.run(
+            "api.main:create_app",
+            factory=True,
+            host=args.host or settings.host,
+            port=port,
+            log_level="warning",
+        )
+    finally:
+        if worker is not None:
+            worker.send_signal(signal.SIGTERM)
+            try:
+                worker.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+    return 0
+
+
+def _die_with_parent() -> None:
+    """Linux: the worker gets SIGTERM if `rlrun serve` dies, even by SIGKILL (no orphaned workers)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from api.demo import run_demo
+
+    return run_demo(steps=args.steps, keep=args.keep)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    parser = argparse.ArgumentParser(prog="rlrun", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="API on RLRUN_PORT (8000) plus one worker")
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--no-worker", action="store_true", help="API only")
+    serve.set_defaults(func=cmd_serve)
+    sub.add_parser("worker", help="one Celery worker (solo pool)").set_defaults(func=cmd_worker)
+    sub.add_parser("migrate", help="alembic upgrade head").set_defaults(func=cmd_migrate)
+    demo = sub.add_parser("demo", help="serve, upload, train DPO, watch the numbers, stop")
+    demo.add_argument("--steps", type=int, default=300)
+    demo.add_argument("--keep", action="store_true", help="keep the demo's data folder")
+    demo.set_defaults(func=cmd_demo)
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

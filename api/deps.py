@@ -1,0 +1,48 @@
+"""FastAPI dependencies, as typed ``Annotated`` aliases."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, Path, Request
+from sqlalchemy.orm import Session
+
+from api.models import Dataset, Run
+from api.queue import Enqueue
+from api.services.datasets import get_dataset
+from api.services.runs import get_run
+from api.settings import Settings
+
+
+def get_settings_dep(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.session_factory() as session:
+        yield session
+
+
+def get_enqueue(request: Request) -> Enqueue:
+    enqueue: Enqueue = request.app.state.enqueue
+    return enqueue
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+SessionDep = Annotated[Session, Depends(get_session)]
+EnqueueDep = Annotated[Enqueue, Depends(get_enqueue)]
+
+
+def load_run(run_id: Annotated[uuid.UUID, Path()], session: SessionDep) -> Run:
+    return get_run(session=session, run_id=run_id)
+
+
+def load_dataset(dataset_id: Annotated[uuid.UUID, Path()], session: SessionDep) -> Dataset:
+    return get_dataset(session=session, dataset_id=dataset_id)
+
+
+RunDep = Annotated[Run, Depends(load_run)]
+DatasetDep = Annotated[Dataset, Depends(load_dataset)]

@@ -1,0 +1,56 @@
+"""The FastAPI application factory. Run with ``uvicorn api.main:create_app --factory`` or ``rlrun serve``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request, Response
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.db import make_engine, make_session_factory
+from api.errors import install_error_handlers
+from api.queue import CeleryEnqueue, Enqueue
+from api.routers import datasets, runs
+from api.settings import Settings, get_settings
+
+log = logging.getLogger("rlrun.api")
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    session_factory: sessionmaker[Session] | None = None,
+    enqueue: Enqueue | None = None,
+) -> FastAPI:
+    """Build the app. Nothing connects until the first request; the schema comes from Alembic."""
+    settings = settings or get_settings()
+    app = FastAPI(
+        title="rlrun",
+        version="0.1.0",
+        summary="LLM post-training (SFT, reward models, DPO, online RL) as managed runs.",
+    )
+    app.state.settings = settings
+    app.state.session_factory = session_factory or make_session_factory(
+        make_engine(settings.resolved_database_url)
+    )
+    app.state.enqueue = enqueue or CeleryEnqueue(settings)
+    install_error_handlers(app)
+    app.include_router(datasets.router)
+    app.include_router(runs.router)
+
+    @app.middleware("http")
+    async def log_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        start = time.perf_counter()
+        response = await call_next(request)
+        ms = (time.perf_counter() - start) * 1000
+        log.info("%s %s %d %.1fms", request.method, request.url.path, response.status_code, ms)
+        return response
+
+    @app.get("/healthz", tags=["meta"])
+    def healthz() -> dict[str, str]:
+        """Liveness probe."""
+        return {"status": "ok"}
+
+    return app

@@ -1,0 +1,161 @@
+"""/v1/runs: submit, list, read, cancel, metrics, events."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Header, Query
+from sqlalchemy.exc import IntegrityError
+
+from api.deps import EnqueueDep, RunDep, SessionDep
+from api.errors import ErrorBody, InvalidRequest
+from api.models import Run
+from api.pagination import decode_cursor, encode_cursor
+from api.schemas import EventRead, MetricRead, Page, Progress, RunRead
+from api.services import runs as service
+from trainer.specs import RunSpec
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"])
+log = logging.getLogger("rlrun.api")
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 422)}
+Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+
+
+def to_read(run: Run) -> RunRead:
+    return RunRead(
+        id=run.id,
+        name=run.spec.get("name"),
+        algorithm=run.algorithm,
+        status=run.status,
+        spec=run.spec,
+        dataset_id=run.dataset_id,
+        attempt=run.attempt,
+        progress=Progress(step=run.step, total_steps=run.total_steps),
+        cancel_requested=run.cancel_requested,
+        error=run.error,
+        output_path=run.output_path,
+        created_at=run.created_at,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+    )
+
+
+@router.post("", status_code=201, response_model=RunRead, responses=_ERRORS)
+def create_run(
+    spec: RunSpec,
+    session: SessionDep,
+    enqueue: EnqueueDep,
+    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+) -> RunRead:
+    """Submit a run; it is stored queued, committed, then sent to a worker."""
+    if idempotency_key:
+        existing = service.find_by_idempotency_key(session=session, key=idempotency_key, spec=spec)
+        if existing is not None:
+            return to_read(existing)
+    run = service.submit_run(session=session, spec=spec, idempotency_key=idempotency_key)
+    try:
+        session.commit()
+    except IntegrityError:  # a concurrent retry with the same key won the insert
+        session.rollback()
+        existing = service.find_by_idempotency_key(session=session, key=idempotency_key or "", spec=spec)
+        if existing is None:
+            raise
+        return to_read(existing)
+    try:
+        enqueue(run.id)
+    except Exception as exc:  # the run is safely queued in the DB; say so and answer 201 anyway
+        log.warning("run %s: enqueue failed: %s", run.id, exc)
+        service.add_event(session, run.id, "warning", f"could not reach the broker: {type(exc).__name__}")
+        session.commit()
+    return to_read(run)
+
+
+@router.get("", response_model=Page[RunRead], responses=_ERRORS)
+def list_runs(
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
+    status: Annotated[Status | None, Query(description="Only runs in this status")] = None,
+) -> Page[RunRead]:
+    """List runs, newest first."""
+    key = None
+    if after is not None:
+        created, rid = decode_cursor(after, 2)
+        try:
+            key = (datetime.fromisoformat(created), uuid.UUID(rid))
+        except (TypeError, ValueError):
+            raise InvalidRequest("after: not a cursor returned by this API", field="after") from None
+    rows = service.list_runs(session=session, limit=limit, after=key, status=status)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    cursor = encode_cursor(rows[-1].created_at.isoformat(), rows[-1].id) if more else None
+    return Page(data=[to_read(r) for r in rows], has_more=more, next_cursor=cursor)
+
+
+@router.get("/{run_id}", response_model=RunRead, responses=_ERRORS)
+def read_run(run: RunDep) -> RunRead:
+    """One run with its status and progress."""
+    return to_read(run)
+
+
+@router.post("/{run_id}/cancel", response_model=RunRead, responses=_ERRORS)
+def cancel_run(run: RunDep, session: SessionDep) -> RunRead:
+    """Cancel a run: at once if queued, within one step if running; 409 once it has ended."""
+    run = service.cancel_run(session=session, run=run)
+    session.commit()
+    return to_read(run)
+
+
+@router.get("/{run_id}/metrics", response_model=Page[MetricRead], responses=_ERRORS)
+def list_metrics(
+    run: RunDep,
+    session: SessionDep,
+    key: Annotated[list[str] | None, Query(description="Only these keys (repeat the parameter)")] = None,
+    min_step: Annotated[int | None, Query(ge=0)] = None,
+    max_step: Annotated[int | None, Query(ge=0)] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
+) -> Page[MetricRead]:
+    """Metric values ordered by step then key."""
+    cursor_key = None
+    if after is not None:
+        step, k = decode_cursor(after, 2)
+        if not isinstance(step, int) or not isinstance(k, str):
+            raise InvalidRequest("after: not a cursor returned by this API", field="after")
+        cursor_key = (step, k)
+    rows = service.list_metrics(
+        session=session,
+        run_id=run.id,
+        keys=key,
+        min_step=min_step,
+        max_step=max_step,
+        after=cursor_key,
+        limit=limit,
+    )
+    more = len(rows) > limit
+    rows = rows[:limit]
+    cursor = encode_cursor(rows[-1].step, rows[-1].key) if more else None
+    return Page(data=[MetricRead.model_validate(m) for m in rows], has_more=more, next_cursor=cursor)
+
+
+@router.get("/{run_id}/events", response_model=Page[EventRead], responses=_ERRORS)
+def list_events(
+    run: RunDep,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
+) -> Page[EventRead]:
+    """The run's events in order: status changes, warnings, errors."""
+    last = None
+    if after is not None:
+        (last,) = decode_cursor(after, 1)
+        if not isinstance(last, int):
+            raise InvalidRequest("after: not a cursor returned by this API", field="after")
+    rows = service.list_events(session=session, run_id=run.id, after=last, limit=limit)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    cursor = encode_cursor(rows[-1].id) if more else None
+    return Page(data=[EventRead.model_validate(e) for e in rows], has_more=more, next_cursor=cursor)

@@ -1,0 +1,157 @@
+"""Run lifecycle on the API side: submit, cancel, read. Never commits (the router owns the unit of work).
+
+Status machine: queued -> running -> succeeded | failed | cancelled; queued -> cancelled. Only the
+worker moves a run out of ``running``; cancel of a running run sets a flag the worker obeys within a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime
+
+from sqlalchemy import and_, or_, select
+from sqlalchemy.orm import Session
+
+from api.errors import (
+    IdempotencyConflict,
+    IncompatibleDataset,
+    InvalidReference,
+    InvalidTransition,
+    RunNotFound,
+)
+from api.models import FINISHED_STATUSES, Event, Metric, Run, utcnow
+from api.services.datasets import get_dataset
+from trainer.specs import DpoSpec, parse_run_ref
+
+log = logging.getLogger("rlrun.runs")
+
+
+def add_event(
+    session: Session, run_id: uuid.UUID, kind: str, message: str, data: dict[str, object] | None = None
+) -> None:
+    session.add(Event(run_id=run_id, kind=kind, message=message, data=data))
+
+
+def find_by_idempotency_key(*, session: Session, key: str, spec: DpoSpec) -> Run | None:
+    """The run created earlier with ``key``; refuses a key reused for a different spec."""
+    run = session.scalars(select(Run).where(Run.idempotency_key == key)).one_or_none()
+    if run is not None and run.spec != spec.model_dump(mode="json"):
+        raise IdempotencyConflict(
+            "Idempotency-Key was already used for a different run spec", field="Idempotency-Key"
+        )
+    return run
+
+
+def _check_model_ref(session: Session, ref: str | None, field: str) -> None:
+    run_id = parse_run_ref(ref) if ref else None
+    if run_id is None:
+        return
+    source = session.get(Run, run_id)
+    if source is None:
+        raise InvalidReference(f"{field}: run {run_id} does not exist", field=field)
+    if source.status != "succeeded" or not source.output_path:
+        raise InvalidReference(
+            f"{field}: run {run_id} is {source.status}; only a succeeded run's model can be used", field=field
+        )
+
+
+def submit_run(*, session: Session, spec: DpoSpec, idempotency_key: str | None = None) -> Run:
+    """Store a new queued run (flush only). Checks what needs the DB: the dataset and run references."""
+    dataset = get_dataset(session=session, dataset_id=spec.dataset_id)
+    if dataset.kind != spec.dataset_kind:
+        raise IncompatibleDataset(
+            f"dataset {dataset.id} is of kind '{dataset.kind}'; {spec.algorithm} needs '{spec.dataset_kind}'",
+            field="dataset_id",
+        )
+    _check_model_ref(session, spec.model, "model")
+    _check_model_ref(session, spec.reference_model, "reference_model")
+    run = Run(
+        id=uuid.uuid4(),
+        algorithm=spec.algorithm,
+        status="queued",
+        spec=spec.model_dump(mode="json"),
+        dataset_id=spec.dataset_id,
+        idempotency_key=idempotency_key,
+        attempt=0,
+        step=0,
+        total_steps=spec.total_steps,
+        cancel_requested=False,
+        created_at=utcnow(),
+    )
+    session.add(run)
+    session.flush()
+    add_event(session, run.id, "status", "queued")
+    session.flush()
+    log.info("run %s queued (%s)", run.id, spec.algorithm)
+    return run
+
+
+def get_run(*, session: Session, run_id: uuid.UUID) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise RunNotFound(f"run {run_id} does not exist", field="run_id")
+    return run
+
+
+def cancel_run(*, session: Session, run: Run) -> Run:
+    """A queued run ends cancelled now; a running one gets the flag its worker checks every step."""
+    if run.status in FINISHED_STATUSES:
+        raise InvalidTransition(f"run {run.id} already ended {run.status}", field="status")
+    if run.cancel_requested:
+        return run
+    run.cancel_requested = True
+    if run.status == "queued":
+        run.status = "cancelled"
+        run.finished_at = utcnow()
+        add_event(session, run.id, "status", "cancelled", {"reason": "cancelled before it started"})
+        log.info("run %s cancelled while queued", run.id)
+    else:
+        add_event(session, run.id, "cancel_requested", "cancel requested; the worker stops within one step")
+        log.info("run %s cancel requested", run.id)
+    session.flush()
+    return run
+
+
+def list_runs(
+    *, session: Session, limit: int, after: tuple[datetime, uuid.UUID] | None, status: str | None
+) -> list[Run]:
+    """Newest first; ``limit + 1`` rows so the caller can tell whether there is more."""
+    stmt = select(Run).order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1)
+    if status is not None:
+        stmt = stmt.where(Run.status == status)
+    if after is not None:
+        created, rid = after
+        stmt = stmt.where(or_(Run.created_at < created, and_(Run.created_at == created, Run.id < rid)))
+    return list(session.scalars(stmt))
+
+
+def list_metrics(
+    *,
+    session: Session,
+    run_id: uuid.UUID,
+    keys: list[str] | None,
+    min_step: int | None,
+    max_step: int | None,
+    after: tuple[int, str] | None,
+    limit: int,
+) -> list[Metric]:
+    """Ordered by (step, key); ``limit + 1`` rows."""
+    stmt = select(Metric).where(Metric.run_id == run_id).order_by(Metric.step, Metric.key).limit(limit + 1)
+    if keys:
+        stmt = stmt.where(Metric.key.in_(keys))
+    if min_step is not None:
+        stmt = stmt.where(Metric.step >= min_step)
+    if max_step is not None:
+        stmt = stmt.where(Metric.step <= max_step)
+    if after is not None:
+        step, key = after
+        stmt = stmt.where(or_(Metric.step > step, and_(Metric.step == step, Metric.key > key)))
+    return list(session.scalars(stmt))
+
+
+def list_events(*, session: Session, run_id: uuid.UUID, after: int | None, limit: int) -> list[Event]:
+    stmt = select(Event).where(Event.run_id == run_id).order_by(Event.id).limit(limit + 1)
+    if after is not None:
+        stmt = stmt.where(Event.id > after)
+    return list(session.scalars(stmt))

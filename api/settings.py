@@ -1,0 +1,70 @@
+"""Service settings, read from ``RLRUN_*`` environment variables.
+
+Defaults are the embedded mode: everything lives under ``RLRUN_HOME`` (a SQLite database, a SQLite file
+for the broker's queue tables, and the artifacts folder), so ``rlrun serve`` needs no server.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Everything the API and the worker read from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="RLRUN_", extra="ignore")
+
+    home: Path = Field(
+        default=Path(".rlrun"), description="Folder for the embedded DB, broker and artifacts."
+    )
+    database_url: str | None = Field(
+        default=None, description="SQLAlchemy URL; default: SQLite file <home>/rlrun.db."
+    )
+    broker_url: str | None = Field(
+        default=None,
+        description="Celery broker URL; default: kombu's SQL transport on SQLite file <home>/broker.db.",
+    )
+    artifacts_dir: Path | None = Field(
+        default=None, description="Where runs write models; default <home>/artifacts."
+    )
+    cache_dir: Path | None = Field(
+        default=None, description="Where built-in tiny model presets are built once; default <home>/cache."
+    )
+    queue: str = Field(default="rlrun", description="Celery queue that runs are sent to.")
+    port: int = Field(default=8000, description="Port of `rlrun serve`.")
+    host: str = Field(default="127.0.0.1", description="Interface of `rlrun serve`.")
+    max_upload_bytes: int = Field(
+        default=200 * 1024 * 1024, description="Largest dataset upload (413 above)."
+    )
+    lease_seconds: int = Field(
+        default=120, description="A worker's claim on a run lasts this long between heartbeats."
+    )
+    broker_polling_interval: float = Field(
+        default=0.05, description="Seconds between queue polls of the SQL broker (kombu's default is 1 s)."
+    )
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.home / 'rlrun.db').resolve()}"
+
+    @property
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or f"sqla+sqlite:///{(self.home / 'broker.db').resolve()}"
+
+    @property
+    def resolved_artifacts_dir(self) -> Path:
+        return (self.artifacts_dir or self.home / "artifacts").resolve()
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return (self.cache_dir or self.home / "cache").resolve()
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process's settings (cached; tests override the dependency instead)."""
+    return Settings()

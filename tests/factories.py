@@ -1,0 +1,101 @@
+"""Plain functions that build rows and app clients for tests."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session
+
+from api.deps import get_session
+from api.main import create_app
+from api.models import Dataset, DatasetRow, Run, utcnow
+from api.settings import Settings
+
+
+class FakeEnqueue:
+    """Records the run ids the API would have sent to the broker; can be told to fail."""
+
+    def __init__(self, fail: bool = False):
+        self.sent: list[uuid.UUID] = []
+        self.fail = fail
+
+    def __call__(self, run_id: uuid.UUID) -> None:
+        if self.fail:
+            raise ConnectionError("broker down")
+        self.sent.append(run_id)
+
+
+@contextmanager
+def api_client(
+    session: Session, settings: Settings | None = None, enqueue: Any = None
+) -> Iterator[TestClient]:
+    """A TestClient whose requests all use ``session`` (savepoint-isolated by the fixture)."""
+    app = create_app(settings or Settings(), session_factory=None, enqueue=enqueue or FakeEnqueue())
+
+    def _session() -> Iterator[Session]:
+        yield session
+
+    app.dependency_overrides[get_session] = _session
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def pair_rows(n: int = 10) -> list[dict[str, str]]:
+    return [{"prompt": f"{i}+{i}=", "chosen": str(2 * i), "rejected": str(2 * i + 1)} for i in range(n)]
+
+
+def jsonl(rows: list[Any]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def make_dataset(session: Session, rows: list[dict[str, Any]] | None = None, **over: Any) -> Dataset:
+    rows = rows if rows is not None else pair_rows()
+    ds = Dataset(
+        id=uuid.uuid4(),
+        name=over.pop("name", "pairs"),
+        kind=over.pop("kind", "preference"),
+        row_count=len(rows),
+        size_bytes=0,
+        stats={},
+        **over,
+    )
+    session.add(ds)
+    session.flush()
+    for i, r in enumerate(rows):
+        session.add(DatasetRow(dataset_id=ds.id, index=i, data=r, content_hash=f"{i:064d}"))
+    session.flush()
+    return ds
+
+
+def dpo_spec(dataset_id: uuid.UUID, **hp: Any) -> dict[str, Any]:
+    return {
+        "algorithm": "dpo",
+        "model": "tiny:llama-0.4m",
+        "dataset_id": str(dataset_id),
+        "hyperparameters": {"max_steps": 3, "batch_size": 4, "learning_rate": 1e-3, **hp},
+    }
+
+
+def make_run(session: Session, dataset: Dataset, **over: Any) -> Run:
+    spec = over.pop("spec", None) or dpo_spec(dataset.id)
+    fields: dict[str, Any] = {
+        "id": uuid.uuid4(),
+        "algorithm": "dpo",
+        "status": "queued",
+        "spec": spec,
+        "dataset_id": dataset.id,
+        "attempt": 0,
+        "step": 0,
+        "total_steps": spec["hyperparameters"]["max_steps"],
+        "cancel_requested": False,
+        "created_at": utcnow(),
+    }
+    run = Run(**(fields | over))
+    session.add(run)
+    session.flush()
+    return run

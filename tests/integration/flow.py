@@ -1,0 +1,57 @@
+"""The user's path over HTTP, shared by the integration tests: upload, submit, poll, read metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from api.demo import addition_pairs
+from tests.factories import jsonl
+
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
+def upload_pairs(client: Any, n: int = 200) -> dict[str, Any]:
+    resp = client.post(
+        "/v1/datasets", files={"file": ("pairs.jsonl", jsonl(addition_pairs(n)))}, data={"kind": "preference"}
+    )
+    assert resp.status_code == 201, resp.text
+    body: dict[str, Any] = resp.json()
+    return body
+
+
+def submit_dpo(client: Any, dataset_id: str, steps: int, **hp: Any) -> dict[str, Any]:
+    spec = {
+        "algorithm": "dpo",
+        "model": "tiny:llama-0.4m",
+        "dataset_id": dataset_id,
+        "hyperparameters": {"learning_rate": 1e-3, "max_steps": steps, "batch_size": 8, **hp},
+    }
+    resp = client.post("/v1/runs", json=spec)
+    assert resp.status_code == 201, resp.text
+    body: dict[str, Any] = resp.json()
+    return body
+
+
+def wait_for(client: Any, run_id: str, predicate: Any, timeout: float = 180) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        run: dict[str, Any] = client.get(f"/v1/runs/{run_id}").json()
+        if predicate(run):
+            return run
+        if time.monotonic() > deadline:
+            events = client.get(f"/v1/runs/{run_id}/events").json()
+            raise AssertionError(f"run {run_id} stuck: {run}\nevents: {events}")
+        time.sleep(0.2)
+
+
+def all_metrics(client: Any, run_id: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    after = None
+    while True:
+        params: dict[str, Any] = {"limit": 500} | ({"after": after} if after else {})
+        page = client.get(f"/v1/runs/{run_id}/metrics", params=params).json()
+        out += page["data"]
+        if not page["has_more"]:
+            return out
+        after = page["next_cursor"]

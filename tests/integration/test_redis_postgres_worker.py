@@ -1,0 +1,90 @@
+"""A real `rlrun worker` process on Redis + PostgreSQL trains a DPO run submitted through the API."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from api.migrate import upgrade_head
+from api.settings import Settings
+from tests.conftest import REDIS_URL, pg_test_database
+from tests.integration.flow import FINISHED, all_metrics, submit_dpo, upload_pairs, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    gen = pg_test_database()
+    db_url = next(gen)
+    upgrade_head(db_url)
+    home = tmp_path_factory.mktemp("redis-pg")
+    settings = Settings(
+        home=home, database_url=db_url, broker_url=REDIS_URL, queue=f"test-{uuid.uuid4().hex[:8]}"
+    )
+    env = {
+        **os.environ,
+        "RLRUN_HOME": str(home),
+        "RLRUN_DATABASE_URL": db_url,
+        "RLRUN_BROKER_URL": REDIS_URL,
+        "RLRUN_QUEUE": settings.queue,
+    }
+    log = (home / "worker.log").open("wb")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        with TestClient(create_app(settings)) as client:
+            yield client
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        log.close()
+        print(Path(log.name).read_text()[-3000:])
+        next(gen, None)
+
+
+def test_dpo_run_succeeds_with_metrics_in_postgres(stack: TestClient) -> None:
+    ds = upload_pairs(stack, 40)
+    run = submit_dpo(stack, ds["id"], steps=20)
+    done = wait_for(stack, run["id"], lambda r: r["status"] in FINISHED)
+    assert done["status"] == "succeeded", done
+    assert done["progress"] == {"step": 20, "total_steps": 20} and done["attempt"] == 1
+    assert Path(done["output_path"], "model.safetensors").exists()
+    metrics = all_metrics(stack, run["id"])
+    loss_steps = sorted(m["step"] for m in metrics if m["key"] == "loss")
+    assert loss_steps == list(range(1, 21))
+    assert {m["key"] for m in metrics if m["key"].startswith("final/")} >= {
+        "final/rewards/accuracy",
+        "final/loss",
+    }
+    events = stack.get(f"/v1/runs/{run['id']}/events").json()["data"]
+    assert [e["message"] for e in events if e["kind"] == "status"] == ["queued", "running", "succeeded"]
+
+
+def test_failing_run_says_why(stack: TestClient, tmp_path: Path) -> None:
+    ds = upload_pairs(stack, 8)
+    resp = stack.post(
+        "/v1/runs",
+        json={
+            "algorithm": "dpo",
+            "model": str(tmp_path / "no-model-here"),
+            "dataset_id": ds["id"],
+            "hyperparameters": {"max_steps": 2},
+        },
+    )
+    assert resp.status_code == 201
+    done = wait_for(stack, resp.json()["id"], lambda r: r["status"] in FINISHED)
+    assert done["status"] == "failed"
+    assert "could not load model" in done["error"] and "\n" not in done["error"]

@@ -1,0 +1,1 @@
+"""Pure torch math for rlrun: advantages, losses, KL, aggregation. Imports nothing from the project."""

@@ -1,0 +1,236 @@
+"""Pairwise preference losses (DPO family) and reward-model ranking losses (Bradley-Terry, K-wise).
+
+DPO-family losses share one call shape, ``fn(chosen_logratio, rejected_logratio, p) -> (B,)``, where
+``logratio = log pi(y|x) - log pi_ref(y|x)`` summed over the completion tokens. Each returns the
+per-pair loss; the caller reduces it (usually ``.mean()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from trainer.algorithms._registry import lookup
+
+
+@dataclass(frozen=True)
+class PreferenceParams:
+    """Hyper-parameters of the DPO-family losses.
+
+    Attributes:
+        beta: inverse temperature of the implicit reward ``beta * logratio`` (DPO's beta). For ``ipo``
+            it is the regulariser tau: the target margin is ``1 / (2 beta)``. Must be > 0.
+        label_smoothing: assumed probability eps that a preference label is flipped; read by ``cdpo``
+            (0 <= eps <= 1) and ``robust`` (0 <= eps < 0.5). Ignored by the other losses.
+    """
+
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+
+
+PreferenceLossFn = Callable[[Tensor, Tensor, PreferenceParams], Tensor]
+
+
+def sigmoid(chosen_logratio: Tensor, rejected_logratio: Tensor, p: PreferenceParams) -> Tensor:
+    """DPO loss: negative log-likelihood of the preference under the implicit Bradley-Terry reward.
+
+    Args:
+        chosen_logratio: (B,) ``log pi(y_w|x) - log pi_ref(y_w|x)``.
+        rejected_logratio: (B,) ``log pi(y_l|x) - log pi_ref(y_l|x)``.
+        p: ``beta`` is used; ``label_smoothing`` is ignored (use ``cdpo``).
+
+    Returns:
+        (B,) per-pair loss.
+
+    Formula: ``-log sigmoid(beta * (c - r))``.
+    Source: Rafailov et al. 2023, "Direct Preference Optimization", eq. 7.
+    Degenerate: equal log-ratios (e.g. policy == reference at step 0) give ``log 2``.
+    """
+    return -F.logsigmoid(p.beta * (chosen_logratio - rejected_logratio))
+
+
+def cdpo(chosen_logratio: Tensor, rejected_logratio: Tensor, p: PreferenceParams) -> Tensor:
+    """Conservative DPO: DPO with labels smoothed by the flip probability eps.
+
+    Args:
+        chosen_logratio: (B,) policy/reference log-ratio of the chosen completion.
+        rejected_logratio: (B,) policy/reference log-ratio of the rejected completion.
+        p: ``beta`` and ``label_smoothing`` (eps, 0 <= eps <= 1).
+
+    Returns:
+        (B,) per-pair loss.
+
+    Formula: ``h = c - r``; ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``.
+    Source: Mitchell 2023, "A note on DPO with noisy preferences & relationship to IPO" (cDPO);
+        TRL ``loss_type="sigmoid"`` with ``label_smoothing``.
+    Degenerate: eps = 0 equals ``sigmoid``; eps = 0.5 makes the loss symmetric in (c, r): the label
+        carries no information and the loss only pulls the margin towards 0.
+    """
+    eps = p.label_smoothing
+    z = p.beta * (chosen_logratio - rejected_logratio)
+    return -(1.0 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+
+
+def robust(chosen_logratio: Tensor, rejected_logratio: Tensor, p: PreferenceParams) -> Tensor:
+    """Robust DPO (rDPO): an unbiased estimate of the clean-label DPO loss under flip rate eps.
+
+    Args:
+        chosen_logratio: (B,) policy/reference log-ratio of the chosen completion.
+        rejected_logratio: (B,) policy/reference log-ratio of the rejected completion.
+        p: ``beta`` and ``label_smoothing`` (eps, 0 <= eps < 0.5).
+
+    Returns:
+        (B,) per-pair loss (may be negative: it is unbiased, not a likelihood).
+
+    Formula: ``h = c - r``; ``((1 - eps)(-log sigmoid(beta h)) + eps log sigmoid(-beta h)) / (1 - 2 eps)``.
+    Source: Chowdhury et al. 2024, "Provably Robust DPO: Aligning Language Models with Noisy Feedback",
+        the rDPO loss.
+    Degenerate: eps = 0 equals ``sigmoid``; eps >= 0.5 raises ValueError (the estimator divides by
+        ``1 - 2 eps``).
+
+    Raises:
+        ValueError: if ``label_smoothing`` is not in [0, 0.5).
+    """
+    eps = p.label_smoothing
+    if not 0.0 <= eps < 0.5:
+        raise ValueError(f"robust DPO needs 0 <= label_smoothing < 0.5, got {eps}")
+    z = p.beta * (chosen_logratio - rejected_logratio)
+    return ((1.0 - eps) * -F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1.0 - 2.0 * eps)
+
+
+def ipo(chosen_logratio: Tensor, rejected_logratio: Tensor, p: PreferenceParams) -> Tensor:
+    """IPO: squared regression of the log-ratio margin onto the target ``1 / (2 beta)``.
+
+    Args:
+        chosen_logratio: (B,) policy/reference log-ratio of the chosen completion.
+        rejected_logratio: (B,) policy/reference log-ratio of the rejected completion.
+        p: ``beta`` (the paper's tau, > 0); ``label_smoothing`` is ignored.
+
+    Returns:
+        (B,) per-pair loss.
+
+    Formula: ``h = c - r``; ``(h - 1 / (2 beta))^2``.
+    Source: Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
+        Preferences", the empirical (sampled) IPO loss. Its log-ratios are sums over tokens, as here;
+        TRL averages over tokens instead, which changes the scale of ``h`` and so the meaning of ``beta``.
+    Degenerate: zero exactly at margin ``1 / (2 beta)``; beta = 0 divides by zero (inf target).
+    """
+    h = chosen_logratio - rejected_logratio
+    return (h - 1.0 / (2.0 * p.beta)) ** 2
+
+
+def hinge(chosen_logratio: Tensor, rejected_logratio: Tensor, p: PreferenceParams) -> Tensor:
+    """SLiC hinge loss on the implicit reward margin.
+
+    Args:
+        chosen_logratio: (B,) policy/reference log-ratio of the chosen completion.
+        rejected_logratio: (B,) policy/reference log-ratio of the rejected completion.
+        p: ``beta``; ``label_smoothing`` is ignored.
+
+    Returns:
+        (B,) per-pair loss.
+
+    Formula: ``h = c - r``; ``relu(1 - beta h)``.
+    Source: Zhao et al. 2023, "SLiC-HF: Sequence Likelihood Calibration with Human Feedback"
+        (the hinge calibration loss, margin 1/beta in log-ratio units); as in TRL ``loss_type="hinge"``.
+    Degenerate: zero loss and zero gradient once ``beta h >= 1``.
+    """
+    return torch.relu(1.0 - p.beta * (chosen_logratio - rejected_logratio))
+
+
+def bradley_terry(
+    r_chosen: Tensor,
+    r_rejected: Tensor,
+    margin: Tensor | None = None,
+    center_coef: float = 0.0,
+) -> Tensor:
+    """Pairwise reward-model loss: negative log-likelihood that the chosen completion wins.
+
+    Args:
+        r_chosen: (B,) scalar rewards of the chosen completions.
+        r_rejected: (B,) scalar rewards of the rejected completions.
+        margin: optional (B,) required reward gap (Llama 2 reward model); None means 0.
+        center_coef: weight of the centring penalty ``(r_c + r_r)^2`` that keeps rewards near zero
+            mean (TRL ``RewardConfig.center_rewards_coefficient``, Eisenstein et al. 2023). 0 disables.
+
+    Returns:
+        (B,) per-pair loss.
+
+    Formula: ``-log sigmoid(r_c - r_r - margin) + center_coef * (r_c + r_r)^2``.
+    Source: Bradley & Terry 1952; Ouyang et al. 2022 (InstructGPT) eq. 1; Touvron et al. 2023
+        (Llama 2) eq. 2 for the margin.
+    Degenerate: equal rewards and no margin give ``log 2``.
+    """
+    diff = r_chosen - r_rejected
+    if margin is not None:
+        diff = diff - margin
+    loss = -F.logsigmoid(diff)
+    if center_coef != 0.0:
+        loss = loss + center_coef * (r_chosen + r_rejected) ** 2
+    return loss
+
+
+def kwise_ranking(scores: Tensor, mask: Tensor | None = None) -> Tensor:
+    """InstructGPT K-wise ranking loss: the mean Bradley-Terry loss over every ordered pair.
+
+    Args:
+        scores: (B, K) rewards of K completions per prompt, ordered best first (column 0 is the
+            most preferred, column K-1 the least).
+        mask: optional (B, K) bool/0-1, True where a candidate exists (rows with fewer than K
+            candidates). Order among the valid columns is still best first.
+
+    Returns:
+        (B,) per-prompt loss.
+
+    Formula: ``1 / C(K_b, 2) * sum_{i < j, both valid} -log sigmoid(s_i - s_j)``, with K_b the
+        number of valid candidates in row b; every pair has weight ``1 / C(K_b, 2)``.
+    Source: Ouyang et al. 2022, "Training language models to follow instructions with human
+        feedback", eq. 1.
+    Degenerate: a row with fewer than 2 valid candidates has no pair and returns 0 (no gradient,
+        no NaN). K = 2 equals ``bradley_terry``.
+    """
+    B, K = scores.shape
+    if mask is None:
+        valid = torch.ones_like(scores, dtype=torch.bool)
+    else:
+        valid = mask.to(torch.bool)
+    diff = scores.unsqueeze(2) - scores.unsqueeze(1)  # (B, K, K): s_i - s_j
+    upper = torch.triu(torch.ones(K, K, dtype=torch.bool, device=scores.device), diagonal=1)
+    pair = upper & valid.unsqueeze(2) & valid.unsqueeze(1)  # (B, K, K)
+    # Zero the unused differences *before* logsigmoid: a masked NaN/inf score must leak neither into the
+    # value nor into the gradient (where() after the op would still back-propagate NaN * 0).
+    safe = torch.where(pair, diff, torch.zeros_like(diff))
+    pair_loss = torch.where(pair, -F.logsigmoid(safe), torch.zeros_like(diff))
+    n_pairs = pair.sum(dim=(1, 2)).to(scores.dtype)
+    return pair_loss.sum(dim=(1, 2)) / n_pairs.clamp(min=1.0)
+
+
+def get_preference_loss(name: str) -> PreferenceLossFn:
+    """Look up a DPO-family loss by registry name.
+
+    Args:
+        name: one of the keys of ``PREFERENCE_LOSSES``.
+
+    Returns:
+        The loss function ``fn(chosen_logratio (B,), rejected_logratio (B,), p) -> (B,)``.
+
+    Raises:
+        ValueError: if the name is unknown; the message lists the valid names.
+    """
+    return lookup(PREFERENCE_LOSSES, name, "preference loss")
+
+
+PREFERENCE_LOSSES: Mapping[str, PreferenceLossFn] = MappingProxyType(
+    {
+        "sigmoid": sigmoid,
+        "cdpo": cdpo,
+        "robust": robust,
+        "ipo": ipo,
+        "hinge": hinge,
+    }
+)

@@ -1,0 +1,133 @@
+"""Model references -> loaded models and tokenizers.
+
+``tiny:<preset>`` models are random-init Llama models with a byte-level BPE tokenizer trained offline on
+a built-in corpus. They are built once into the cache folder and then loaded through
+``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained`` like any real model folder, so the loading
+path is the same for a user's local model or a hub id.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from trainer.specs import TINY_PRESETS, parse_run_ref
+
+PRESET_SEED = 0  # a preset is a fixed starting point: the same weights on every machine and run
+TOKENIZER_VOCAB = 512
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+
+
+def _corpus() -> list[str]:
+    """Text the tiny tokenizer is trained on: digits and arithmetic, chat markers, common English."""
+    words = (
+        "the of and to in is you that it he was for on are as with his they at be this have from or one "
+        "had by word but not what all were we when your can said there use an each which she do how their "
+        "if will up other about out many then them these so some her would make like him into time has look "
+        "two more write go see number no way could people my than first water been call who oil its now find "
+        "long down day did get come made may part answer question because think step reward good bad yes "
+        "Human Assistant user assistant system"
+    ).split()
+    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 6)]
+    lines += [f"{a}+{b}={a + b}" for a in range(0, 100, 3) for b in range(0, 100, 7)]
+    lines += [f"{a}*{b}={a * b} {a}-{b}={a - b}" for a in range(0, 30) for b in range(0, 30, 4)]
+    lines += ["\n\nHuman: what is 2+2?\n\nAssistant: 4", "<think>step</think><answer>42</answer>"]
+    return lines
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE (any text encodes) with pad distinct from EOS and left padding for generation."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    fast: PreTrainedTokenizerFast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, padding_side="left", **SPECIAL_TOKENS
+    )
+    return fast
+
+
+def build_tiny_model(preset: str, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    dims = TINY_PRESETS[preset]
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=dims["hidden_size"],
+        intermediate_size=dims["intermediate_size"],
+        num_hidden_layers=dims["num_hidden_layers"],
+        num_attention_heads=dims["num_attention_heads"],
+        num_key_value_heads=dims["num_attention_heads"],
+        max_position_embeddings=2048,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(PRESET_SEED)
+    return LlamaForCausalLM(config)
+
+
+def tiny_model_dir(preset: str, cache_dir: Path) -> Path:
+    """The preset's folder, built on first use (atomically, so concurrent workers never see half a model)."""
+    target = cache_dir / "tiny" / preset
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=target.parent))
+    try:
+        tokenizer = build_tiny_tokenizer()
+        build_tiny_model(preset, tokenizer).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race; its copy is identical
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+RunOutputLookup = Callable[[uuid.UUID], Path]
+
+
+def resolve_model(ref: str, *, cache_dir: Path, run_output: RunOutputLookup) -> str:
+    """A path or hub id that ``from_pretrained`` can load, for any accepted model reference."""
+    if ref.startswith("tiny:"):
+        return str(tiny_model_dir(ref.removeprefix("tiny:"), cache_dir))
+    run_id = parse_run_ref(ref)
+    if run_id is not None:
+        return str(run_output(run_id))
+    return ref  # a local folder or a hub id
+
+
+def load_causal_lm(path: str) -> tuple[Any, Any]:
+    """Model and tokenizer from a folder or hub id; a missing pad token falls back to EOS."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path)
+    except OSError as exc:
+        raise ValueError(f"could not load model {path!r}: {str(exc).splitlines()[0]}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer

@@ -1,0 +1,60 @@
+"""The one way out of a training loop: metrics, events and the stop flag (minGPT callbacks, typed)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+
+class Reporter(Protocol):
+    """What a loop may tell the outside world, and the one thing it asks."""
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record metric values at ``step`` (buffered; the implementation decides when to write)."""
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        """Record something a user should see in the run's events (warnings, milestones)."""
+
+    def should_stop(self) -> bool:
+        """True once the run was cancelled; loops check it every step."""
+
+
+@dataclass
+class LoopContext:
+    """Where a loop reads models from and writes its outputs to."""
+
+    cache_dir: Path
+    output_dir: Path
+    resolve_model: Callable[[str], str]  # model reference -> a path or hub id for from_pretrained
+
+
+@dataclass
+class LoopResult:
+    status: Literal["succeeded", "cancelled"]
+    output_path: Path | None
+    final_metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class MemoryReporter:
+    """Keeps everything in lists (tests); ``stop_after`` simulates a cancel after N should_stop calls."""
+
+    stop_after: int | None = None
+    metrics: list[tuple[int, str, float]] = field(default_factory=list)
+    events: list[tuple[str, str, dict[str, Any] | None]] = field(default_factory=list)
+    checks: int = 0
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.metrics.extend((step, k, float(v)) for k, v in metrics.items())
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        self.events.append((kind, message, data))
+
+    def should_stop(self) -> bool:
+        self.checks += 1
+        return self.stop_after is not None and self.checks > self.stop_after
+
+    def series(self, key: str) -> list[float]:
+        return [v for _, k, v in self.metrics if k == key]

@@ -1,0 +1,278 @@
+"""The Celery worker: a thin task that claims a run in the DB and runs its loop.
+
+The broker only carries run ids; the DB decides ownership. ``claim_run`` is one atomic UPDATE, so a
+second delivery of the same id (acks_late redelivery, a re-sent id) finds nothing to claim and returns.
+Everything a run produces goes through ``DbReporter`` in short transactions; no session is held open
+across training steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from datetime import timedelta
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.db import make_engine, make_session_factory
+from api.models import Event, Metric, Run, utcnow
+from api.queue import TASK_NAME, make_celery
+from api.services.datasets import load_rows
+from api.settings import Settings, get_settings
+from trainer.models import resolve_model
+from trainer.reporting import LoopContext
+from trainer.specs import parse_spec
+
+log = logging.getLogger("rlrun.worker")
+SessionFactory = sessionmaker[Session]
+
+
+class LeaseLost(RuntimeError):
+    """Another worker owns the run now (our lease expired and it was re-claimed)."""
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def claim_run(session_factory: SessionFactory, run_id: uuid.UUID, worker_id: str, lease_seconds: int) -> bool:
+    """Atomically take ``run_id`` if it is queued or its lease expired. True if this worker now owns it."""
+    now = utcnow()
+    stmt = (
+        update(Run)
+        .where(
+            Run.id == run_id,
+            or_(Run.status == "queued", and_(Run.status == "running", Run.lease_expires_at < now)),
+        )
+        .values(
+            status="running",
+            attempt=Run.attempt + 1,
+            worker_id=worker_id,
+            lease_expires_at=now + timedelta(seconds=lease_seconds),
+            started_at=now,
+            step=0,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    with session_factory.begin() as session:
+        claimed = _updated(session, stmt) == 1
+        if claimed:
+            attempt = session.scalar(select(Run.attempt).where(Run.id == run_id))
+            session.add(
+                Event(
+                    run_id=run_id,
+                    kind="status",
+                    message="running",
+                    data={"worker": worker_id, "attempt": attempt},
+                )
+            )
+    if claimed:
+        log.info("run %s claimed by %s", run_id, worker_id)
+    return claimed
+
+
+def _updated(session: Session, stmt: Any) -> int:
+    """Rows matched by an UPDATE (its rowcount)."""
+    return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
+
+
+def upsert_metrics(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Insert metric rows; a (run, key, step) written before (a retried attempt) is overwritten."""
+    dialect = session.get_bind().dialect.name
+    insert = pg_insert if dialect == "postgresql" else sqlite_insert
+    stmt = insert(Metric).values(rows)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["run_id", "key", "step"],
+        set_={"value": stmt.excluded.value, "logged_at": stmt.excluded.logged_at},
+    )
+    session.execute(stmt)
+
+
+class DbReporter:
+    """Buffers metrics and writes them in batches; heartbeats the lease; reads the cancel flag."""
+
+    def __init__(
+        self,
+        session_factory: SessionFactory,
+        run_id: uuid.UUID,
+        worker_id: str,
+        lease_seconds: int,
+        flush_seconds: float = 1.0,
+        flush_rows: int = 2000,
+    ):
+        self.sf, self.run_id, self.worker_id = session_factory, run_id, worker_id
+        self.lease_seconds, self.flush_seconds, self.flush_rows = lease_seconds, flush_seconds, flush_rows
+        self.buffer: dict[tuple[str, int], dict[str, Any]] = {}
+        self.step = 0
+        self.last_flush = time.monotonic()
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        now = utcnow()
+        for key, value in metrics.items():
+            self.buffer[(key, step)] = {
+                "run_id": self.run_id,
+                "key": key,
+                "step": step,
+                "value": float(value),
+                "logged_at": now,
+            }
+        self.step = max(self.step, step)
+        if len(self.buffer) >= self.flush_rows or time.monotonic() - self.last_flush >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write buffered metrics, progress and a fresh lease in one short transaction."""
+        rows = list(self.buffer.values())
+        with self.sf.begin() as session:
+            owned = _updated(
+                session,
+                update(Run)
+                .where(Run.id == self.run_id, Run.worker_id == self.worker_id, Run.status == "running")
+                .values(step=self.step, lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds))
+                .execution_options(synchronize_session=False),
+            )
+            if owned != 1:
+                raise LeaseLost(f"run {self.run_id} is no longer held by {self.worker_id}")
+            for i in range(0, len(rows), 500):
+                upsert_metrics(session, rows[i : i + 500])
+        self.buffer.clear()
+        self.last_flush = time.monotonic()
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        with self.sf.begin() as session:
+            session.add(Event(run_id=self.run_id, kind=kind, message=message, data=data))
+
+    def should_stop(self) -> bool:
+        with self.sf() as session:
+            flag = session.scalar(select(Run.cancel_requested).where(Run.id == self.run_id))
+        return bool(flag)
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def finish_run(
+    session_factory: SessionFactory,
+    run_id: uuid.UUID,
+    worker_id: str,
+    *,
+    status: str,
+    error: str | None = None,
+    output_path: str | None = None,
+) -> bool:
+    """Set the final status if this worker still owns the run; one event says what happened."""
+    with session_factory.begin() as session:
+        done = (
+            _updated(
+                session,
+                update(Run)
+                .where(Run.id == run_id, Run.worker_id == worker_id, Run.status == "running")
+                .values(
+                    status=status,
+                    error=error,
+                    output_path=output_path,
+                    finished_at=utcnow(),
+                    lease_expires_at=None,
+                )
+                .execution_options(synchronize_session=False),
+            )
+            == 1
+        )
+        if done:
+            data = {"error": error} if error else ({"output_path": output_path} if output_path else None)
+            session.add(Event(run_id=run_id, kind="status", message=status, data=data))
+    log.info("run %s %s%s", run_id, status, f": {error}" if error else "")
+    return done
+
+
+def _run_output(session_factory: SessionFactory, run_id: uuid.UUID) -> Path:
+    with session_factory() as session:
+        run = session.get(Run, run_id)
+    if run is None or run.status != "succeeded" or not run.output_path:
+        raise ValueError(f"run {run_id} has no final model (it must have succeeded)")
+    return Path(run.output_path)
+
+
+def execute_run(
+    run_id: uuid.UUID,
+    *,
+    session_factory: SessionFactory,
+    settings: Settings,
+    loops: Mapping[str, Any] | None = None,
+    worker_id: str | None = None,
+) -> str | None:
+    """Claim and run one run to its end. Returns the final status, or None if it was not ours to run."""
+    if loops is None:
+        from trainer.loops import LOOPS
+
+        loops = LOOPS
+    worker_id = worker_id or default_worker_id()
+    if not claim_run(session_factory, run_id, worker_id, settings.lease_seconds):
+        log.info("run %s: nothing to claim (already taken or ended)", run_id)
+        return None
+    reporter = DbReporter(session_factory, run_id, worker_id, settings.lease_seconds)
+    try:
+        with session_factory() as session:
+            run = session.get(Run, run_id)
+            assert run is not None
+            spec = parse_spec(run.spec)  # re-validated: the stored JSON may predate this code
+            rows = load_rows(session=session, dataset_id=spec.dataset_id)
+        cache_dir = settings.resolved_cache_dir
+        ctx = LoopContext(
+            cache_dir=cache_dir,
+            output_dir=settings.resolved_artifacts_dir / "runs" / str(run_id) / "final",
+            resolve_model=lambda ref: resolve_model(
+                ref, cache_dir=cache_dir, run_output=lambda rid: _run_output(session_factory, rid)
+            ),
+        )
+        result = loops[spec.algorithm](spec, rows, reporter, ctx)
+        reporter.flush()
+    except LeaseLost as exc:
+        log.warning("run %s: %s; stopping without touching it", run_id, exc)
+        return None
+    except Exception as exc:
+        log.exception("run %s failed", run_id)
+        try:
+            reporter.flush()  # keep the metrics logged before the failure
+        except Exception:  # noqa: BLE001 - the failure below is what matters
+            log.warning("run %s: could not flush metrics after failure", run_id)
+        finish_run(session_factory, run_id, worker_id, status="failed", error=one_line(exc))
+        return "failed"
+    output = str(result.output_path) if result.output_path else None
+    finish_run(session_factory, run_id, worker_id, status=result.status, output_path=output)
+    status: str = result.status
+    return status
+
+
+@lru_cache
+def _session_factory(url: str) -> SessionFactory:
+    return make_session_factory(make_engine(url))
+
+
+def make_worker_app(settings: Settings | None = None) -> Celery:
+    """The Celery app with the ``rlrun.train_run`` task registered (run with the solo pool)."""
+    settings = settings or get_settings()
+    app = make_celery(settings)
+
+    @app.task(name=TASK_NAME, acks_late=True, ignore_result=True)  # type: ignore[untyped-decorator]
+    def train_run(run_id: str) -> None:
+        execute_run(
+            uuid.UUID(run_id),
+            session_factory=_session_factory(settings.resolved_database_url),
+            settings=settings,
+        )
+
+    return app
