@@ -1,9 +1,9 @@
 """Line-level parsing and normalisation of uploaded datasets (pure: no DB, no IO).
 
-Every accepted input format of a kind is normalised to one stored form. For ``preference``:
-``{"prompt": str | [messages], "chosen": str, "rejected": str}`` where chosen and rejected are the two
-completions of the same prompt (a chat prompt stays a list of ``{"role", "content"}`` messages so the
-trainer can apply the model's chat template).
+Every accepted input format of a kind is normalised to one stored form, e.g. for ``preference``
+``{"prompt": str | [messages], "chosen": str, "rejected": str, "margin"?: float}`` where chosen and
+rejected are two completions of the same prompt (a chat prompt stays a list of ``{"role", "content"}``
+messages so the trainer can apply the model's chat template). See each ``normalize_*`` for its kind.
 """
 
 from __future__ import annotations
@@ -149,8 +149,88 @@ def _require(obj: dict[str, Any], *keys: str) -> dict[str, Any]:
     return obj
 
 
+def _margin(obj: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:
+    if "margin" in obj:
+        m = obj["margin"]
+        if isinstance(m, bool) or not isinstance(m, int | float) or m != m:
+            raise LineError("'margin' must be a number", "margin")
+        row["margin"] = float(m)
+    return row
+
+
+def normalize_preference_with_margin(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    row, fmt = normalize_preference(obj)
+    return _margin(obj, row), fmt
+
+
+def _prompt(obj: dict[str, Any], key: str = "prompt") -> str | list[dict[str, str]]:
+    if key not in obj:
+        raise LineError(f"missing field '{key}'", key)
+    value = obj[key]
+    if isinstance(value, list):
+        return _messages(value, key)
+    if not isinstance(value, str):
+        raise LineError(f"'{key}' must be a string or a list of messages, got {type(value).__name__}", key)
+    return value
+
+
+def normalize_sft(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """SFT lines -> ``{"prompt": str | [messages], "completion": str}``.
+
+    Formats: ``plain`` {prompt, completion} strings; ``chat`` {messages: [..., assistant]} (OpenAI fine-tuning
+    lines: the last message, an assistant turn, is the completion); ``conversational`` {prompt: [messages],
+    completion: [one assistant message]}.
+    """
+    if "messages" in obj:
+        messages = _messages(obj["messages"], "messages")
+        if len(messages) < 2 or messages[-1]["role"] != "assistant":
+            raise LineError(
+                "'messages' must end with an assistant message after at least one other", "messages"
+            )
+        return {"prompt": messages[:-1], "completion": messages[-1]["content"]}, "chat"
+    prompt = _prompt(obj)
+    if "completion" not in obj:
+        raise LineError("missing field 'completion'", "completion")
+    if isinstance(obj["completion"], list):
+        completion = _single_assistant(_messages(obj["completion"], "completion"), "completion")
+        return {"prompt": prompt, "completion": completion}, "conversational"
+    return {"prompt": prompt, "completion": _text(obj, "completion")}, "plain"
+
+
+def normalize_ranking(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """K-way rankings -> ``{"prompt", "responses": [best, ..., worst]}`` with K >= 2."""
+    prompt = _prompt(obj)
+    responses = obj.get("responses")
+    if not isinstance(responses, list) or len(responses) < 2:
+        raise LineError("'responses' must be a list of at least 2 strings, best first", "responses")
+    for i, r in enumerate(responses):
+        if not isinstance(r, str):
+            raise LineError(f"'responses[{i}]' must be a string, got {type(r).__name__}", f"responses[{i}]")
+    return {"prompt": prompt, "responses": list(responses)}, "plain"
+
+
+def normalize_prompts(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Prompts for online RL -> ``{"prompt", "answer": str | None, "meta": {other fields}}``.
+
+    Formats: ``plain`` {prompt, answer?, ...}; ``question`` {question, answer?, ...} (GSM8K-style lines).
+    A numeric answer is kept as its decimal text.
+    """
+    key, fmt = ("prompt", "plain") if "prompt" in obj or "question" not in obj else ("question", "question")
+    prompt = _prompt(obj, key)
+    answer = obj.get("answer")
+    if answer is not None:
+        if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+            raise LineError("'answer' must be a string or a number", "answer")
+        answer = str(answer)
+    meta = {k: v for k, v in obj.items() if k not in (key, "answer")}
+    return {"prompt": prompt, "answer": answer, "meta": meta}, fmt
+
+
 NORMALIZERS: dict[str, Callable[[dict[str, Any]], tuple[dict[str, Any], str]]] = {
-    "preference": normalize_preference,
+    "preference": normalize_preference_with_margin,
+    "sft": normalize_sft,
+    "ranking": normalize_ranking,
+    "prompts": normalize_prompts,
 }
 
 
@@ -159,59 +239,86 @@ def content_hash(row: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(row, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
-def _chars(prompt: str | list[dict[str, str]]) -> int:
-    return len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+def _chars(text: str | list[dict[str, str]] | None) -> int:
+    if text is None:
+        return 0
+    return len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text)
+
+
+def row_profile(kind: str, row: dict[str, Any]) -> tuple[dict[str, list[int]], dict[str, bool]]:
+    """Lengths (characters) per field and boolean flags of one stored row, for the upload stats."""
+    prompt = _chars(row["prompt"])
+    if kind == "preference":
+        c, r = row["chosen"], row["rejected"]
+        return (
+            {"prompt": [prompt], "chosen": [len(c)], "rejected": [len(r)]},
+            {
+                "empty_pairs": not c.strip() or not r.strip(),
+                "identical_pairs": c == r,
+                "with_margin": "margin" in row,
+            },
+        )
+    if kind == "sft":
+        return {"prompt": [prompt], "completion": [len(row["completion"])]}, {
+            "empty_completions": not row["completion"].strip()
+        }
+    if kind == "ranking":
+        responses = row["responses"]
+        return (
+            {"prompt": [prompt], "responses": [len(x) for x in responses], "candidates": [len(responses)]},
+            {
+                "duplicate_responses": len(set(responses)) < len(responses),
+                "empty_responses": any(not x.strip() for x in responses),
+            },
+        )
+    return {"prompt": [prompt], "answer": [_chars(row["answer"])]}, {"with_answer": row["answer"] is not None}
 
 
 @dataclass
 class _Length:
     total: int = 0
+    count: int = 0
     max: int = 0
 
     def add(self, n: int) -> None:
         self.total += n
+        self.count += 1
         self.max = max(self.max, n)
 
 
 @dataclass
-class PreferenceStats:
-    """Running statistics of an upload; O(1) memory apart from the set of row hashes."""
+class DatasetStatsBuilder:
+    """Running statistics of an upload; O(1) memory apart from the set of 16-byte row hashes."""
 
+    kind: str
     rows: int = 0
     exact_duplicates: int = 0
-    empty_pairs: int = 0
-    identical_pairs: int = 0
     source_formats: dict[str, int] = field(default_factory=dict)
-    prompt: _Length = field(default_factory=_Length)
-    chosen: _Length = field(default_factory=_Length)
-    rejected: _Length = field(default_factory=_Length)
+    lengths: dict[str, _Length] = field(default_factory=dict)
+    flags: dict[str, int] = field(default_factory=dict)
     _seen: set[bytes] = field(default_factory=set, repr=False)
 
     def add(self, row: dict[str, Any], fmt: str, digest: str) -> None:
         self.rows += 1
         key = bytes.fromhex(digest)[:16]
-        if key in self._seen:
-            self.exact_duplicates += 1
+        self.exact_duplicates += int(key in self._seen)
         self._seen.add(key)
-        chosen, rejected = row["chosen"], row["rejected"]
-        self.empty_pairs += int(not chosen.strip() or not rejected.strip())
-        self.identical_pairs += int(chosen == rejected)
         self.source_formats[fmt] = self.source_formats.get(fmt, 0) + 1
-        self.prompt.add(_chars(row["prompt"]))
-        self.chosen.add(len(chosen))
-        self.rejected.add(len(rejected))
+        lengths, flags = row_profile(self.kind, row)
+        for name, values in lengths.items():
+            for v in values:
+                self.lengths.setdefault(name, _Length()).add(v)
+        for name, on in flags.items():
+            self.flags[name] = self.flags.get(name, 0) + int(on)
 
     def as_dict(self) -> dict[str, Any]:
-        def length(x: _Length) -> dict[str, Any]:
-            return {"mean": x.total / self.rows if self.rows else 0.0, "max": x.max}
-
         return {
             "rows": self.rows,
             "exact_duplicates": self.exact_duplicates,
-            "empty_pairs": self.empty_pairs,
-            "identical_pairs": self.identical_pairs,
             "source_formats": dict(sorted(self.source_formats.items())),
-            "prompt_chars": length(self.prompt),
-            "chosen_chars": length(self.chosen),
-            "rejected_chars": length(self.rejected),
+            "lengths": {
+                k: {"mean": v.total / v.count if v.count else 0.0, "max": v.max}
+                for k, v in self.lengths.items()
+            },
+            "flags": dict(self.flags),
         }

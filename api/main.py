@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.db import make_engine, make_session_factory
 from api.errors import install_error_handlers
 from api.queue import CeleryEnqueue, Enqueue
-from api.routers import datasets, runs
+from api.routers import checkpoints, datasets, pipelines, runs
 from api.settings import Settings, get_settings
 
 log = logging.getLogger("rlrun.api")
@@ -39,6 +39,8 @@ def create_app(
     install_error_handlers(app)
     app.include_router(datasets.router)
     app.include_router(runs.router)
+    app.include_router(checkpoints.router)
+    app.include_router(pipelines.router)
 
     @app.middleware("http")
     async def log_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     CheckConstraint,
     Float,
@@ -27,7 +28,8 @@ JsonType = JSON().with_variant(JSONB(), "postgresql")
 
 RUN_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED_STATUSES = ("succeeded", "failed", "cancelled")
-DATASET_KINDS = ("preference",)
+PIPELINE_STATUSES = ("running", "succeeded", "failed", "cancelled")
+DATASET_KINDS = ("preference", "sft", "ranking", "prompts")
 
 
 def _one_of(column: str, values: tuple[str, ...]) -> str:
@@ -86,8 +88,27 @@ class Run(Base):
     total_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     output_path: Mapped[str | None] = mapped_column(Text, nullable=True)
+    pipeline_id: Mapped[uuid.UUID | None] = mapped_column(
+        Uuid, ForeignKey("pipelines.id", ondelete="SET NULL"), nullable=True, index=True
+    )
+    stage: Mapped[str | None] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+
+
+class Pipeline(Base):
+    """Named stages, each a run spec; later stages refer to earlier ones as ``stage:<name>``."""
+
+    __tablename__ = "pipelines"
+    __table_args__ = (CheckConstraint(_one_of("status", PIPELINE_STATUSES), name="status"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    name: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    stages: Mapped[list[dict[str, Any]]] = mapped_column(JsonType)
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
 
 
@@ -112,4 +133,19 @@ class Event(Base):
     kind: Mapped[str] = mapped_column(String(32))
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any] | None] = mapped_column(JsonType, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+
+
+class Checkpoint(Base):
+    """A resumable checkpoint folder of a run (the run's last one is its final model)."""
+
+    __tablename__ = "checkpoints"
+
+    run_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    path: Mapped[str] = mapped_column(Text)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JsonType)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)

@@ -8,9 +8,10 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer.specs import DpoSpec
+from trainer.specs import RunSpec
 
 T = TypeVar("T")
+DatasetKind = Literal["preference", "sft", "ranking", "prompts"]
 
 
 class _Read(BaseModel):
@@ -37,12 +38,15 @@ class DatasetStats(BaseModel):
 
     rows: int
     exact_duplicates: int = Field(description="Rows identical to an earlier row (after normalisation).")
-    empty_pairs: int = Field(description="Rows whose chosen or rejected completion is empty or blank.")
-    identical_pairs: int = Field(description="Rows whose chosen and rejected completions are equal.")
     source_formats: dict[str, int] = Field(description="How many lines came in each accepted input format.")
-    prompt_chars: LengthStats
-    chosen_chars: LengthStats
-    rejected_chars: LengthStats
+    lengths: dict[str, LengthStats] = Field(
+        description="Per field: prompt, chosen/rejected (preference), completion (sft), responses and "
+        "candidates per row (ranking), answer (prompts)."
+    )
+    flags: dict[str, int] = Field(
+        description="Rows with a property: empty_pairs, identical_pairs, with_margin (preference); "
+        "empty_completions (sft); duplicate_responses, empty_responses (ranking); with_answer (prompts)."
+    )
 
 
 class DatasetRead(_Read):
@@ -66,7 +70,7 @@ class DatasetCreateJson(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=200)
-    kind: Literal["preference"] = "preference"
+    kind: DatasetKind = "preference"
     rows: list[dict[str, Any]] = Field(description="Lines as objects, in any accepted format for `kind`.")
 
 
@@ -80,7 +84,9 @@ class RunRead(_Read):
     name: str | None
     algorithm: str
     status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
-    spec: DpoSpec
+    spec: RunSpec
+    pipeline_id: uuid.UUID | None = Field(default=None, description="The pipeline this run is a stage of.")
+    stage: str | None = Field(default=None, description="Its stage name in that pipeline.")
     dataset_id: uuid.UUID | None
     attempt: int
     progress: Progress
@@ -107,3 +113,81 @@ class EventRead(_Read):
     message: str
     data: dict[str, Any] | None
     created_at: datetime
+
+
+class CheckpointRead(_Read):
+    step: int
+    size_bytes: int
+    metrics: dict[str, float] = Field(description="Training and latest eval metrics at that step.")
+    created_at: datetime
+    model_ref: str = Field(description="Use as `model` in another run: `run:<id>@<step>`.")
+
+
+class StageIn(BaseModel):
+    """One pipeline stage: a name and a run spec; its model fields may say `stage:<earlier stage>`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Unique within the pipeline.")
+    spec: RunSpec
+
+
+class PipelineCreate(BaseModel):
+    """Stages run as their inputs succeed; stage order is the list order (refs point backwards)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "sft-rm-dpo",
+                    "stages": [
+                        {
+                            "name": "sft",
+                            "spec": {
+                                "algorithm": "sft",
+                                "model": "tiny:llama-0.4m",
+                                "dataset_id": "<sft dataset>",
+                            },
+                        },
+                        {
+                            "name": "rm",
+                            "spec": {
+                                "algorithm": "reward_model",
+                                "model": "stage:sft",
+                                "dataset_id": "<preference dataset>",
+                            },
+                        },
+                        {
+                            "name": "dpo",
+                            "spec": {
+                                "algorithm": "dpo",
+                                "model": "stage:sft",
+                                "dataset_id": "<preference dataset>",
+                            },
+                        },
+                    ],
+                }
+            ]
+        },
+    )
+
+    name: str | None = Field(default=None, max_length=200)
+    stages: list[StageIn] = Field(min_length=1, max_length=20)
+
+
+class StageRead(BaseModel):
+    name: str
+    algorithm: str
+    run_id: uuid.UUID | None = Field(description="Null until the stage's inputs have succeeded.")
+    status: str = Field(description="The run's status, or `waiting` before it exists.")
+
+
+class PipelineRead(BaseModel):
+    id: uuid.UUID
+    name: str | None
+    status: Literal["running", "succeeded", "failed", "cancelled"]
+    reason: str | None
+    stages: list[StageRead]
+    created_at: datetime
+    finished_at: datetime | None

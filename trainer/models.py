@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,16 +107,15 @@ def tiny_model_dir(preset: str, cache_dir: Path) -> Path:
     return target
 
 
-RunOutputLookup = Callable[[uuid.UUID], Path]
+RunOutputLookup = Callable[[str], Path]  # "run:<id>[@<step>]" -> the folder of that model
 
 
 def resolve_model(ref: str, *, cache_dir: Path, run_output: RunOutputLookup) -> str:
     """A path or hub id that ``from_pretrained`` can load, for any accepted model reference."""
     if ref.startswith("tiny:"):
         return str(tiny_model_dir(ref.removeprefix("tiny:"), cache_dir))
-    run_id = parse_run_ref(ref)
-    if run_id is not None:
-        return str(run_output(run_id))
+    if parse_run_ref(ref) is not None:
+        return str(run_output(ref))
     return ref  # a local folder or a hub id
 
 

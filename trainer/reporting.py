@@ -1,4 +1,5 @@
-"""The one way out of a training loop: metrics, events and the stop flag (minGPT callbacks, typed)."""
+"""The one way out of a training loop: metrics, events, checkpoints and the stop flag (minGPT callbacks,
+typed), plus what a loop is given: its data and its context."""
 
 from __future__ import annotations
 
@@ -17,8 +18,22 @@ class Reporter(Protocol):
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         """Record something a user should see in the run's events (warnings, milestones)."""
 
+    def checkpoint_saved(self, step: int, path: Path, size_bytes: int, metrics: Mapping[str, float]) -> None:
+        """A complete checkpoint for ``step`` now exists at ``path``."""
+
+    def checkpoint_removed(self, step: int) -> None:
+        """Retention deleted the checkpoint of ``step``."""
+
     def should_stop(self) -> bool:
         """True once the run was cancelled; loops check it every step."""
+
+
+@dataclass(frozen=True)
+class RunData:
+    """Normalised dataset rows: training and (possibly empty) validation."""
+
+    train: list[dict[str, Any]]
+    validation: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -26,8 +41,9 @@ class LoopContext:
     """Where a loop reads models from and writes its outputs to."""
 
     cache_dir: Path
-    output_dir: Path
+    checkpoint_dir: Path  # checkpoints go to <checkpoint_dir>/step-<N>/; the last one is the final model
     resolve_model: Callable[[str], str]  # model reference -> a path or hub id for from_pretrained
+    resume_from: Path | None = None  # a checkpoint folder of this run to continue from
 
 
 @dataclass
@@ -44,6 +60,7 @@ class MemoryReporter:
     stop_after: int | None = None
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
     events: list[tuple[str, str, dict[str, Any] | None]] = field(default_factory=list)
+    checkpoints: dict[int, Path] = field(default_factory=dict)
     checks: int = 0
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -51,6 +68,12 @@ class MemoryReporter:
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         self.events.append((kind, message, data))
+
+    def checkpoint_saved(self, step: int, path: Path, size_bytes: int, metrics: Mapping[str, float]) -> None:
+        self.checkpoints[step] = path
+
+    def checkpoint_removed(self, step: int) -> None:
+        del self.checkpoints[step]
 
     def should_stop(self) -> bool:
         self.checks += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
@@ -40,17 +40,30 @@ TINY_PRESETS: dict[str, dict[str, int]] = {
     },
 }
 
-_RUN_REF = re.compile(r"^run:(?P<id>[0-9a-fA-F-]{32,36})$")
+_RUN_REF = re.compile(r"^run:(?P<id>[0-9a-fA-F-]{32,36})(@(?P<step>\d+))?$")
+_STAGE_REF = re.compile(r"^stage:(?P<name>[A-Za-z0-9_.-]{1,64})$")
 
 
 def parse_run_ref(ref: str) -> uuid.UUID | None:
-    """The run id of a ``run:<id>`` model reference, or None for any other kind of reference."""
+    """The run id of a ``run:<id>`` or ``run:<id>@<step>`` reference, or None for other references."""
     match = _RUN_REF.match(ref)
     return uuid.UUID(match["id"]) if match else None
 
 
+def parse_run_ref_step(ref: str) -> int | None:
+    """The checkpoint step of a ``run:<id>@<step>`` reference (None: the run's final model)."""
+    match = _RUN_REF.match(ref)
+    return int(match["step"]) if match and match["step"] is not None else None
+
+
+def parse_stage_ref(ref: str) -> str | None:
+    """The stage name of a ``stage:<name>`` reference (valid only inside a pipeline)."""
+    match = _STAGE_REF.match(ref)
+    return match["name"] if match else None
+
+
 def check_model_ref(ref: str) -> str:
-    """Refuse model references that can never resolve; see ``ModelRef`` for the accepted forms."""
+    """Refuse model references that can never resolve; see ``MODEL_REF_DOC`` for the accepted forms."""
     ref = ref.strip()
     if not ref:
         raise ValueError("model reference is empty")
@@ -60,15 +73,18 @@ def check_model_ref(ref: str) -> str:
             raise ValueError(f"unknown tiny preset {name!r}; known: {', '.join(sorted(TINY_PRESETS))}")
     elif ref.startswith("run:"):
         if parse_run_ref(ref) is None:
-            raise ValueError("a run reference is run:<run id>")
+            raise ValueError("a run reference is run:<run id> or run:<run id>@<checkpoint step>")
+    elif ref.startswith("stage:") and parse_stage_ref(ref) is None:
+        raise ValueError("a stage reference is stage:<name> (letters, digits, _ . -)")
     return ref
 
 
 MODEL_REF_DOC = (
-    "Model to start from: `tiny:<preset>` (built-in random-init model: "
+    "Model: `tiny:<preset>` (built-in random-init model: "
     + ", ".join(f"`tiny:{n}`" for n in TINY_PRESETS)
-    + "), a local folder in Hugging Face format, a hub id (where the hub is reachable), or `run:<id>` "
-    "(the final model of a succeeded run)."
+    + "), a local folder in Hugging Face format, a hub id (where the hub is reachable), `run:<id>` "
+    "(the final model of a succeeded run), `run:<id>@<step>` (one of its checkpoints), or, inside a "
+    "pipeline, `stage:<name>` (the model of an earlier stage)."
 )
 
 
@@ -76,7 +92,41 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class DpoHyperparameters(_Frozen):
+class TrainingHyperparameters(_Frozen):
+    """Optimiser, schedule, evaluation and checkpoint settings shared by every run type."""
+
+    learning_rate: float = Field(
+        default=1e-6, gt=0, le=1.0, description="AdamW learning rate (after warmup)."
+    )
+    weight_decay: float = Field(default=0.0, ge=0, le=10.0, description="AdamW weight decay.")
+    warmup_steps: int = Field(
+        default=0, ge=0, le=1_000_000, description="Linear learning-rate warmup from 0."
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient norm clip.")
+    batch_size: int = Field(default=8, ge=1, le=4096, description="Examples per optimizer step.")
+    max_steps: int = Field(default=100, ge=1, le=10_000_000, description="Optimizer steps to run.")
+    max_length: int = Field(default=256, ge=2, le=131_072, description="Longest sequence in tokens.")
+    seed: int = Field(
+        default=0, description="Seed for data order and dropout (a tiny preset has fixed weights)."
+    )
+    log_every: int = Field(default=1, ge=1, description="Log training metrics every N steps.")
+    eval_every: int = Field(
+        default=0, ge=0, description="Evaluate on the validation set every N steps (0: only at the end)."
+    )
+    checkpoint_every: int = Field(
+        default=0, ge=0, description="Save a resumable checkpoint every N steps (0: only the final model)."
+    )
+    keep_last_checkpoints: int = Field(
+        default=2, ge=1, le=1000, description="Checkpoints kept, newest first."
+    )
+    best_metric: str | None = Field(
+        default=None,
+        description="Also keep the checkpoint best by this metric (e.g. `eval/loss`), besides the newest.",
+    )
+    best_mode: Literal["min", "max"] = Field(default="min", description="Whether lower or higher is better.")
+
+
+class DpoHyperparameters(TrainingHyperparameters):
     """Direct Preference Optimization (Rafailov et al. 2023) and its loss variants."""
 
     loss_type: PreferenceLossName = Field(
@@ -84,27 +134,14 @@ class DpoHyperparameters(_Frozen):
         description="Preference loss: sigmoid (DPO), cdpo (label smoothing), robust (rDPO), ipo, hinge.",
     )
     beta: float = Field(
-        default=0.1, gt=0, description="Strength of the implicit KL constraint to the reference."
+        default=0.1, gt=0, le=100.0, description="Strength of the implicit KL constraint to the reference."
     )
     label_smoothing: float = Field(
         default=0.0, ge=0, lt=0.5, description="Assumed label-noise rate; used by cdpo and robust only."
     )
-    learning_rate: float = Field(default=1e-6, gt=0, description="AdamW learning rate (after warmup).")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warmup from 0.")
-    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient norm clip.")
-    batch_size: int = Field(default=8, ge=1, le=4096, description="Preference pairs per optimizer step.")
-    max_steps: int = Field(default=100, ge=1, le=10_000_000, description="Optimizer steps to run.")
-    max_length: int = Field(
-        default=256, ge=2, description="Longest prompt+completion in tokens (longer is cut)."
-    )
     max_prompt_length: int = Field(
         default=128, ge=1, description="Longest prompt in tokens (cut from the left)."
     )
-    seed: int = Field(
-        default=0, description="Seed for data order and dropout (a tiny preset has fixed weights)."
-    )
-    log_every: int = Field(default=1, ge=1, description="Log training metrics every N steps.")
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> DpoHyperparameters:
@@ -115,38 +152,113 @@ class DpoHyperparameters(_Frozen):
         return self
 
 
-class DpoSpec(_Frozen):
-    """A DPO run: a policy trained on preference pairs against a frozen reference model."""
+class SftHyperparameters(TrainingHyperparameters):
+    """Supervised fine-tuning: next-token cross-entropy on completion tokens only."""
 
+    learning_rate: float = Field(
+        default=2e-5, gt=0, le=1.0, description="AdamW learning rate (after warmup)."
+    )
+
+
+class RewardModelHyperparameters(TrainingHyperparameters):
+    """A scalar reward head on the LM, trained with Bradley-Terry pairs or InstructGPT K-wise rankings."""
+
+    learning_rate: float = Field(
+        default=1e-5, gt=0, le=1.0, description="AdamW learning rate (after warmup)."
+    )
+    center_coef: float = Field(
+        default=0.0,
+        ge=0,
+        le=10.0,
+        description="Centering regulariser c * mean((s_chosen + s_rejected)^2) (Eisenstein et al. 2023).",
+    )
+    use_margin: bool = Field(
+        default=True, description="Use a preference row's `margin` (if present) in the Bradley-Terry loss."
+    )
+
+
+class _RunSpecBase(_Frozen):
     spec_version: Literal[1] = Field(default=1, description="Version of this spec's schema.")
-    algorithm: Literal["dpo"] = Field(description="Run type.")
     name: str | None = Field(default=None, max_length=200, description="Free-form label.")
     model: str = Field(description=MODEL_REF_DOC)
-    reference_model: str | None = Field(
-        default=None, description="Frozen reference model; default: the starting model. " + MODEL_REF_DOC
+    dataset_id: uuid.UUID = Field(description="Training dataset.")
+    validation_dataset_id: uuid.UUID | None = Field(
+        default=None, description="Validation dataset of the same kind (evaluated every `eval_every` steps)."
     )
-    dataset_id: uuid.UUID = Field(description="A dataset of kind `preference`.")
-    hyperparameters: DpoHyperparameters = Field(default_factory=DpoHyperparameters)
+    validation_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=0.5,
+        description="Hold out this fraction of the training rows (split by `seed`) when no validation set.",
+    )
 
-    @field_validator("model", "reference_model")
+    @field_validator("model")
     @classmethod
-    def _check_model_refs(cls, v: str | None) -> str | None:
-        return None if v is None else check_model_ref(v)
+    def _check_model(cls, v: str) -> str:
+        return check_model_ref(v)
+
+    @model_validator(mode="after")
+    def _one_validation_source(self) -> _RunSpecBase:
+        if self.validation_dataset_id is not None and self.validation_fraction > 0:
+            raise ValueError("give validation_dataset_id or validation_fraction, not both")
+        return self
 
     @property
-    def dataset_kind(self) -> str:
-        return "preference"
+    def model_refs(self) -> dict[str, str]:
+        """Every model reference in the spec, by field name."""
+        return {"model": self.model}
 
     @property
     def total_steps(self) -> int:
-        return self.hyperparameters.max_steps
+        steps: int = self.hyperparameters.max_steps  # type: ignore[attr-defined]
+        return steps
 
 
-RunSpec = Annotated[DpoSpec, Field(discriminator="algorithm")]
-RUN_SPEC_ADAPTER: TypeAdapter[DpoSpec] = TypeAdapter(RunSpec)
-ALGORITHMS: tuple[str, ...] = ("dpo",)
+class DpoSpec(_RunSpecBase):
+    """A DPO run: a policy trained on preference pairs against a frozen reference model."""
+
+    algorithm: Literal["dpo"] = Field(description="Run type.")
+    reference_model: str | None = Field(
+        default=None, description="Frozen reference model; default: the starting model. " + MODEL_REF_DOC
+    )
+    hyperparameters: DpoHyperparameters = Field(default_factory=DpoHyperparameters)
+    dataset_kinds: ClassVar[tuple[str, ...]] = ("preference",)
+
+    @field_validator("reference_model")
+    @classmethod
+    def _check_reference(cls, v: str | None) -> str | None:
+        return None if v is None else check_model_ref(v)
+
+    @property
+    def model_refs(self) -> dict[str, str]:
+        refs = {"model": self.model}
+        if self.reference_model is not None:
+            refs["reference_model"] = self.reference_model
+        return refs
 
 
-def parse_spec(data: object) -> DpoSpec:
+class SftSpec(_RunSpecBase):
+    """Supervised fine-tuning on prompt/completion pairs or chat conversations."""
+
+    algorithm: Literal["sft"] = Field(description="Run type.")
+    hyperparameters: SftHyperparameters = Field(default_factory=SftHyperparameters)
+    dataset_kinds: ClassVar[tuple[str, ...]] = ("sft",)
+
+
+class RewardModelSpec(_RunSpecBase):
+    """A reward model: the LM with a scalar head, on preference pairs or K-way rankings."""
+
+    algorithm: Literal["reward_model"] = Field(description="Run type.")
+    hyperparameters: RewardModelHyperparameters = Field(default_factory=RewardModelHyperparameters)
+    dataset_kinds: ClassVar[tuple[str, ...]] = ("preference", "ranking")
+
+
+AnyRunSpec = DpoSpec | SftSpec | RewardModelSpec
+RunSpec = Annotated[AnyRunSpec, Field(discriminator="algorithm")]
+RUN_SPEC_ADAPTER: TypeAdapter[AnyRunSpec] = TypeAdapter(RunSpec)
+ALGORITHMS: tuple[str, ...] = ("dpo", "sft", "reward_model")
+
+
+def parse_spec(data: object) -> AnyRunSpec:
     """Validate stored or submitted JSON as a run spec (raises pydantic.ValidationError)."""
     return RUN_SPEC_ADAPTER.validate_python(data)

@@ -20,19 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, delete, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.db import make_engine, make_session_factory
-from api.models import Event, Metric, Run, utcnow
-from api.queue import TASK_NAME, make_celery
+from api.models import Checkpoint, Event, Metric, Run, utcnow
+from api.queue import TASK_NAME, CeleryEnqueue, make_celery
 from api.services.datasets import load_rows
+from api.services.pipelines import advance
 from api.settings import Settings, get_settings
+from trainer.loops.common import split_validation
 from trainer.models import resolve_model
-from trainer.reporting import LoopContext
-from trainer.specs import parse_spec
+from trainer.reporting import LoopContext, RunData
+from trainer.specs import AnyRunSpec, parse_run_ref, parse_run_ref_step, parse_spec
 
 log = logging.getLogger("rlrun.worker")
 SessionFactory = sessionmaker[Session]
@@ -153,6 +155,37 @@ class DbReporter:
         with self.sf.begin() as session:
             session.add(Event(run_id=self.run_id, kind=kind, message=message, data=data))
 
+    def checkpoint_saved(self, step: int, path: Path, size_bytes: int, metrics: Mapping[str, float]) -> None:
+        self.flush()  # metrics up to this step land before the checkpoint that refers to them
+        with self.sf.begin() as session:
+            existing = session.get(Checkpoint, (self.run_id, step))
+            if existing is not None:  # re-written by a resumed attempt
+                session.delete(existing)
+                session.flush()
+            session.add(
+                Checkpoint(
+                    run_id=self.run_id,
+                    step=step,
+                    path=str(path),
+                    size_bytes=size_bytes,
+                    metrics=dict(metrics),
+                )
+            )
+            session.add(
+                Event(
+                    run_id=self.run_id,
+                    kind="checkpoint",
+                    message=f"checkpoint at step {step}",
+                    data={"step": step, "size_bytes": size_bytes},
+                )
+            )
+
+    def checkpoint_removed(self, step: int) -> None:
+        with self.sf.begin() as session:
+            session.execute(
+                delete(Checkpoint).where(Checkpoint.run_id == self.run_id, Checkpoint.step == step)
+            )
+
     def should_stop(self) -> bool:
         with self.sf() as session:
             flag = session.scalar(select(Run.cancel_requested).where(Run.id == self.run_id))
@@ -198,12 +231,45 @@ def finish_run(
     return done
 
 
-def _run_output(session_factory: SessionFactory, run_id: uuid.UUID) -> Path:
+def model_path_of_run_ref(session_factory: SessionFactory, ref: str) -> Path:
+    """``run:<id>`` -> the succeeded run's final model; ``run:<id>@<step>`` -> that checkpoint's folder."""
+    run_id, step = parse_run_ref(ref), parse_run_ref_step(ref)
+    if run_id is None:
+        raise ValueError(f"not a run reference: {ref!r}")
     with session_factory() as session:
+        if step is not None:
+            ckpt = session.get(Checkpoint, (run_id, step))
+            if ckpt is None:
+                raise ValueError(f"run {run_id} has no checkpoint at step {step}")
+            return Path(ckpt.path)
         run = session.get(Run, run_id)
     if run is None or run.status != "succeeded" or not run.output_path:
         raise ValueError(f"run {run_id} has no final model (it must have succeeded)")
     return Path(run.output_path)
+
+
+def load_run_data(session: Session, spec: AnyRunSpec) -> RunData:
+    """Training rows, and validation rows from the validation dataset or a seeded hold-out split."""
+    rows = load_rows(session=session, dataset_id=spec.dataset_id)
+    if spec.validation_dataset_id is not None:
+        return RunData(
+            train=rows, validation=load_rows(session=session, dataset_id=spec.validation_dataset_id)
+        )
+    seed: int = spec.hyperparameters.seed
+    train, validation = split_validation(rows, spec.validation_fraction, seed)
+    return RunData(train=train, validation=validation)
+
+
+def latest_checkpoint(session_factory: SessionFactory, run_id: uuid.UUID) -> Path | None:
+    """The newest checkpoint folder of the run still on disk (what a re-claimed run resumes from)."""
+    with session_factory() as session:
+        rows = session.scalars(
+            select(Checkpoint).where(Checkpoint.run_id == run_id).order_by(Checkpoint.step.desc())
+        )
+        for ckpt in rows:
+            if Path(ckpt.path, "trainer_state.pt").exists():
+                return Path(ckpt.path)
+    return None
 
 
 def execute_run(
@@ -229,16 +295,17 @@ def execute_run(
             run = session.get(Run, run_id)
             assert run is not None
             spec = parse_spec(run.spec)  # re-validated: the stored JSON may predate this code
-            rows = load_rows(session=session, dataset_id=spec.dataset_id)
+            data = load_run_data(session, spec)
         cache_dir = settings.resolved_cache_dir
         ctx = LoopContext(
             cache_dir=cache_dir,
-            output_dir=settings.resolved_artifacts_dir / "runs" / str(run_id) / "final",
+            checkpoint_dir=settings.resolved_artifacts_dir / "runs" / str(run_id) / "checkpoints",
             resolve_model=lambda ref: resolve_model(
-                ref, cache_dir=cache_dir, run_output=lambda rid: _run_output(session_factory, rid)
+                ref, cache_dir=cache_dir, run_output=lambda r: model_path_of_run_ref(session_factory, r)
             ),
+            resume_from=latest_checkpoint(session_factory, run_id),
         )
-        result = loops[spec.algorithm](spec, rows, reporter, ctx)
+        result = loops[spec.algorithm](spec, data, reporter, ctx)
         reporter.flush()
     except LeaseLost as exc:
         log.warning("run %s: %s; stopping without touching it", run_id, exc)
@@ -250,11 +317,26 @@ def execute_run(
         except Exception:  # noqa: BLE001 - the failure below is what matters
             log.warning("run %s: could not flush metrics after failure", run_id)
         finish_run(session_factory, run_id, worker_id, status="failed", error=one_line(exc))
+        advance_pipeline_of(run_id, session_factory, settings)
         return "failed"
     output = str(result.output_path) if result.output_path else None
     finish_run(session_factory, run_id, worker_id, status=result.status, output_path=output)
+    advance_pipeline_of(run_id, session_factory, settings)
     status: str = result.status
     return status
+
+
+def advance_pipeline_of(run_id: uuid.UUID, session_factory: SessionFactory, settings: Settings) -> None:
+    """If the run is a pipeline stage, start the stages it unblocked (or end the pipeline)."""
+    with session_factory.begin() as session:
+        pipeline_id = session.scalar(select(Run.pipeline_id).where(Run.id == run_id))
+        created = advance(session=session, pipeline_id=pipeline_id) if pipeline_id else []
+    enqueue = CeleryEnqueue(settings)
+    for new_run in created:
+        try:
+            enqueue(new_run)
+        except Exception as exc:  # noqa: BLE001 - queued in the DB; the reconciler re-sends it
+            log.warning("run %s: enqueue failed: %s", new_run, exc)
 
 
 @lru_cache

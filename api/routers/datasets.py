@@ -38,7 +38,11 @@ _UPLOAD_BODY: dict[str, Any] = {
                             "description": "JSONL, one row a line",
                         },
                         "name": {"type": "string", "description": "Default: the file name"},
-                        "kind": {"type": "string", "enum": ["preference"], "default": "preference"},
+                        "kind": {
+                            "type": "string",
+                            "enum": ["preference", "sft", "ranking", "prompts"],
+                            "default": "preference",
+                        },
                     },
                 }
             },

@@ -16,6 +16,7 @@ from api.models import Run
 from api.pagination import decode_cursor, encode_cursor
 from api.schemas import EventRead, MetricRead, Page, Progress, RunRead
 from api.services import runs as service
+from api.services.pipelines import advance
 from trainer.specs import RunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
@@ -37,6 +38,8 @@ def to_read(run: Run) -> RunRead:
         cancel_requested=run.cancel_requested,
         error=run.error,
         output_path=run.output_path,
+        pipeline_id=run.pipeline_id,
+        stage=run.stage,
         created_at=run.created_at,
         started_at=run.started_at,
         finished_at=run.finished_at,
@@ -105,6 +108,8 @@ def read_run(run: RunDep) -> RunRead:
 def cancel_run(run: RunDep, session: SessionDep) -> RunRead:
     """Cancel a run: at once if queued, within one step if running; 409 once it has ended."""
     run = service.cancel_run(session=session, run=run)
+    if run.pipeline_id is not None and run.status == "cancelled":
+        advance(session=session, pipeline_id=run.pipeline_id)  # the rest of its pipeline ends too
     session.commit()
     return to_read(run)
 

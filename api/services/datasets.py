@@ -10,7 +10,7 @@ from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from api.errors import DatasetInvalid, DatasetNotFound, ErrorDetail, InvalidRequest, PayloadTooLarge
-from api.ingest import NORMALIZERS, LineError, PreferenceStats, content_hash, parse_json_line
+from api.ingest import NORMALIZERS, DatasetStatsBuilder, LineError, content_hash, parse_json_line
 from api.models import Dataset, DatasetRow
 
 MAX_REPORTED_ERRORS = 20
@@ -33,7 +33,7 @@ def ingest_dataset(
     session.add(dataset)
     session.flush()
 
-    stats = PreferenceStats()
+    stats = DatasetStatsBuilder(kind)
     errors: list[ErrorDetail] = []
     n_errors = 0
     batch: list[dict[str, Any]] = []

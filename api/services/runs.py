@@ -20,9 +20,9 @@ from api.errors import (
     InvalidTransition,
     RunNotFound,
 )
-from api.models import FINISHED_STATUSES, Event, Metric, Run, utcnow
+from api.models import FINISHED_STATUSES, Checkpoint, Event, Metric, Run, utcnow
 from api.services.datasets import get_dataset
-from trainer.specs import DpoSpec, parse_run_ref
+from trainer.specs import AnyRunSpec, parse_run_ref, parse_run_ref_step, parse_stage_ref
 
 log = logging.getLogger("rlrun.runs")
 
@@ -33,7 +33,7 @@ def add_event(
     session.add(Event(run_id=run_id, kind=kind, message=message, data=data))
 
 
-def find_by_idempotency_key(*, session: Session, key: str, spec: DpoSpec) -> Run | None:
+def find_by_idempotency_key(*, session: Session, key: str, spec: AnyRunSpec) -> Run | None:
     """The run created earlier with ``key``; refuses a key reused for a different spec."""
     run = session.scalars(select(Run).where(Run.idempotency_key == key)).one_or_none()
     if run is not None and run.spec != spec.model_dump(mode="json"):
@@ -43,29 +43,61 @@ def find_by_idempotency_key(*, session: Session, key: str, spec: DpoSpec) -> Run
     return run
 
 
-def _check_model_ref(session: Session, ref: str | None, field: str) -> None:
-    run_id = parse_run_ref(ref) if ref else None
+def check_model_ref_exists(session: Session, ref: str, field: str) -> None:
+    """``run:<id>`` must name a succeeded run; ``run:<id>@<step>`` an existing checkpoint of that run."""
+    if parse_stage_ref(ref) is not None:
+        raise InvalidReference(f"{field}: stage references are valid only inside a pipeline", field=field)
+    run_id = parse_run_ref(ref)
     if run_id is None:
         return
     source = session.get(Run, run_id)
     if source is None:
         raise InvalidReference(f"{field}: run {run_id} does not exist", field=field)
-    if source.status != "succeeded" or not source.output_path:
+    step = parse_run_ref_step(ref)
+    if step is not None:
+        if session.get(Checkpoint, (run_id, step)) is None:
+            raise InvalidReference(f"{field}: run {run_id} has no checkpoint at step {step}", field=field)
+    elif source.status != "succeeded" or not source.output_path:
         raise InvalidReference(
             f"{field}: run {run_id} is {source.status}; only a succeeded run's model can be used", field=field
         )
 
 
-def submit_run(*, session: Session, spec: DpoSpec, idempotency_key: str | None = None) -> Run:
-    """Store a new queued run (flush only). Checks what needs the DB: the dataset and run references."""
-    dataset = get_dataset(session=session, dataset_id=spec.dataset_id)
-    if dataset.kind != spec.dataset_kind:
+def check_dataset(session: Session, dataset_id: uuid.UUID, spec: AnyRunSpec, field: str) -> str:
+    dataset = get_dataset(session=session, dataset_id=dataset_id)
+    if dataset.kind not in spec.dataset_kinds:
+        wanted = " or ".join(f"'{k}'" for k in spec.dataset_kinds)
         raise IncompatibleDataset(
-            f"dataset {dataset.id} is of kind '{dataset.kind}'; {spec.algorithm} needs '{spec.dataset_kind}'",
-            field="dataset_id",
+            f"dataset {dataset.id} is of kind '{dataset.kind}'; {spec.algorithm} needs {wanted}", field=field
         )
-    _check_model_ref(session, spec.model, "model")
-    _check_model_ref(session, spec.reference_model, "reference_model")
+    return dataset.kind
+
+
+def validate_submission(*, session: Session, spec: AnyRunSpec, check_refs: bool = True) -> None:
+    """The checks that need the DB: datasets exist and fit the run type, model references resolve."""
+    kind = check_dataset(session, spec.dataset_id, spec, "dataset_id")
+    if spec.validation_dataset_id is not None:
+        val_kind = check_dataset(session, spec.validation_dataset_id, spec, "validation_dataset_id")
+        if val_kind != kind:
+            raise IncompatibleDataset(
+                f"validation dataset is of kind '{val_kind}' but the training dataset is '{kind}'",
+                field="validation_dataset_id",
+            )
+    if check_refs:
+        for field, ref in spec.model_refs.items():
+            check_model_ref_exists(session, ref, field)
+
+
+def submit_run(
+    *,
+    session: Session,
+    spec: AnyRunSpec,
+    idempotency_key: str | None = None,
+    pipeline_id: uuid.UUID | None = None,
+    stage: str | None = None,
+) -> Run:
+    """Store a new queued run (flush only), after the DB checks of ``validate_submission``."""
+    validate_submission(session=session, spec=spec)
     run = Run(
         id=uuid.uuid4(),
         algorithm=spec.algorithm,
@@ -78,10 +110,18 @@ def submit_run(*, session: Session, spec: DpoSpec, idempotency_key: str | None =
         total_steps=spec.total_steps,
         cancel_requested=False,
         created_at=utcnow(),
+        pipeline_id=pipeline_id,
+        stage=stage,
     )
     session.add(run)
     session.flush()
-    add_event(session, run.id, "status", "queued")
+    add_event(
+        session,
+        run.id,
+        "status",
+        "queued",
+        {"pipeline_id": str(pipeline_id), "stage": stage} if stage else None,
+    )
     session.flush()
     log.info("run %s queued (%s)", run.id, spec.algorithm)
     return run

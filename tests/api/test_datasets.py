@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
@@ -33,11 +34,10 @@ def test_upload_plain_pairs_stores_rows_and_stats(session: Session) -> None:
     assert body["row_count"] == 8 and body["kind"] == "preference"
     stats = body["stats"]
     assert stats["exact_duplicates"] == 1
-    assert stats["identical_pairs"] == 1
-    assert stats["empty_pairs"] == 1
+    assert stats["flags"] == {"identical_pairs": 1, "empty_pairs": 1, "with_margin": 0}
     assert stats["source_formats"] == {"plain": 8}
     # chosen lengths: "0","2","4","6","8","0","same","  " -> chars 1,1,1,1,1,1,4,2
-    assert stats["chosen_chars"] == {"mean": pytest.approx(12 / 8), "max": 4}
+    assert stats["lengths"]["chosen"] == {"mean": pytest.approx(12 / 8), "max": 4}
     stored = session.scalars(
         select(DatasetRow).where(DatasetRow.dataset_id == uuid.UUID(body["id"])).order_by(DatasetRow.index)
     ).all()
@@ -205,7 +205,7 @@ def test_large_upload_is_read_in_batches(session: Session) -> None:
     with api_client(session) as client:
         resp = upload(client, "".join(json.dumps(r) + "\n" for r in rows).encode())
     assert resp.status_code == 201
-    assert resp.json()["stats"]["rejected_chars"] == {"mean": 40.0, "max": 40}
+    assert resp.json()["stats"]["lengths"]["rejected"] == {"mean": 40.0, "max": 40}
     assert (
         session.scalar(
             select(func.count())
@@ -214,3 +214,103 @@ def test_large_upload_is_read_in_batches(session: Session) -> None:
         )
         == 1200
     )
+
+
+def rows_of(client, dataset_id: str) -> list[dict]:  # type: ignore[no-untyped-def]
+    return [r["data"] for r in client.get(f"/v1/datasets/{dataset_id}/rows").json()["data"]]
+
+
+def test_sft_kind_formats_and_stats(session: Session) -> None:
+    lines = [
+        {"prompt": "Q", "completion": "A"},
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "Q"},
+                {"role": "assistant", "content": "A2"},
+            ]
+        },
+        {"prompt": [{"role": "user", "content": "Q"}], "completion": [{"role": "assistant", "content": " "}]},
+    ]
+    with api_client(session) as client:
+        resp = upload(client, jsonl(lines), kind="sft")
+        assert resp.status_code == 201, resp.text
+        got = rows_of(client, resp.json()["id"])
+    assert got == [
+        {"prompt": "Q", "completion": "A"},
+        {
+            "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Q"}],
+            "completion": "A2",
+        },
+        {"prompt": [{"role": "user", "content": "Q"}], "completion": " "},
+    ]
+    stats = resp.json()["stats"]
+    assert stats["source_formats"] == {"chat": 1, "conversational": 1, "plain": 1}
+    assert stats["flags"] == {"empty_completions": 1}
+    assert stats["lengths"]["completion"] == {"mean": pytest.approx(4 / 3), "max": 2}
+
+
+def test_ranking_kind_and_its_errors(session: Session) -> None:
+    good = [{"prompt": "Q", "responses": ["best", "mid", "worst"]}, {"prompt": "Q2", "responses": ["a", "a"]}]
+    with api_client(session) as client:
+        ok = upload(client, jsonl(good), kind="ranking")
+        one = upload(client, jsonl([{"prompt": "Q", "responses": ["only"]}]), kind="ranking")
+        typed = upload(client, jsonl([{"prompt": "Q", "responses": ["a", 3]}]), kind="ranking")
+    assert ok.status_code == 201
+    assert ok.json()["stats"]["lengths"]["candidates"] == {"mean": 2.5, "max": 3}
+    assert ok.json()["stats"]["flags"]["duplicate_responses"] == 1
+    assert one.status_code == 422 and one.json()["error"]["details"][0]["field"] == "responses"
+    assert typed.status_code == 422 and typed.json()["error"]["details"][0]["field"] == "responses[1]"
+
+
+def test_preference_margin_is_kept_and_validated(session: Session) -> None:
+    with api_client(session) as client:
+        ok = upload(client, jsonl([{"prompt": "p", "chosen": "a", "rejected": "b", "margin": 2}]))
+        bad = upload(client, jsonl([{"prompt": "p", "chosen": "a", "rejected": "b", "margin": "big"}]))
+        assert rows_of(client, ok.json()["id"]) == [
+            {"prompt": "p", "chosen": "a", "rejected": "b", "margin": 2.0}
+        ]
+    assert ok.json()["stats"]["flags"]["with_margin"] == 1
+    assert bad.status_code == 422 and bad.json()["error"]["details"][0]["field"] == "margin"
+
+
+GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def test_real_gsm8k_uploads_as_prompts(session: Session) -> None:
+    if not GSM8K.exists():
+        pytest.skip(f"shared data not found at {GSM8K}")
+    with api_client(session) as client:
+        resp = upload(client, GSM8K.read_bytes(), name="gsm8k.jsonl", kind="prompts")
+        assert resp.status_code == 201, resp.text
+        first = rows_of(client, resp.json()["id"])[0]
+    source = json.loads(GSM8K.read_text().splitlines()[0])
+    assert resp.json()["row_count"] == 1319
+    assert resp.json()["stats"]["source_formats"] == {"question": 1319}
+    assert resp.json()["stats"]["flags"] == {"with_answer": 1319}
+    assert first == {"prompt": source["question"], "answer": source["answer"], "meta": {}}
+    assert first["answer"].rsplit("####", 1)[1].strip().isdigit()
+
+
+def test_prompts_kind_keeps_extra_fields_as_meta(session: Session) -> None:
+    with api_client(session) as client:
+        resp = upload(
+            client,
+            jsonl([{"prompt": "2+2?", "answer": 4, "level": "easy"}, {"prompt": "hi"}]),
+            kind="prompts",
+        )
+        got = rows_of(client, resp.json()["id"])
+    assert got == [
+        {"prompt": "2+2?", "answer": "4", "meta": {"level": "easy"}},
+        {"prompt": "hi", "answer": None, "meta": {}},
+    ]
+
+
+def test_dataset_kind_names_agree_between_api_and_db() -> None:
+    from typing import get_args
+
+    from api.ingest import NORMALIZERS
+    from api.models import DATASET_KINDS
+    from api.schemas import DatasetKind
+
+    assert set(get_args(DatasetKind)) == set(DATASET_KINDS) == set(NORMALIZERS)

@@ -9,12 +9,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from api.demo import free_port, wait_healthy
+from api.demo import addition_pairs, free_port, wait_healthy
+from tests.factories import jsonl
 from tests.integration.flow import FINISHED, all_metrics, submit_dpo, upload_pairs, wait_for
 
 pytestmark = pytest.mark.slow
@@ -63,3 +66,65 @@ def test_cancel_a_running_run(served: httpx.Client) -> None:
     done = wait_for(served, run["id"], lambda r: r["status"] in FINISHED, timeout=30)
     assert done["status"] == "cancelled"
     assert served.post(f"/v1/runs/{run['id']}/cancel").status_code == 409
+
+
+def upload(client: httpx.Client, rows: list[dict[str, object]], kind: str) -> str:
+    resp = client.post("/v1/datasets", files={"file": ("d.jsonl", jsonl(rows))}, data={"kind": kind})
+    assert resp.status_code == 201, resp.text
+    dataset_id: str = resp.json()["id"]
+    return dataset_id
+
+
+def test_pipeline_sft_then_reward_model_and_dpo(served: httpx.Client) -> None:
+    sft = upload(served, [{"prompt": f"{a}+{a}=", "completion": str(2 * a)} for a in range(20)], "sft")
+    prefs = upload(served, addition_pairs(40), "preference")
+    hp = {"learning_rate": 1e-3, "max_steps": 6, "batch_size": 4, "checkpoint_every": 3}
+    body = {
+        "name": "classic",
+        "stages": [
+            {
+                "name": "sft",
+                "spec": {
+                    "algorithm": "sft",
+                    "model": "tiny:llama-0.4m",
+                    "dataset_id": sft,
+                    "hyperparameters": hp,
+                },
+            },
+            {
+                "name": "rm",
+                "spec": {
+                    "algorithm": "reward_model",
+                    "model": "stage:sft",
+                    "dataset_id": prefs,
+                    "validation_fraction": 0.25,
+                    "hyperparameters": hp,
+                },
+            },
+            {
+                "name": "dpo",
+                "spec": {
+                    "algorithm": "dpo",
+                    "model": "stage:sft",
+                    "dataset_id": prefs,
+                    "hyperparameters": hp,
+                },
+            },
+        ],
+    }
+    created = served.post("/v1/pipelines", json=body)
+    assert created.status_code == 201, created.text
+    pid = created.json()["id"]
+    deadline = time.monotonic() + 240
+    while (p := served.get(f"/v1/pipelines/{pid}").json())["status"] == "running":
+        assert time.monotonic() < deadline, p
+        time.sleep(0.5)
+    assert p["status"] == "succeeded", p
+    runs = {s["name"]: served.get(f"/v1/runs/{s['run_id']}").json() for s in p["stages"]}
+    assert all(r["status"] == "succeeded" for r in runs.values())
+    assert runs["rm"]["spec"]["model"] == f"run:{runs['sft']['id']}"
+    ckpts = served.get(f"/v1/runs/{runs['rm']['id']}/checkpoints").json()
+    assert [c["step"] for c in ckpts] == [3, 6]
+    assert Path(runs["rm"]["output_path"], "reward_stats.json").exists()
+    rm_keys = {m["key"] for m in all_metrics(served, runs["rm"]["id"])}
+    assert {"loss", "accuracy", "eval/accuracy", "final/score_mean"} <= rm_keys

@@ -13,7 +13,7 @@ import torch
 from trainer.loops.dpo import run_dpo, sequence_logps
 from trainer.loops.preference_data import collate_pairs, tokenize_pair
 from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
-from trainer.reporting import LoopContext, MemoryReporter
+from trainer.reporting import LoopContext, MemoryReporter, RunData
 from trainer.specs import parse_spec
 
 ROWS = [
@@ -21,6 +21,7 @@ ROWS = [
     for a in range(4)
     for b in range(3)
 ]
+DATA = RunData(train=ROWS)
 EXPECTED_KEYS = {
     "loss",
     "rewards/chosen",
@@ -35,13 +36,14 @@ EXPECTED_KEYS = {
 }
 
 
-def _ctx(tiny_cache: Path, out: Path) -> LoopContext:
-    def no_runs(_rid: uuid.UUID) -> Path:
+def _ctx(tiny_cache: Path, out: Path, resume_from: Path | None = None) -> LoopContext:
+    def no_runs(_ref: str) -> Path:
         raise AssertionError("no run refs here")
 
     return LoopContext(
         cache_dir=tiny_cache,
-        output_dir=out,
+        checkpoint_dir=out,
+        resume_from=resume_from,
         resolve_model=lambda ref: resolve_model(ref, cache_dir=tiny_cache, run_output=no_runs),
     )
 
@@ -60,8 +62,9 @@ def _spec(**hp: Any) -> Any:
 def test_train_changes_every_parameter_and_saves_a_loadable_model(tiny_cache: Path, tmp_path: Path) -> None:
     start, _ = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
     reporter = MemoryReporter()
-    result = run_dpo(_spec(), ROWS, reporter, _ctx(tiny_cache, tmp_path / "out"))
-    assert result.status == "succeeded" and result.output_path == tmp_path / "out"
+    result = run_dpo(_spec(), DATA, reporter, _ctx(tiny_cache, tmp_path / "out"))
+    assert result.status == "succeeded" and result.output_path == tmp_path / "out" / "step-00000003"
+    assert list(reporter.checkpoints) == [3]
     trained, _ = load_causal_lm(str(result.output_path))
     before, after = dict(start.named_parameters()), dict(trained.named_parameters())
     unchanged = [n for n, p in before.items() if torch.equal(p, after[n])]
@@ -75,7 +78,7 @@ def test_first_step_loss_is_log2_because_policy_starts_at_the_reference(
     tiny_cache: Path, tmp_path: Path
 ) -> None:
     reporter = MemoryReporter()
-    run_dpo(_spec(max_steps=1), ROWS, reporter, _ctx(tiny_cache, tmp_path))
+    run_dpo(_spec(max_steps=1), DATA, reporter, _ctx(tiny_cache, tmp_path))
     # At step 1 the policy equals the reference: every log-ratio is 0, so the sigmoid loss is log 2.
     assert reporter.series("loss")[0] == pytest.approx(math.log(2), abs=1e-5)
     assert reporter.series("rewards/margin")[0] == pytest.approx(0.0, abs=1e-5)
@@ -83,10 +86,10 @@ def test_first_step_loss_is_log2_because_policy_starts_at_the_reference(
 
 def test_cancel_is_obeyed_before_the_next_step(tiny_cache: Path, tmp_path: Path) -> None:
     reporter = MemoryReporter(stop_after=2)
-    result = run_dpo(_spec(max_steps=50), ROWS, reporter, _ctx(tiny_cache, tmp_path / "out"))
+    result = run_dpo(_spec(max_steps=50), DATA, reporter, _ctx(tiny_cache, tmp_path / "out"))
     assert result.status == "cancelled" and result.output_path is None
     assert sorted({s for s, k, _ in reporter.metrics if k == "loss"}) == [1, 2]
-    assert not (tmp_path / "out").exists()
+    assert reporter.checkpoints == {}
 
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "cdpo", "robust", "ipo", "hinge"])
@@ -95,7 +98,7 @@ def test_each_loss_type_is_taken_from_the_registry(tiny_cache: Path, tmp_path: P
     reporter = MemoryReporter()
     run_dpo(
         _spec(max_steps=1, loss_type=loss_type, label_smoothing=smoothing, beta=0.5),
-        ROWS,
+        DATA,
         reporter,
         _ctx(tiny_cache, tmp_path),
     )
@@ -139,3 +142,42 @@ def test_truncation_keeps_prompt_tail_and_fits_max_length(tiny_cache: Path) -> N
     assert pair.prompt == tok(long_prompt).input_ids[-16:]
     assert len(pair.prompt) + len(pair.chosen) == 40
     assert pair.rejected[-1] == tok.eos_token_id
+
+
+def test_resume_from_checkpoint_matches_an_uninterrupted_run(tiny_cache: Path, tmp_path: Path) -> None:
+    spec = _spec(max_steps=6, checkpoint_every=3, keep_last_checkpoints=5)
+    straight = run_dpo(spec, DATA, MemoryReporter(), _ctx(tiny_cache, tmp_path / "a"))
+    # Interrupted: cancel after 4 steps (checkpoint at 3 exists), then resume from step 3 in a fresh call.
+    first = MemoryReporter(stop_after=4)
+    assert run_dpo(spec, DATA, first, _ctx(tiny_cache, tmp_path / "b")).status == "cancelled"
+    assert list(first.checkpoints) == [3]
+    resumed_rep = MemoryReporter()
+    resumed = run_dpo(
+        spec, DATA, resumed_rep, _ctx(tiny_cache, tmp_path / "b", resume_from=first.checkpoints[3])
+    )
+    assert sorted({s for s, k, _ in resumed_rep.metrics if k == "loss"}) == [4, 5, 6]
+    a, _ = load_causal_lm(str(straight.output_path))
+    b, _ = load_causal_lm(str(resumed.output_path))
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+def test_validation_eval_and_retention_keep_last_and_best(tiny_cache: Path, tmp_path: Path) -> None:
+    data = RunData(train=ROWS[:8], validation=ROWS[8:])
+    spec = _spec(
+        max_steps=6,
+        checkpoint_every=1,
+        eval_every=2,
+        keep_last_checkpoints=2,
+        best_metric="eval/loss",
+        best_mode="min",
+    )
+    reporter = MemoryReporter()
+    run_dpo(spec, data, reporter, _ctx(tiny_cache, tmp_path))
+    evals = {s: v for s, k, v in reporter.metrics if k == "eval/loss"}
+    assert sorted(evals) == [2, 4, 6]
+    assert all(math.isfinite(v) and v > 0 for v in evals.values())
+    best_step = min(evals, key=lambda s: evals[s])
+    # A checkpoint carries the latest eval, so the best-by-eval/loss is one of the eval steps.
+    assert set(reporter.checkpoints) == {5, 6} | {best_step}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"step-{s:08d}" for s in reporter.checkpoints)

@@ -12,7 +12,16 @@ from sqlalchemy import create_engine, inspect
 from api.migrate import alembic_config
 from tests.conftest import pg_test_database
 
-TABLES = {"datasets", "dataset_rows", "runs", "metrics", "events", "alembic_version"}
+TABLES = {
+    "datasets",
+    "dataset_rows",
+    "runs",
+    "metrics",
+    "events",
+    "checkpoints",
+    "pipelines",
+    "alembic_version",
+}
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])

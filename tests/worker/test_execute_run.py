@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.models import Dataset, Event, Metric, Run, utcnow
 from api.settings import Settings
 from tests.factories import make_dataset, make_run
-from trainer.reporting import LoopContext, LoopResult, Reporter
+from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.worker import claim_run, execute_run
 
 
@@ -52,11 +52,9 @@ class CountingLoop:
         self.steps, self.fail_at, self.on_step = steps, fail_at, on_step
         self.steps_after_stop_seen = 0
 
-    def __call__(
-        self, spec: Any, rows: list[dict[str, Any]], reporter: Reporter, ctx: LoopContext
-    ) -> LoopResult:
+    def __call__(self, spec: Any, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
         self.calls += 1
-        assert len(rows) == 10 and spec.algorithm == "dpo"
+        assert len(data.train) == 10 and data.validation == [] and spec.algorithm == "dpo"
         for step in range(1, self.steps + 1):
             if reporter.should_stop():
                 return LoopResult(status="cancelled", output_path=None)
@@ -65,7 +63,7 @@ class CountingLoop:
             if step == self.fail_at:
                 raise RuntimeError(f"boom at step {step}\nsecond line never shown")
             reporter.log_metrics(step, {"loss": 1.0 / step})
-        return LoopResult(status="succeeded", output_path=ctx.output_dir)
+        return LoopResult(status="succeeded", output_path=ctx.checkpoint_dir / "final")
 
 
 def test_runs_once_and_records_everything(
@@ -85,7 +83,7 @@ def test_runs_once_and_records_everything(
     assert loop.calls == 1
     run, events, metrics = read(committing_factory, run_id)
     assert run.status == "succeeded" and run.attempt == 1 and run.step == 3
-    assert run.output_path and run.output_path.endswith(f"{run_id}/final")
+    assert run.output_path and run.output_path.endswith(f"{run_id}/checkpoints/final")
     assert run.finished_at is not None and run.lease_expires_at is None
     assert [e.message for e in events if e.kind == "status"] == ["running", "succeeded"]
     assert [(m.step, m.value) for m in metrics] == [(1, 1.0), (2, 0.5), (3, 1 / 3)]

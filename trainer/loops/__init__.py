@@ -7,8 +7,12 @@ from types import MappingProxyType
 from typing import Any
 
 from trainer.loops.dpo import run_dpo
-from trainer.reporting import LoopContext, LoopResult, Reporter
+from trainer.loops.reward_model import run_reward_model
+from trainer.loops.sft import run_sft
+from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 
-Loop = Callable[[Any, list[dict[str, Any]], Reporter, LoopContext], LoopResult]
+Loop = Callable[[Any, RunData, Reporter, LoopContext], LoopResult]
 
-LOOPS: Mapping[str, Loop] = MappingProxyType({"dpo": run_dpo})
+LOOPS: Mapping[str, Loop] = MappingProxyType(
+    {"dpo": run_dpo, "sft": run_sft, "reward_model": run_reward_model}
+)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -36,6 +40,13 @@ class EpochSampler:
         self.n, self.batch_size, self.gen = n, batch_size, generator
         self.order: list[int] = []
 
+    def state_dict(self) -> dict[str, object]:
+        return {"order": list(self.order), "generator": self.gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.order = list(state["order"])  # type: ignore[call-overload]
+        self.gen.set_state(state["generator"])  # type: ignore[arg-type]
+
     def next_batch(self) -> list[int]:
         batch: list[int] = []
         while len(batch) < self.batch_size:
@@ -43,3 +54,44 @@ class EpochSampler:
                 self.order = torch.randperm(self.n, generator=self.gen).tolist()
             batch.append(self.order.pop())
         return batch
+
+
+def split_validation(rows: list[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
+    """Deterministic hold-out: ``ceil(n * fraction)`` rows (at least 1) chosen by ``seed``; (train, val)."""
+    if fraction <= 0:
+        return rows, []
+    n_val = max(1, math.ceil(len(rows) * fraction))
+    if n_val >= len(rows):
+        raise ValueError(f"validation_fraction {fraction} leaves no training rows out of {len(rows)}")
+    order = list(range(len(rows)))
+    random.Random(seed).shuffle(order)
+    val_idx = set(order[:n_val])
+    train = [r for i, r in enumerate(rows) if i not in val_idx]
+    val = [r for i, r in enumerate(rows) if i in val_idx]
+    return train, val
+
+
+def is_due(step: int, every: int, last_step: int) -> bool:
+    """True at every ``every``-th step (``every`` > 0) and always at the last step."""
+    return step == last_step or (every > 0 and step % every == 0)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def backward_and_step(
+    model: Any, optimizer: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: float
+) -> Any:
+    """zero_grad -> backward -> clip -> step; returns the pre-clip gradient norm (a tensor: no sync here)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()  # type: ignore[no-untyped-call]
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    return grad_norm
+
+
+def to_floats(stats: dict[str, Any]) -> dict[str, float]:
+    """Tensors -> floats, at log interval only: each ``.item()`` is a device sync point."""
+    return {k: float(v.item()) if isinstance(v, torch.Tensor) else float(v) for k, v in stats.items()}

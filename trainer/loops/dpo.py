@@ -1,9 +1,10 @@
 """DPO run: a policy trained on preference pairs against a frozen reference (Rafailov et al. 2023).
 
-Reads top to bottom: load -> tokenize -> reference log-probs (once) -> steps -> final eval -> save.
+Reads top to bottom: load -> tokenize -> reference log-probs (once) -> steps (eval, checkpoints) -> final.
 The reference model never changes, so its sequence log-probs are computed once for every pair before
 training instead of in a second forward pass at every step (TRL's ``precompute_ref_log_probs``); when
-the reference is the starting model this also means no second copy of the model is kept in memory.
+the reference is the starting model this also means no second copy of the model is kept in memory. The
+precomputed values travel in each checkpoint, so a resumed run never needs the reference again.
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ import torch
 from torch import Tensor
 
 from trainer.algorithms.logprobs import token_logprobs
-from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceParams
-from trainer.loops.common import EpochSampler, pick_device, seed_everything, warmup_constant_lr
+from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossFn, PreferenceParams
+from trainer.checkpoints import Checkpointer, load_trainer_state
+from trainer.loops.common import (
+    EpochSampler,
+    backward_and_step,
+    is_due,
+    pick_device,
+    seed_everything,
+    set_lr,
+    to_floats,
+    warmup_constant_lr,
+)
 from trainer.loops.preference_data import PairBatch, TokenizedPair, collate_pairs, tokenize_pair
 from trainer.models import load_causal_lm
-from trainer.reporting import LoopContext, LoopResult, Reporter
+from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import DpoSpec
 
 
@@ -40,13 +51,13 @@ def all_pair_logps(
     """(N, 2) [chosen, rejected] sequence log-probs of every pair, in eval mode."""
     was_training = model.training
     model.eval()
-    out = []
+    out = [torch.zeros(0, 2)]
     for i in range(0, len(pairs), batch_size):
         chunk = pairs[i : i + batch_size]
         logps = sequence_logps(model, collate_pairs(chunk, pad_id), device)
-        out.append(torch.stack([logps[: len(chunk)], logps[len(chunk) :]], dim=1))
+        out.append(torch.stack([logps[: len(chunk)], logps[len(chunk) :]], dim=1).cpu())
     model.train(was_training)
-    return torch.cat(out).cpu()
+    return torch.cat(out)
 
 
 def pair_stats(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float) -> dict[str, Tensor]:
@@ -60,68 +71,108 @@ def pair_stats(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float) 
     }
 
 
-def _reference_logps(
+def evaluate(
+    model: Any,
+    pairs: list[TokenizedPair],
+    ref: Tensor,
+    pad_id: int,
+    device: torch.device,
+    loss_fn: PreferenceLossFn,
+    params: PreferenceParams,
+    prefix: str,
+) -> dict[str, float]:
+    """``<prefix>/*`` metrics over ``pairs`` with the current policy (no grad)."""
+    logps = all_pair_logps(model, pairs, pad_id, 64, device)
+    chosen_logratio, rejected_logratio = logps[:, 0] - ref[:, 0], logps[:, 1] - ref[:, 1]
+    stats = pair_stats(chosen_logratio, rejected_logratio, params.beta)
+    stats["loss"] = loss_fn(chosen_logratio, rejected_logratio, params).mean()
+    return {f"{prefix}/{k}": v for k, v in to_floats(stats).items()}
+
+
+def reference_logps(
     spec: DpoSpec,
     policy: Any,
-    pairs: list[TokenizedPair],
+    pair_sets: list[list[TokenizedPair]],
     pad_id: int,
     ctx: LoopContext,
     device: torch.device,
-) -> Tensor:
+) -> list[Tensor]:
+    """(N, 2) reference log-probs for each list of pairs, from the reference model (default: the start)."""
     batch = max(spec.hyperparameters.batch_size, 8)
     if spec.reference_model is None or spec.reference_model == spec.model:
-        return all_pair_logps(policy, pairs, pad_id, batch, device)
+        return [all_pair_logps(policy, pairs, pad_id, batch, device) for pairs in pair_sets]
     reference, _ = load_causal_lm(ctx.resolve_model(spec.reference_model))
-    logps = all_pair_logps(reference.to(device), pairs, pad_id, batch, device)
-    del reference  # the reference is needed only for this pass
+    reference.to(device)
+    logps = [all_pair_logps(reference, pairs, pad_id, batch, device) for pairs in pair_sets]
+    del reference  # needed only for this pass
     return logps
 
 
-def run_dpo(spec: DpoSpec, rows: list[dict[str, Any]], reporter: Reporter, ctx: LoopContext) -> LoopResult:
-    """Train ``spec.model`` with the preference loss ``spec.hyperparameters.loss_type`` on ``rows``."""
+def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
+    """Train ``spec.model`` with the preference loss ``spec.hyperparameters.loss_type``."""
     hp = spec.hyperparameters
+    # Resolve before seeding: building a tiny preset on first use draws from torch's RNG.
+    model_path = str(ctx.resume_from) if ctx.resume_from else ctx.resolve_model(spec.model)
     gen = seed_everything(hp.seed)
     device = pick_device()
-    model, tokenizer = load_causal_lm(ctx.resolve_model(spec.model))
+    model, tokenizer = load_causal_lm(model_path)
     model.to(device)
     pad_id = tokenizer.pad_token_id
 
-    pairs = [
-        tokenize_pair(r, tokenizer, max_length=hp.max_length, max_prompt_length=hp.max_prompt_length)
-        for r in rows
-    ]
-    ref = _reference_logps(spec, model, pairs, pad_id, ctx, device)  # (N, 2), fixed for the whole run
-    reporter.event("info", f"training on {len(pairs)} pairs for {hp.max_steps} steps on {device.type}")
+    def tokenize(rows: list[dict[str, Any]]) -> list[TokenizedPair]:
+        return [
+            tokenize_pair(r, tokenizer, max_length=hp.max_length, max_prompt_length=hp.max_prompt_length)
+            for r in rows
+        ]
 
+    pairs, val_pairs = tokenize(data.train), tokenize(data.validation)
     loss_fn = PREFERENCE_LOSSES[hp.loss_type]
     params = PreferenceParams(beta=hp.beta, label_smoothing=hp.label_smoothing)
     optimizer = torch.optim.AdamW(model.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay)
     sampler = EpochSampler(len(pairs), hp.batch_size, gen)
+    checkpointer = Checkpointer(
+        ctx.checkpoint_dir,
+        reporter,
+        keep_last=hp.keep_last_checkpoints,
+        best_metric=hp.best_metric,
+        best_mode=hp.best_mode,
+    )
+    start = 0
+    if ctx.resume_from is not None:
+        resumed = load_trainer_state(ctx.resume_from, optimizer=optimizer, sampler=sampler)
+        start, (ref, val_ref) = resumed.step, resumed.extra["ref_logps"]
+        reporter.event("info", f"resumed from checkpoint at step {start}")
+    else:
+        ref, val_ref = reference_logps(spec, model, [pairs, val_pairs], pad_id, ctx, device)
+    reporter.event(
+        "info",
+        f"training on {len(pairs)} pairs ({len(val_pairs)} validation) for "
+        f"{hp.max_steps} steps on {device.type}",
+    )
+
+    if start >= hp.max_steps and ctx.resume_from is not None:  # the final checkpoint was already written
+        return LoopResult(status="succeeded", output_path=ctx.resume_from)
     model.train()
-    for step in range(1, hp.max_steps + 1):
+    last_eval: dict[str, float] = {}
+    for step in range(start + 1, hp.max_steps + 1):
         if reporter.should_stop():
-            reporter.event("info", f"stopping at step {step}: cancel requested")
+            reporter.event("info", f"stopping before step {step}: cancel requested")
             return LoopResult(status="cancelled", output_path=None)
         t0 = time.perf_counter()
         idx = sampler.next_batch()
         batch = collate_pairs([pairs[i] for i in idx], pad_id)
         lr = warmup_constant_lr(step, base_lr=hp.learning_rate, warmup_steps=hp.warmup_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(optimizer, lr)
 
         logps = sequence_logps(model, batch, device)
         chosen, rejected = logps[: len(idx)], logps[len(idx) :]
         ref_batch = ref[idx].to(device)
         chosen_logratio, rejected_logratio = chosen - ref_batch[:, 0], rejected - ref_batch[:, 1]
         loss = loss_fn(chosen_logratio, rejected_logratio, params).mean()
+        grad_norm = backward_and_step(model, optimizer, loss, hp.max_grad_norm)
 
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), hp.max_grad_norm)
-        optimizer.step()
-
-        if step % hp.log_every == 0 or step == hp.max_steps:
-            # .item() only here, at log interval: each one is a device sync point.
+        metrics: dict[str, float] = {}
+        if is_due(step, hp.log_every, hp.max_steps):
             stats = pair_stats(chosen_logratio, rejected_logratio, hp.beta)
             stats |= {
                 "loss": loss.detach(),
@@ -129,32 +180,30 @@ def run_dpo(spec: DpoSpec, rows: list[dict[str, Any]], reporter: Reporter, ctx: 
                 "logps/chosen": chosen.detach().mean(),
                 "logps/rejected": rejected.detach().mean(),
             }
-            metrics = {k: float(v.item()) for k, v in stats.items()}
-            metrics |= {"lr": lr, "perf/tokens_per_s": batch.n_tokens / (time.perf_counter() - t0)}
+            metrics = to_floats(stats) | {
+                "lr": lr,
+                "perf/tokens_per_s": batch.n_tokens / (time.perf_counter() - t0),
+            }
+        if val_pairs and is_due(step, hp.eval_every, hp.max_steps):
+            last_eval = evaluate(model, val_pairs, val_ref, pad_id, device, loss_fn, params, "eval")
+            metrics |= last_eval
+        if metrics:
             reporter.log_metrics(step, metrics)
-
-    final = evaluate(model, pairs, ref, pad_id, hp.beta, device, loss_fn, params)
-    reporter.log_metrics(hp.max_steps, final)
-    ctx.output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(ctx.output_dir)
-    tokenizer.save_pretrained(ctx.output_dir)
-    reporter.event("info", f"final model saved to {ctx.output_dir}")
-    return LoopResult(status="succeeded", output_path=ctx.output_dir, final_metrics=final)
-
-
-def evaluate(
-    model: Any,
-    pairs: list[TokenizedPair],
-    ref: Tensor,
-    pad_id: int,
-    beta: float,
-    device: torch.device,
-    loss_fn: Any,
-    params: PreferenceParams,
-) -> dict[str, float]:
-    """``final/*`` metrics over every training pair with the trained policy (no grad)."""
-    logps = all_pair_logps(model, pairs, pad_id, 64, device)
-    chosen_logratio, rejected_logratio = logps[:, 0] - ref[:, 0], logps[:, 1] - ref[:, 1]
-    stats = pair_stats(chosen_logratio, rejected_logratio, beta)
-    stats["loss"] = loss_fn(chosen_logratio, rejected_logratio, params).mean()
-    return {f"final/{k}": float(v.item()) for k, v in stats.items()}
+        if is_due(step, hp.checkpoint_every, hp.max_steps):
+            final_step = step == hp.max_steps
+            if final_step:  # every training pair, with the trained policy: did it learn the data?
+                metrics = evaluate(model, pairs, ref, pad_id, device, loss_fn, params, "final")
+                reporter.log_metrics(step, metrics)
+            path = checkpointer.save(
+                step,
+                model=model,
+                tokenizer=tokenizer,
+                optimizer=optimizer,
+                sampler=sampler,
+                metrics=metrics | last_eval,
+                extra={"ref_logps": (ref, val_ref)},
+            )
+            if final_step:
+                reporter.event("info", f"final model saved to {path}")
+                return LoopResult(status="succeeded", output_path=path, final_metrics=metrics)
+    raise AssertionError("unreachable: the last step always returns")

@@ -1,0 +1,80 @@
+"""/v1/pipelines: chain runs (SFT -> reward model -> DPO ...) as one request."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path
+
+from api.deps import EnqueueDep, SessionDep
+from api.errors import ErrorBody
+from api.models import Pipeline
+from api.schemas import PipelineCreate, PipelineRead, StageRead
+from api.services import pipelines as service
+from api.services.runs import add_event
+
+router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"])
+log = logging.getLogger("rlrun.api")
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 422)}
+
+
+def to_read(session: SessionDep, pipeline: Pipeline) -> PipelineRead:
+    runs = service.stage_runs(session, pipeline.id)
+    stages = []
+    for stage in pipeline.stages:
+        run = runs.get(stage["name"])
+        stages.append(
+            StageRead(
+                name=stage["name"],
+                algorithm=stage["spec"]["algorithm"],
+                run_id=run.id if run else None,
+                status=run.status if run else "waiting",
+            )
+        )
+    return PipelineRead(
+        id=pipeline.id,
+        name=pipeline.name,
+        status=pipeline.status,
+        reason=pipeline.reason,
+        stages=stages,
+        created_at=pipeline.created_at,
+        finished_at=pipeline.finished_at,
+    )
+
+
+def enqueue_all(enqueue: EnqueueDep, session: SessionDep, run_ids: list[uuid.UUID]) -> None:
+    for run_id in run_ids:
+        try:
+            enqueue(run_id)
+        except Exception as exc:  # queued in the DB; the reconciler re-sends it
+            log.warning("run %s: enqueue failed: %s", run_id, exc)
+            add_event(session, run_id, "warning", f"could not reach the broker: {type(exc).__name__}")
+            session.commit()
+
+
+@router.post("", status_code=201, response_model=PipelineRead, responses=_ERRORS)
+def create_pipeline(body: PipelineCreate, session: SessionDep, enqueue: EnqueueDep) -> PipelineRead:
+    """Create a pipeline; stages whose inputs are ready start now, the rest as their inputs succeed."""
+    pipeline = service.create_pipeline(session=session, body=body)
+    created = service.advance(session=session, pipeline_id=pipeline.id)
+    session.commit()
+    enqueue_all(enqueue, session, created)
+    return to_read(session, pipeline)
+
+
+@router.get("/{pipeline_id}", response_model=PipelineRead, responses=_ERRORS)
+def read_pipeline(pipeline_id: Annotated[uuid.UUID, Path()], session: SessionDep) -> PipelineRead:
+    """A pipeline with each stage's run and status."""
+    return to_read(session, service.get_pipeline(session=session, pipeline_id=pipeline_id))
+
+
+@router.post("/{pipeline_id}/cancel", response_model=PipelineRead, responses=_ERRORS)
+def cancel_pipeline(pipeline_id: Annotated[uuid.UUID, Path()], session: SessionDep) -> PipelineRead:
+    """Cancel the running stage and every stage not yet started; 409 once the pipeline has ended."""
+    pipeline = service.cancel_pipeline(
+        session=session, pipeline=service.get_pipeline(session=session, pipeline_id=pipeline_id)
+    )
+    session.commit()
+    return to_read(session, pipeline)

@@ -1,0 +1,170 @@
+"""Pipelines: stages (run specs) that start as the stages they refer to succeed. Never commits.
+
+A stage's model fields may say ``stage:<name>`` for an earlier stage; when that stage's run succeeds the
+reference becomes ``run:<its run id>`` and the stage's run is created. ``advance`` is idempotent and is
+called after every change that can unblock or doom a stage: creation, a run ending, a cancel.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from pydantic import TypeAdapter
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.errors import InvalidRequest, InvalidTransition, NotFound
+from api.models import FINISHED_STATUSES, Pipeline, Run, utcnow
+from api.schemas import PipelineCreate
+from api.services.runs import add_event, cancel_run, check_model_ref_exists, submit_run, validate_submission
+from trainer.specs import RunSpec, parse_spec, parse_stage_ref
+
+log = logging.getLogger("rlrun.pipelines")
+_MODEL_FIELDS = ("model", "reference_model")
+
+
+class PipelineNotFound(NotFound):
+    code = "pipeline_not_found"
+
+
+def _stage_refs(spec: dict[str, Any]) -> dict[str, str]:
+    """field -> referenced stage name, for every ``stage:<name>`` model field of a stage spec."""
+    refs = {}
+    for field in _MODEL_FIELDS:
+        value = spec.get(field)
+        name = parse_stage_ref(value) if isinstance(value, str) else None
+        if name is not None:
+            refs[field] = name
+    return refs
+
+
+def create_pipeline(*, session: Session, body: PipelineCreate) -> Pipeline:
+    """Check every stage now (names, references, datasets), store the pipeline, start what can start."""
+    seen: set[str] = set()
+    for i, stage in enumerate(body.stages):
+        where = f"stages[{i}]"
+        if stage.name in seen:
+            raise InvalidRequest(f"{where}.name: stage '{stage.name}' appears twice", field=f"{where}.name")
+        spec_json = stage.spec.model_dump(mode="json")
+        for field, target in _stage_refs(spec_json).items():
+            if target not in seen:
+                raise InvalidRequest(
+                    f"{where}.spec.{field}: 'stage:{target}' must name an earlier stage",
+                    field=f"{where}.spec.{field}",
+                )
+        validate_submission(session=session, spec=stage.spec, check_refs=False)
+        for field, ref in stage.spec.model_refs.items():
+            if parse_stage_ref(ref) is None:
+                check_model_ref_exists(session, ref, f"{where}.spec.{field}")
+        seen.add(stage.name)
+    pipeline = Pipeline(
+        id=uuid.uuid4(),
+        name=body.name,
+        status="running",
+        stages=[{"name": s.name, "spec": s.spec.model_dump(mode="json")} for s in body.stages],
+        created_at=utcnow(),
+    )
+    session.add(pipeline)
+    session.flush()
+    return pipeline
+
+
+def stage_runs(session: Session, pipeline_id: uuid.UUID) -> dict[str, Run]:
+    runs = session.scalars(select(Run).where(Run.pipeline_id == pipeline_id))
+    return {r.stage: r for r in runs if r.stage is not None}
+
+
+def _finish(pipeline: Pipeline, status: str, reason: str | None) -> None:
+    pipeline.status, pipeline.reason, pipeline.finished_at = status, reason, utcnow()
+    log.info("pipeline %s %s%s", pipeline.id, status, f": {reason}" if reason else "")
+
+
+def advance(*, session: Session, pipeline_id: uuid.UUID) -> list[uuid.UUID]:
+    """Create the stage runs whose inputs succeeded; end the rest if a stage failed. Returns new run ids
+    (queued; the caller enqueues them after commit)."""
+    pipeline = session.get(Pipeline, pipeline_id, with_for_update=True)
+    if pipeline is None or pipeline.status != "running":
+        return []
+    runs = stage_runs(session, pipeline_id)
+    broken = next((r for r in runs.values() if r.status in ("failed", "cancelled")), None)
+    if broken is not None:
+        reason = f"stage '{broken.stage}' {broken.status}"
+        for stage in pipeline.stages:
+            run = runs.get(stage["name"])
+            if run is None:
+                run = _cancelled_stage_run(session, pipeline, stage, reason)
+            elif run.status not in FINISHED_STATUSES:
+                cancel_run(session=session, run=run)
+                add_event(session, run.id, "info", f"pipeline cancelled: {reason}")
+        _finish(pipeline, "failed" if broken.status == "failed" else "cancelled", reason)
+        session.flush()
+        return []
+    created = []
+    for stage in pipeline.stages:
+        if stage["name"] in runs:
+            continue
+        refs = _stage_refs(stage["spec"])
+        inputs = [runs.get(name) for name in refs.values()]
+        if any(r is None or r.status != "succeeded" for r in inputs):
+            continue
+        spec_json = dict(stage["spec"])
+        for field, name in refs.items():
+            spec_json[field] = f"run:{runs[name].id}"
+        run = submit_run(
+            session=session, spec=parse_spec(spec_json), pipeline_id=pipeline.id, stage=stage["name"]
+        )
+        runs[stage["name"]] = run
+        created.append(run.id)
+    if len(runs) == len(pipeline.stages) and all(r.status == "succeeded" for r in runs.values()):
+        _finish(pipeline, "succeeded", None)
+    session.flush()
+    return created
+
+
+def _cancelled_stage_run(session: Session, pipeline: Pipeline, stage: dict[str, Any], reason: str) -> Run:
+    """A stage that never started still gets a run row, ended ``cancelled`` with the reason."""
+    spec = TypeAdapter(RunSpec).validate_python(stage["spec"])
+    run = Run(
+        id=uuid.uuid4(),
+        algorithm=spec.algorithm,
+        status="cancelled",
+        spec=stage["spec"],
+        dataset_id=spec.dataset_id,
+        attempt=0,
+        step=0,
+        total_steps=spec.total_steps,
+        cancel_requested=True,
+        created_at=utcnow(),
+        finished_at=utcnow(),
+        pipeline_id=pipeline.id,
+        stage=stage["name"],
+    )
+    session.add(run)
+    session.flush()
+    add_event(session, run.id, "status", "cancelled", {"reason": f"pipeline: {reason}"})
+    return run
+
+
+def cancel_pipeline(*, session: Session, pipeline: Pipeline) -> Pipeline:
+    """Cancel the running stage and every stage not yet started."""
+    if pipeline.status != "running":
+        raise InvalidTransition(f"pipeline {pipeline.id} already ended {pipeline.status}", field="status")
+    runs = stage_runs(session, pipeline.id)
+    for stage in pipeline.stages:
+        run = runs.get(stage["name"])
+        if run is None:
+            _cancelled_stage_run(session, pipeline, stage, "pipeline cancelled by the user")
+        elif run.status not in FINISHED_STATUSES:
+            cancel_run(session=session, run=run)
+    _finish(pipeline, "cancelled", "cancelled by the user")
+    session.flush()
+    return pipeline
+
+
+def get_pipeline(*, session: Session, pipeline_id: uuid.UUID) -> Pipeline:
+    pipeline = session.get(Pipeline, pipeline_id)
+    if pipeline is None:
+        raise PipelineNotFound(f"pipeline {pipeline_id} does not exist", field="pipeline_id")
+    return pipeline

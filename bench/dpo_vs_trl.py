@@ -1,0 +1,333 @@
+"""Seconds per DPO step: rlrun's ``run_dpo`` against TRL's ``DPOTrainer``, same model, data and settings.
+
+Both train the built-in ``tiny:llama-10m`` (random-init Llama, ~11M parameters) from the same folder on
+the same 200 addition preference pairs (``api.demo.addition_pairs``): 8 pairs per step, max_length 64,
+AdamW lr 1e-3 constant, beta 0.1, sigmoid loss, fp32 on CPU, no eval and no saving during training.
+
+What is timed, for each, from one clock start to the end of the last optimizer step:
+
+- rlrun: the ``run_dpo`` call, with the model loading replaced by an already loaded copy. This includes
+  tokenizing the pairs and the one-time pass that precomputes the reference log-probs of every pair.
+  Our final eval over all pairs and the final-model save after the last step are not timed (TRL does
+  neither); no validation set, so no eval during training.
+- TRL: ``DPOTrainer(...)`` (dataset tokenization, accelerator setup) plus ``trainer.train()``, with the
+  policy and the reference model passed in already loaded. TRL's default is the peer: the reference
+  forward runs at every step (``precompute_ref_log_probs=False``).
+
+``s/step`` is that total over the steps; ``steady s/step`` leaves out setup and the first warm-up steps;
+``cpu s/step`` is the process's CPU time (all threads) over the same span as ``s/step``. Wall times
+swing with other load on a shared machine; CPU time much less so (it is still inflated a little when
+torch's worker threads wait on a descheduled sibling).
+``ratio = TRL s/step / rlrun s/step``: above 1 means rlrun is faster. Our reference pass costs one
+forward over all 200 pairs; TRL's costs one forward over the batch at every step, so the total ratio
+grows with --steps (break-even near steps * 8 = 200) while the steady ratio does not. The loss and
+reward accuracy are train-batch means over the last logging window (10 steps): a check that both trained.
+
+Run: ``make bench`` (runs every file in bench/) or ``.venv/bin/python bench/dpo_vs_trl.py --steps N``
+after ``.venv/bin/pip install -e '.[dev,bench]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import shlex
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+from unittest import mock
+
+import torch
+
+from api.demo import addition_pairs
+from trainer.loops import dpo as dpo_loop
+from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
+from trainer.reporting import LoopContext, MemoryReporter, RunData
+from trainer.specs import parse_spec
+
+PRESET = "llama-10m"
+N_PAIRS = 200
+BATCH = 8
+MAX_LENGTH = 64
+MAX_PROMPT_LENGTH = 32
+LR = 1e-3
+BETA = 0.1
+SEED = 0
+WARMUP_STEPS = 5  # left out of the steady-state s/step
+LOG_WINDOW = 10  # TRL averages its logged metrics over this many steps; ours are averaged the same way
+
+
+class Stamp(NamedTuple):
+    wall: float  # time.perf_counter()
+    cpu: float  # time.process_time(): this process's CPU time, all threads; less hurt by other load
+
+
+def stamp() -> Stamp:
+    return Stamp(time.perf_counter(), time.process_time())
+
+
+@dataclass
+class Timing:
+    """Clock readings of one training run and its last-window metrics."""
+
+    name: str
+    start: Stamp
+    setup_end: Stamp
+    step_ends: list[Stamp]
+    loss: float
+    accuracy: float
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_ends)
+
+    @property
+    def setup_s(self) -> float:
+        return self.setup_end.wall - self.start.wall
+
+    @property
+    def total_s(self) -> float:
+        return self.step_ends[-1].wall - self.start.wall
+
+    @property
+    def per_step_s(self) -> float:
+        return self.total_s / self.steps
+
+    @property
+    def cpu_per_step_s(self) -> float:
+        return (self.step_ends[-1].cpu - self.start.cpu) / self.steps
+
+    @property
+    def steady_s(self) -> float:
+        warm = min(WARMUP_STEPS, self.steps - 1)
+        if warm == 0:
+            return self.per_step_s
+        return (self.step_ends[-1].wall - self.step_ends[warm - 1].wall) / (self.steps - warm)
+
+
+@dataclass
+class TimedReporter(MemoryReporter):
+    """A MemoryReporter that also notes when setup ended and when each training step ended."""
+
+    setup_end: Stamp | None = None
+    step_ends: dict[int, Stamp] = field(default_factory=dict)
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        if "loss" in metrics and step not in self.step_ends:  # a training step, not the final eval
+            self.step_ends[step] = stamp()
+        super().log_metrics(step, metrics)
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        if self.setup_end is None and message.startswith("training on"):  # after the reference pass
+            self.setup_end = stamp()
+        super().event(kind, message, data)
+
+
+def window_mean(values: list[float], steps: int) -> float:
+    """Mean over the last full logging window, the one TRL's last log line covers."""
+    window = min(LOG_WINDOW, steps)
+    end = steps - steps % window
+    return sum(values[end - window : end]) / window
+
+
+def warm_up(model_dir: Path) -> None:
+    """One forward/backward so neither contender pays torch's first-call costs."""
+    model, tokenizer = load_causal_lm(str(model_dir))
+    ids = tokenizer(["12+30=42"] * BATCH, return_tensors="pt").input_ids
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+def run_rlrun(model_dir: Path, rows: list[dict[str, str]], steps: int, work: Path) -> Timing:
+    spec = parse_spec(
+        {
+            "algorithm": "dpo",
+            "model": f"tiny:{PRESET}",
+            "dataset_id": str(uuid.uuid4()),
+            "hyperparameters": {
+                "loss_type": "sigmoid",
+                "beta": BETA,
+                "learning_rate": LR,
+                "batch_size": BATCH,
+                "max_steps": steps,
+                "max_length": MAX_LENGTH,
+                "max_prompt_length": MAX_PROMPT_LENGTH,
+                "seed": SEED,
+                "log_every": 1,
+                "eval_every": 0,
+                "checkpoint_every": 0,
+            },
+        }
+    )
+    cache = model_dir.parent.parent
+    ctx = LoopContext(
+        cache_dir=cache,
+        checkpoint_dir=work / "rlrun-checkpoints",  # only the final model is saved (checkpoint_every=0)
+        resolve_model=lambda ref: resolve_model(ref, cache_dir=cache, run_output=lambda _ref: work),
+    )
+    loaded = load_causal_lm(str(model_dir))  # loading is outside the clock, as for TRL
+    reporter = TimedReporter()
+    with mock.patch.object(dpo_loop, "load_causal_lm", lambda _path: loaded):
+        start = stamp()
+        result = dpo_loop.run_dpo(spec, RunData(train=rows), reporter, ctx)
+    assert result.status == "succeeded" and reporter.setup_end is not None
+    return Timing(
+        name="rlrun",
+        start=start,
+        setup_end=reporter.setup_end,
+        step_ends=[reporter.step_ends[s] for s in range(1, steps + 1)],
+        loss=window_mean(reporter.series("loss"), steps),
+        accuracy=window_mean(reporter.series("rewards/accuracy"), steps),
+    )
+
+
+def trl_config(steps: int, work: Path) -> Any:
+    from trl import DPOConfig
+
+    return DPOConfig(
+        output_dir=str(work / "trl-out"),
+        max_steps=steps,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=1,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=BETA,
+        loss_type=["sigmoid"],
+        max_length=MAX_LENGTH,
+        precompute_ref_log_probs=False,  # TRL's default: a reference forward at every step
+        gradient_checkpointing=False,  # TRL defaults to True; rlrun does not checkpoint
+        bf16=False,  # TRL defaults to bf16; both run fp32
+        fp16=False,
+        use_cpu=True,
+        seed=SEED,
+        logging_steps=min(LOG_WINDOW, steps),
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        log_level="error",
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+    )
+
+
+def run_trl(model_dir: Path, rows: list[dict[str, str]], steps: int, work: Path) -> Timing:
+    import datasets
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import DPOTrainer
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.first_begin: Stamp | None = None
+            self.ends: list[Stamp] = []
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.first_begin is None:
+                self.first_begin = stamp()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.ends.append(stamp())
+
+    args = trl_config(steps, work)
+    model, tokenizer = load_causal_lm(str(model_dir))
+    ref_model, _ = load_causal_lm(str(model_dir))  # passed in, so TRL does not reload it inside the clock
+    dataset = datasets.Dataset.from_list(rows)
+    clock = StepClock()
+    start = stamp()
+    trainer = DPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the progress bar for printed logs
+    trainer.train()
+    # Per-window log lines; the end-of-training summary (train_loss) may also carry a partial window.
+    logs = [entry for entry in trainer.state.log_history if {"loss", "rewards/accuracies"} <= entry.keys()]
+    assert clock.first_begin is not None and len(clock.ends) == steps and logs
+    return Timing(
+        name="TRL",
+        start=start,
+        setup_end=clock.first_begin,
+        step_ends=clock.ends,
+        loss=float(logs[-1]["loss"]),
+        accuracy=float(logs[-1]["rewards/accuracies"]),
+    )
+
+
+def quiet() -> None:
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def print_table(results: list[Timing]) -> None:
+    header = f"{'':8}{'steps':>7}{'setup s':>10}{'total s':>10}{'s/step':>10}{'steady s/step':>15}"
+    header += f"{'cpu s/step':>12}{'loss':>9}{'acc':>7}"
+    print(header)
+    for r in results:
+        row = f"{r.name:8}{r.steps:>7}{r.setup_s:>10.2f}{r.total_s:>10.2f}{r.per_step_s:>10.4f}"
+        row += f"{r.steady_s:>15.4f}{r.cpu_per_step_s:>12.4f}{r.loss:>9.4f}{r.accuracy:>7.2f}"
+        print(row)
+    ours, trl = results
+    print(f"ratio = TRL s/step / rlrun s/step = {trl.per_step_s / ours.per_step_s:.2f}")
+    print(f"steady ratio (after {WARMUP_STEPS} warm-up steps) = {trl.steady_s / ours.steady_s:.2f}")
+    cpu_ratio = trl.cpu_per_step_s / ours.cpu_per_step_s
+    print(f"cpu-time ratio (process CPU seconds, same span as s/step) = {cpu_ratio:.2f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps for each trainer")
+    steps = parser.parse_args(argv).steps
+    if steps < 1:
+        parser.error("--steps must be at least 1")
+    quiet()
+    import transformers
+    import trl
+
+    print(f"command: cd {shlex.quote(os.getcwd())} && {shlex.join([sys.executable, *sys.argv])}")
+    print(
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"transformers {transformers.__version__}, trl {trl.__version__}; tiny:{PRESET}, {N_PAIRS} pairs, "
+        f"batch {BATCH}, max_length {MAX_LENGTH}, "
+        f"lr {LR}, beta {BETA}, sigmoid, fp32, cpu"
+    )
+    rows = addition_pairs(N_PAIRS)
+    with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
+        work = Path(tmp)
+        model_dir = tiny_model_dir(PRESET, work / "cache")
+        warm_up(model_dir)
+        results = []
+        for run in (run_rlrun, run_trl):
+            torch.manual_seed(SEED)
+            results.append(run(model_dir, rows, steps, work))
+            gc.collect()
+    print_table(results)
+    print(
+        "note: rlrun precomputes reference log-probs once (counted in its setup and total); TRL runs the "
+        "reference forward every step (its default; precompute_ref_log_probs=True is the like-for-like mode)."
+    )
+    print(f"note: the one-time pass covers {N_PAIRS} pairs, the per-step passes {BATCH} x {steps} pairs.")
+
+
+if __name__ == "__main__":
+    main()
