@@ -95,3 +95,13 @@ def backward_and_step(
 def to_floats(stats: dict[str, Any]) -> dict[str, float]:
     """Tensors -> floats, at log interval only: each ``.item()`` is a device sync point."""
     return {k: float(v.item()) if isinstance(v, torch.Tensor) else float(v) for k, v in stats.items()}
+
+
+def make_optimizer(model: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, fused (one kernel for all tensors) where torch supports it
+    for the parameters' device: it is the same update, computed with fewer passes over memory."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)

@@ -22,6 +22,7 @@ from trainer.loops.common import (
     EpochSampler,
     backward_and_step,
     is_due,
+    make_optimizer,
     pick_device,
     seed_everything,
     set_lr,
@@ -128,7 +129,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     pairs, val_pairs = tokenize(data.train), tokenize(data.validation)
     loss_fn = PREFERENCE_LOSSES[hp.loss_type]
     params = PreferenceParams(beta=hp.beta, label_smoothing=hp.label_smoothing)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay)
+    optimizer = make_optimizer(model, hp.learning_rate, hp.weight_decay)
     sampler = EpochSampler(len(pairs), hp.batch_size, gen)
     checkpointer = Checkpointer(
         ctx.checkpoint_dir,

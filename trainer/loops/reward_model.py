@@ -38,6 +38,7 @@ from trainer.loops.common import (
     EpochSampler,
     backward_and_step,
     is_due,
+    make_optimizer,
     pick_device,
     seed_everything,
     set_lr,
@@ -248,7 +249,7 @@ def run_reward_model(
     val_groups = tokenize_groups(data.validation, kind, tokenizer, max_length=hp.max_length)
     loss_fn = REWARD_LOSSES[kind]
     params = RewardLossParams(use_margin=hp.use_margin, center_coef=hp.center_coef)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay)
+    optimizer = make_optimizer(model, hp.learning_rate, hp.weight_decay)
     sampler = EpochSampler(len(groups), hp.batch_size, gen)
     checkpointer = Checkpointer(
         ctx.checkpoint_dir,

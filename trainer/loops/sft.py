@@ -20,6 +20,7 @@ from trainer.loops.common import (
     EpochSampler,
     backward_and_step,
     is_due,
+    make_optimizer,
     pick_device,
     seed_everything,
     set_lr,
@@ -97,7 +98,7 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         return [tokenize_example(r, tokenizer, max_length=hp.max_length) for r in rows]
 
     examples, val_examples = tokenize(data.train), tokenize(data.validation)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay)
+    optimizer = make_optimizer(model, hp.learning_rate, hp.weight_decay)
     sampler = EpochSampler(len(examples), hp.batch_size, gen)
     checkpointer = Checkpointer(
         ctx.checkpoint_dir,
