@@ -149,3 +149,19 @@ class Checkpoint(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger)
     metrics: Mapped[dict[str, Any]] = mapped_column(JsonType)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+
+
+class RunSample(Base):
+    """A completion stored during online RL with its reward, so users can spot reward hacking."""
+
+    __tablename__ = "samples"
+    __table_args__ = (Index("ix_samples_run_id_step", "run_id", "step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[uuid.UUID] = mapped_column(Uuid, ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    prompt: Mapped[str] = mapped_column(Text)
+    completion: Mapped[str] = mapped_column(Text)
+    reward: Mapped[float] = mapped_column(Float)
+    data: Mapped[dict[str, Any]] = mapped_column(JsonType)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)

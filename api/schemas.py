@@ -191,3 +191,13 @@ class PipelineRead(BaseModel):
     stages: list[StageRead]
     created_at: datetime
     finished_at: datetime | None
+
+
+class SampleRead(_Read):
+    id: int
+    step: int
+    prompt: str
+    completion: str
+    reward: float
+    data: dict[str, Any] = Field(description="Per-component rewards, finish reason, ...")
+    created_at: datetime

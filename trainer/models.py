@@ -48,15 +48,18 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE (any text encodes) with pad distinct from EOS and left padding for generation."""
+def build_tiny_tokenizer(char_level: bool = False) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (any text encodes) with pad distinct from EOS and left padding for generation.
+
+    ``char_level``: the vocabulary is just the 256 byte symbols and the specials (no merges), so every
+    character is one token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
+        vocab_size=256 + len(SPECIAL_TOKENS) if char_level else TOKENIZER_VOCAB,
         special_tokens=list(SPECIAL_TOKENS.values()),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -95,7 +98,7 @@ def tiny_model_dir(preset: str, cache_dir: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=target.parent))
     try:
-        tokenizer = build_tiny_tokenizer()
+        tokenizer = build_tiny_tokenizer(char_level=bool(TINY_PRESETS[preset].get("char_level")))
         build_tiny_model(preset, tokenizer).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         try:

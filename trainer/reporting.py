@@ -24,6 +24,9 @@ class Reporter(Protocol):
     def checkpoint_removed(self, step: int) -> None:
         """Retention deleted the checkpoint of ``step``."""
 
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Store a few completions with their rewards (prompt, completion, reward, components, ...)."""
+
     def should_stop(self) -> bool:
         """True once the run was cancelled; loops check it every step."""
 
@@ -61,6 +64,7 @@ class MemoryReporter:
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
     events: list[tuple[str, str, dict[str, Any] | None]] = field(default_factory=list)
     checkpoints: dict[int, Path] = field(default_factory=dict)
+    samples: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     checks: int = 0
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -74,6 +78,9 @@ class MemoryReporter:
 
     def checkpoint_removed(self, step: int) -> None:
         del self.checkpoints[step]
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        self.samples.extend((step, s) for s in samples)
 
     def should_stop(self) -> bool:
         self.checks += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
@@ -37,6 +37,14 @@ TINY_PRESETS: dict[str, dict[str, int]] = {
         "num_hidden_layers": 4,
         "num_attention_heads": 8,
         "intermediate_size": 1024,
+    },
+    # One token per character (no BPE merges): arithmetic demos learn digit by digit.
+    "llama-char-0.4m": {
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 256,
+        "char_level": 1,
     },
 }
 
@@ -253,10 +261,244 @@ class RewardModelSpec(_RunSpecBase):
     dataset_kinds: ClassVar[tuple[str, ...]] = ("preference", "ranking")
 
 
-AnyRunSpec = DpoSpec | SftSpec | RewardModelSpec
+VerifierName = Literal["exact_match", "numeric", "regex", "format", "length_penalty", "overlong_penalty"]
+GroupAlgorithm = Literal[
+    "grpo", "dr_grpo", "dapo", "rloo", "reinforce", "reinforce_pp", "reinforce_baseline", "remax"
+]
+
+
+class RewardSpec(_Frozen):
+    """One reward component: a rule-based verifier or a reward model, weighted into the total reward."""
+
+    name: VerifierName | Literal["reward_model"] = Field(
+        description="exact_match, numeric (last number, `#### N` or `\\boxed{}`), regex, format "
+        "(<think>...</think><answer>...</answer>), length_penalty, overlong_penalty (DAPO), or reward_model."
+    )
+    weight: float = Field(default=1.0, ge=-100, le=100, description="Multiplier in the weighted sum.")
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description='Verifier keyword arguments, e.g. {"tolerance": 1e-6} for numeric, {"pattern": ...} '
+        'for regex, {"cache_tokens": 16} for overlong_penalty, {"target_tokens": 32} for length_penalty.',
+    )
+    model: str | None = Field(
+        default=None, description="reward_model only: `run:<id>` of a reward-model run."
+    )
+    normalize: bool = Field(
+        default=True, description="reward_model only: standardise scores with the run's stored mean and std."
+    )
+
+    @model_validator(mode="after")
+    def _model_iff_reward_model(self) -> RewardSpec:
+        if (self.name == "reward_model") != (self.model is not None):
+            raise ValueError("`model` is required for name 'reward_model' and not allowed otherwise")
+        if self.model is not None:
+            check_model_ref(self.model)
+        return self
+
+
+class OnlineRlHyperparameters(TrainingHyperparameters):
+    """Online RL: sample -> reward -> advantage -> clipped policy-gradient epochs (see docs/algorithms.md)."""
+
+    learning_rate: float = Field(
+        default=1e-6, gt=0, le=1.0, description="AdamW learning rate (after warmup)."
+    )
+    max_steps: int = Field(
+        default=100, ge=1, le=1_000_000, description="RL steps (each: rollouts + updates)."
+    )
+    prompts_per_step: int = Field(default=8, ge=1, le=4096, description="Prompts sampled per RL step.")
+    samples_per_prompt: int = Field(default=4, ge=1, le=256, description="Completions per prompt (G).")
+    max_prompt_length: int = Field(
+        default=128, ge=1, le=65_536, description="Prompt tokens (cut from the left)."
+    )
+    max_new_tokens: int = Field(default=64, ge=1, le=65_536, description="Generation budget per completion.")
+    temperature: float = Field(default=1.0, ge=0, le=10, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0: off).")
+    engine: Literal["hf", "vllm"] = Field(
+        default="hf", description="Rollout engine: hf (transformers generate) or vllm (GPU extra)."
+    )
+    advantage: AdvantageName | None = Field(
+        default=None, description="Advantage estimator; default: the algorithm preset's."
+    )
+    policy_loss: PolicyLossName | None = Field(default=None, description="Default: the preset's.")
+    loss_aggregation: AggregationName | None = Field(default=None, description="Default: the preset's.")
+    ppo_epochs: int = Field(default=1, ge=1, le=64, description="Passes over each step's rollouts.")
+    minibatch_size: int | None = Field(
+        default=None, ge=1, description="Completions per optimizer step (default: all of a step's rollouts)."
+    )
+    clip_low: float = Field(
+        default=0.2, gt=0, lt=1, description="PPO clip epsilon below 1 (ratio >= 1 - low)."
+    )
+    clip_high: float | None = Field(
+        default=None,
+        gt=0,
+        le=10,
+        description="Clip epsilon above 1; > clip_low is DAPO clip-higher. Default: preset.",
+    )
+    dual_clip: float | None = Field(
+        default=None, gt=1, description="Dual-clip constant c > 1 (Ye et al. 2020)."
+    )
+    kl_coef: float | None = Field(
+        default=None, ge=0, le=100, description="KL-to-reference coefficient; preset."
+    )
+    kl_estimator: KlEstimatorName = Field(default="k3", description="k1, k2, k3 or abs (Schulman 2020).")
+    kl_placement: Literal["loss", "reward"] = Field(
+        default="loss", description="KL as a loss term (GRPO) or folded into per-token rewards (RLHF recipe)."
+    )
+    kl_controller: KlControllerName = Field(default="fixed", description="fixed, or adaptive (Ziegler 2019).")
+    kl_target: float = Field(default=6.0, gt=0, description="adaptive controller: target KL.")
+    kl_horizon: int = Field(default=10_000, ge=1, description="adaptive controller: horizon.")
+    entropy_coef: float = Field(default=0.0, ge=0, le=10, description="Entropy bonus coefficient.")
+    dynamic_sampling: bool | None = Field(
+        default=None,
+        description="Drop zero-variance groups and sample more prompts to refill (DAPO); preset.",
+    )
+    max_refill_rounds: int = Field(
+        default=3, ge=0, le=32, description="Extra sampling rounds to refill a step."
+    )
+    mask_truncated: bool = Field(default=False, description="Give completions cut at max_new_tokens no loss.")
+    sample_every: int = Field(
+        default=10, ge=0, description="Store sample completions every N steps (0: never)."
+    )
+    samples_to_store: int = Field(default=4, ge=0, le=64, description="How many completions to store then.")
+
+    @model_validator(mode="after")
+    def _fits(self) -> OnlineRlHyperparameters:
+        if self.max_prompt_length + self.max_new_tokens > self.max_length:
+            raise ValueError("max_prompt_length + max_new_tokens must not exceed max_length")
+        return self
+
+
+GROUP_PRESETS: dict[str, dict[str, Any]] = {
+    # Shao et al. 2024 (DeepSeekMath): std-normalised group advantage, k3 KL in the loss, 1/|o| per sequence.
+    "grpo": {
+        "advantage": "grpo",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "seq_mean_token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.04,
+        "dynamic_sampling": False,
+    },
+    # Liu et al. 2025: no std division, no length normalisation (constant normaliser), no KL.
+    "dr_grpo": {
+        "advantage": "dr_grpo",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "seq_mean_token_sum_norm",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+    # Yu et al. 2025: clip-higher, token-level loss, dynamic sampling, no KL.
+    "dapo": {
+        "advantage": "grpo",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.28,
+        "kl_coef": 0.0,
+        "dynamic_sampling": True,
+    },
+    "rloo": {
+        "advantage": "rloo",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+    "reinforce": {
+        "advantage": "reinforce",
+        "policy_loss": "vanilla",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+    "reinforce_pp": {
+        "advantage": "reinforce_pp",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+    "reinforce_baseline": {
+        "advantage": "reinforce_baseline",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+    # Li et al. 2023: the greedy completion's reward is the baseline.
+    "remax": {
+        "advantage": "remax",
+        "policy_loss": "vanilla",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+}
+
+
+class _OnlineRlSpecBase(_RunSpecBase):
+    reference_model: str | None = Field(
+        default=None,
+        description="Frozen reference for the KL term; default: the starting model. " + MODEL_REF_DOC,
+    )
+    dataset_id: uuid.UUID = Field(description="A dataset of kind `prompts` ({prompt, answer?, meta}).")
+    rewards: list[RewardSpec] = Field(min_length=1, max_length=16, description="Reward components, summed.")
+    eval_rewards: list[RewardSpec] | None = Field(
+        default=None,
+        description="Held-out metric on the validation prompts (greedy), e.g. exact_match; logged as "
+        "`eval/accuracy` every `eval_every` steps. Default: the training rewards.",
+    )
+    dataset_kinds: ClassVar[tuple[str, ...]] = ("prompts",)
+
+    @field_validator("reference_model")
+    @classmethod
+    def _check_reference(cls, v: str | None) -> str | None:
+        return None if v is None else check_model_ref(v)
+
+    @property
+    def model_refs(self) -> dict[str, str]:
+        refs = {"model": self.model}
+        if self.reference_model is not None:
+            refs["reference_model"] = self.reference_model
+        for i, r in enumerate(self.rewards):
+            if r.model is not None:
+                refs[f"rewards[{i}].model"] = r.model
+        return refs
+
+
+class GroupRlSpec(_OnlineRlSpecBase):
+    """Group / leave-one-out family: G completions per prompt, advantages from their rewards (no critic)."""
+
+    algorithm: GroupAlgorithm = Field(
+        description="Preset: grpo, dr_grpo, dapo, rloo, reinforce, reinforce_pp, reinforce_baseline, remax. "
+        "Each fills advantage, policy_loss, loss_aggregation, clip_high, kl_coef and dynamic_sampling "
+        "unless given."
+    )
+    hyperparameters: OnlineRlHyperparameters = Field(default_factory=OnlineRlHyperparameters)
+
+    @model_validator(mode="after")
+    def _apply_preset(self) -> GroupRlSpec:
+        preset = GROUP_PRESETS[self.algorithm]
+        unset = {k: v for k, v in preset.items() if getattr(self.hyperparameters, k) is None}
+        if unset:
+            hp = self.hyperparameters.model_copy(update=unset)
+            object.__setattr__(self, "hyperparameters", hp)
+        if self.hyperparameters.advantage == "remax" and self.algorithm != "remax":
+            raise ValueError(
+                "the remax advantage needs algorithm 'remax' (it adds the greedy baseline rollout)"
+            )
+        return self
+
+
+AnyRunSpec = DpoSpec | SftSpec | RewardModelSpec | GroupRlSpec
 RunSpec = Annotated[AnyRunSpec, Field(discriminator="algorithm")]
 RUN_SPEC_ADAPTER: TypeAdapter[AnyRunSpec] = TypeAdapter(RunSpec)
-ALGORITHMS: tuple[str, ...] = ("dpo", "sft", "reward_model")
+ALGORITHMS: tuple[str, ...] = ("dpo", "sft", "reward_model", *get_args(GroupAlgorithm))
 
 
 def parse_spec(data: object) -> AnyRunSpec:

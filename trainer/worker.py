@@ -26,7 +26,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.db import make_engine, make_session_factory
-from api.models import Checkpoint, Event, Metric, Run, utcnow
+from api.models import Checkpoint, Event, Metric, Run, RunSample, utcnow
 from api.queue import TASK_NAME, CeleryEnqueue, make_celery
 from api.services.datasets import load_rows
 from api.services.pipelines import advance
@@ -185,6 +185,21 @@ class DbReporter:
             session.execute(
                 delete(Checkpoint).where(Checkpoint.run_id == self.run_id, Checkpoint.step == step)
             )
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        with self.sf.begin() as session:
+            for s in samples:
+                extra = {k: v for k, v in s.items() if k not in ("prompt", "completion", "reward")}
+                session.add(
+                    RunSample(
+                        run_id=self.run_id,
+                        step=step,
+                        prompt=str(s["prompt"]),
+                        completion=str(s["completion"]),
+                        reward=float(s["reward"]),
+                        data=extra,
+                    )
+                )
 
     def should_stop(self) -> bool:
         with self.sf() as session:

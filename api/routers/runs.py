@@ -8,13 +8,14 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from api.deps import EnqueueDep, RunDep, SessionDep
 from api.errors import ErrorBody, InvalidRequest
-from api.models import Run
+from api.models import Run, RunSample
 from api.pagination import decode_cursor, encode_cursor
-from api.schemas import EventRead, MetricRead, Page, Progress, RunRead
+from api.schemas import EventRead, MetricRead, Page, Progress, RunRead, SampleRead
 from api.services import runs as service
 from api.services.pipelines import advance
 from trainer.specs import RunSpec
@@ -164,3 +165,27 @@ def list_events(
     rows = rows[:limit]
     cursor = encode_cursor(rows[-1].id) if more else None
     return Page(data=[EventRead.model_validate(e) for e in rows], has_more=more, next_cursor=cursor)
+
+
+@router.get("/{run_id}/samples", response_model=Page[SampleRead], responses=_ERRORS)
+def list_samples(
+    run: RunDep,
+    session: SessionDep,
+    step: Annotated[int | None, Query(ge=0, description="Only samples stored at this step")] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
+) -> Page[SampleRead]:
+    """Completions stored during online RL with their rewards (every `sample_every` steps)."""
+    stmt = select(RunSample).where(RunSample.run_id == run.id).order_by(RunSample.id).limit(limit + 1)
+    if step is not None:
+        stmt = stmt.where(RunSample.step == step)
+    if after is not None:
+        (last,) = decode_cursor(after, 1)
+        if not isinstance(last, int):
+            raise InvalidRequest("after: not a cursor returned by this API", field="after")
+        stmt = stmt.where(RunSample.id > last)
+    rows = list(session.scalars(stmt))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    cursor = encode_cursor(rows[-1].id) if more else None
+    return Page(data=[SampleRead.model_validate(r) for r in rows], has_more=more, next_cursor=cursor)

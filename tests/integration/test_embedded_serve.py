@@ -128,3 +128,49 @@ def test_pipeline_sft_then_reward_model_and_dpo(served: httpx.Client) -> None:
     assert Path(runs["rm"]["output_path"], "reward_stats.json").exists()
     rm_keys = {m["key"] for m in all_metrics(served, runs["rm"]["id"])}
     assert {"loss", "accuracy", "eval/accuracy", "final/score_mean"} <= rm_keys
+
+
+GROUP_ALGORITHMS = [
+    "grpo",
+    "dr_grpo",
+    "dapo",
+    "rloo",
+    "reinforce",
+    "reinforce_pp",
+    "reinforce_baseline",
+    "remax",
+]
+
+
+def test_every_online_rl_algorithm_runs_through_the_api(served: httpx.Client) -> None:
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(6) for b in range(6)]
+    prompts = upload(served, rows, "prompts")
+    run_ids = {}
+    for algorithm in GROUP_ALGORITHMS:
+        spec = {
+            "algorithm": algorithm,
+            "model": "tiny:llama-char-0.4m",
+            "dataset_id": prompts,
+            "validation_fraction": 0.1,
+            "rewards": [{"name": "numeric"}],
+            "eval_rewards": [{"name": "exact_match"}],
+            "hyperparameters": {
+                "max_steps": 2,
+                "prompts_per_step": 4,
+                "samples_per_prompt": 4,
+                "max_new_tokens": 4,
+                "learning_rate": 1e-3,
+                "sample_every": 1,
+                "dynamic_sampling": False,
+            },
+        }
+        resp = served.post("/v1/runs", json=spec)
+        assert resp.status_code == 201, resp.text
+        run_ids[algorithm] = resp.json()["id"]
+    for algorithm, run_id in run_ids.items():
+        done = wait_for(served, run_id, lambda r: r["status"] in FINISHED, timeout=240)
+        assert done["status"] == "succeeded", (algorithm, done)
+        keys = {m["key"] for m in all_metrics(served, run_id)}
+        assert {"reward/mean", "policy/clipfrac", "eval/accuracy", "response/length_mean"} <= keys, algorithm
+        samples = served.get(f"/v1/runs/{run_id}/samples").json()["data"]
+        assert samples and {"prompt", "completion", "reward"} <= set(samples[0])

@@ -20,6 +20,7 @@ TABLES = {
     "events",
     "checkpoints",
     "pipelines",
+    "samples",
     "alembic_version",
 }
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, get_args
 
 from trainer.loops.dpo import run_dpo
+from trainer.loops.group_rl import run_group_rl
 from trainer.loops.reward_model import run_reward_model
 from trainer.loops.sft import run_sft
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
+from trainer.specs import GroupAlgorithm
 
 Loop = Callable[[Any, RunData, Reporter, LoopContext], LoopResult]
 
 LOOPS: Mapping[str, Loop] = MappingProxyType(
     {"dpo": run_dpo, "sft": run_sft, "reward_model": run_reward_model}
+    | dict.fromkeys(get_args(GroupAlgorithm), run_group_rl)
 )

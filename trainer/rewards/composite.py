@@ -1,0 +1,273 @@
+"""The reward of a batch of completions: a weighted sum of verifier and reward-model components.
+
+``CompositeReward(components)(samples)`` scores every sample with every component and returns the weighted
+sum per sample plus each component's unweighted scores (for logging). Components with weight 0 are still
+computed and reported, which makes them a cheap way to monitor e.g. accuracy while training on another
+reward.
+
+Failures. A verifier call that raises an Exception, returns something other than a finite real number,
+or runs longer than ``timeout_s`` scores 0 for that sample and component and counts in
+``RewardResult.failures``; nothing raises out of ``__call__`` because of a verifier. Configuration errors
+(unknown name, missing or unknown parameters, a reward_model component without a scorer) raise ValueError
+at construction instead, so a bad spec fails the run at once rather than training on zeros. The reward
+model itself is not guarded: its errors (e.g. out of memory) propagate.
+
+Timeouts, and their trade-off. Verifier calls run one at a time on a daemon worker thread (one per
+``__call__``, gone when it returns); the caller waits for each result at most ``timeout_s``. A call that
+overruns is *abandoned*, not killed (Python threads cannot be killed): the worker is told to exit once
+that call returns, and a fresh worker takes the remaining calls, so a hung call never blocks later calls
+or later batches. The costs:
+
+* an abandoned call keeps running (and holding whatever it holds) until it returns; one that never returns
+  leaks its thread for the life of the process (daemon threads do not block interpreter exit);
+* a call stuck in C code that holds the GIL cannot be waited out at all: the waiting thread needs the GIL
+  to notice the timeout. Catastrophic backtracking in ``re`` is the usual case (``re`` never releases the
+  GIL), which is why user regex patterns must be linear. Killing such calls needs a process pool (a
+  ``fork`` per call, or pickled samples per batch), which costs far more than the verifiers themselves;
+* each call pays a thread hand-off (tens of microseconds), small next to generation.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import numbers
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Protocol
+
+from trainer.algorithms._registry import lookup
+from trainer.rewards.verifiers import VERIFIERS, Sample, VerifierFn
+
+log = logging.getLogger("rlrun.rewards")
+
+REWARD_MODEL = "reward_model"
+
+
+class CompletionScorer(Protocol):
+    """What the ``reward_model`` component needs; ``RewardModelScorer`` is one."""
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]: ...
+
+
+@dataclass(frozen=True)
+class RewardComponent:
+    """One term of the reward.
+
+    Attributes:
+        name: a ``VERIFIERS`` key (or a key of the mapping given to ``CompositeReward``), or
+            ``"reward_model"``.
+        weight: multiplier in the weighted sum (0 keeps the component for logging only).
+        params: keyword arguments of the verifier; must be empty for ``reward_model``.
+    """
+
+    name: str
+    weight: float = 1.0
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardResult:
+    """Rewards of a batch.
+
+    Attributes:
+        total: per sample, the weighted sum of the components.
+        components: per component, its unweighted per-sample scores; a repeated name gets ``_2``, ``_3``.
+        failures: verifier calls that raised, returned a non-finite value or timed out (each scored 0).
+    """
+
+    total: list[float]
+    components: dict[str, list[float]]
+    failures: int
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order; ``retire`` makes it exit after its current call."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[float], Callable[[], float]] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="rlrun-verifier", daemon=True).start()
+
+    def submit(self, call: Callable[[], float]) -> Future[float]:
+        future: Future[float] = Future()
+        self._calls.put((future, call))
+        return future
+
+    def retire(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, call = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as exc:  # noqa: B036 (handed to the waiting thread, which decides)
+                    future.set_exception(exc)
+
+
+def _verify(fn: VerifierFn, sample: Sample, params: Mapping[str, Any]) -> float:
+    """``fn(sample, **params)`` as a float; TypeError/ValueError unless it returned a finite real number."""
+    value = fn(sample, **params)
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"a verifier returned {type(value).__name__}, not a number")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"a verifier returned {out}")
+    return out
+
+
+def _unique_keys(names: Sequence[str]) -> list[str]:
+    """``["format", "format", "numeric"]`` -> ``["format", "format_2", "numeric"]``."""
+    keys: list[str] = []
+    for name in names:
+        key, i = name, 1
+        while key in keys:
+            i += 1
+            key = f"{name}_{i}"
+        keys.append(key)
+    return keys
+
+
+class CompositeReward:
+    """Weighted sum of reward components over a batch of samples (see the module docstring).
+
+    Args:
+        components: the terms, in order; at least one.
+        timeout_s: longest wait for one verifier call, in seconds (> 0).
+        reward_model: scores all samples of a batch in one call for the ``reward_model`` components;
+            required if there is one.
+        verifiers: where component names are looked up (tests pass their own; default ``VERIFIERS``).
+
+    Raises:
+        ValueError: no components, a bad timeout, an unknown name, parameters the verifier does not accept
+            (or lacks required ones), or a ``reward_model`` component without a scorer or with parameters.
+    """
+
+    def __init__(
+        self,
+        components: Sequence[RewardComponent],
+        *,
+        timeout_s: float = 5.0,
+        reward_model: CompletionScorer | None = None,
+        verifiers: Mapping[str, VerifierFn] = VERIFIERS,
+    ) -> None:
+        if not components:
+            raise ValueError("a reward needs at least one component")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.components = list(components)
+        self.keys = _unique_keys([c.name for c in self.components])
+        self.timeout_s = timeout_s
+        self.reward_model = reward_model
+        self._fns: list[VerifierFn | None] = []  # None marks a reward_model component
+        for c in self.components:
+            if c.name == REWARD_MODEL:
+                if reward_model is None:
+                    raise ValueError("a 'reward_model' component needs a reward model scorer")
+                if c.params:
+                    raise ValueError(f"the 'reward_model' component takes no params, got {sorted(c.params)}")
+                self._fns.append(None)
+                continue
+            fn = lookup(verifiers, c.name, "verifier")
+            _check_params(c.name, fn, c.params)
+            self._fns.append(fn)
+
+    def __call__(self, samples: Sequence[Sample]) -> RewardResult:
+        """Score ``samples`` with every component; never raises because of a verifier (see module doc)."""
+        n = len(samples)
+        model_scores = self._model_scores(samples) if None in self._fns and n else None
+        components: dict[str, list[float]] = {}
+        total = [0.0] * n
+        failures = 0
+        runner = _TimedRunner(self.timeout_s)
+        try:
+            for key, component, fn in zip(self.keys, self.components, self._fns, strict=True):
+                if fn is None:
+                    scores = list(model_scores) if model_scores is not None else []
+                else:
+                    scores, failed = self._run_verifier(key, fn, component.params, samples, runner)
+                    failures += failed
+                components[key] = scores
+                total = [t + component.weight * s for t, s in zip(total, scores, strict=True)]
+        finally:
+            runner.close()
+        return RewardResult(total=total, components=components, failures=failures)
+
+    def _model_scores(self, samples: Sequence[Sample]) -> list[float]:
+        assert self.reward_model is not None
+        scores = self.reward_model.score([s.prompt for s in samples], [s.completion for s in samples])
+        if len(scores) != len(samples):
+            raise ValueError(f"the reward model returned {len(scores)} scores for {len(samples)} samples")
+        return [float(s) for s in scores]
+
+    def _run_verifier(
+        self,
+        key: str,
+        fn: VerifierFn,
+        params: Mapping[str, Any],
+        samples: Sequence[Sample],
+        runner: _TimedRunner,
+    ) -> tuple[list[float], int]:
+        """Per-sample scores of one verifier (0 where a call failed) and the number of failed calls."""
+        scores, failed, first_error = [], 0, ""
+        for sample in samples:
+            try:
+                scores.append(runner.call(partial(_verify, fn, sample, params)))
+            except Exception as exc:
+                scores.append(0.0)
+                failed += 1
+                first_error = first_error or f"{type(exc).__name__}: {exc}"
+        if failed:
+            log.warning(
+                "verifier %r failed on %d of %d samples (first: %s)", key, failed, len(samples), first_error
+            )
+        return scores, failed
+
+
+class _TimedRunner:
+    """Runs calls on a worker thread with a per-call timeout; replaces the worker when a call is abandoned.
+
+    One per ``CompositeReward.__call__`` (closed at its end), so no idle thread outlives a batch and
+    concurrent batches never share a worker.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._worker: _Worker | None = None
+
+    def call(self, fn: Callable[[], float]) -> float:
+        """``fn()``, or TimeoutError after ``timeout_s`` (the call keeps running, abandoned)."""
+        if self._worker is None:
+            self._worker = _Worker()
+        future = self._worker.submit(fn)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except TimeoutError:
+            if future.done():  # the call itself raised TimeoutError (or finished just now): worker is free
+                raise
+            # The worker is stuck in this call: it exits when (if) the call returns; a fresh one goes on.
+            self.close()
+            raise TimeoutError(f"no result within {self.timeout_s} s (call abandoned)") from None
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.retire()
+            self._worker = None
+
+
+def _check_params(name: str, fn: VerifierFn, params: Mapping[str, Any]) -> None:
+    """ValueError unless ``fn(sample, **params)`` binds: catches typos and missing required parameters."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable without an introspectable signature: checked when called
+        return
+    try:
+        signature.bind(None, **params)
+    except TypeError as exc:
+        raise ValueError(f"verifier {name!r}: bad params {dict(params)}: {exc}") from None

@@ -1,0 +1,79 @@
+"""What every rollout engine takes and returns; torch-free so specs, tests and loops share it cheaply."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+FinishReason = Literal["eos", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; one object per ``generate`` call.
+
+    ``temperature == 0`` or ``greedy=True`` means greedy decoding (``top_p``/``top_k`` are then ignored).
+    ``seed`` makes a call reproducible for the same inputs, engine and batch size; ``None`` draws from the
+    engine's own random state (for HF the global torch RNG, which the loop seeds once per run).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    greedy: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation of one prompt.
+
+    ``token_ids`` are the generated tokens only: no prompt, no padding, and the EOS token kept as the last
+    token when generation stopped on it (``finish_reason == "eos"``); otherwise ``len(token_ids) ==
+    max_new_tokens`` and ``finish_reason == "length"``. ``logprobs`` (one per token) come from engines that
+    report them (vLLM); ``None`` means the trainer recomputes them.
+    """
+
+    prompt_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    logprobs: list[float] | None = None
+
+
+class RolloutEngine(Protocol):
+    """A generation backend for online RL."""
+
+    def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+        """n completions per prompt; result ordered prompt-major: [p0s0, p0s1, ..., p1s0, ...]."""
+        ...
+
+    def sync_weights(self, model: Any) -> None:
+        """Make the engine generate with the policy's current weights."""
+        ...
+
+
+def check_generate_args(prompts: Sequence[list[int]], n: int) -> None:
+    """The argument checks every engine shares: ``n >= 1`` and no empty prompt (nothing to condition on)."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    for i, ids in enumerate(prompts):
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")

@@ -1,0 +1,37 @@
+"""Build a rollout engine by name; vLLM's module is imported only when it is asked for."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+from trainer.rollout.base import RolloutEngine
+
+EngineName = Literal["hf", "vllm"]
+
+
+def make_engine(name: EngineName, *, model: Any, tokenizer: Any, model_path: str) -> RolloutEngine:
+    """A rollout engine that generates with ``model``'s current weights; the one place that reads ``name``.
+
+    Args:
+        name: ``"hf"`` (``model.generate`` in place, any device) or ``"vllm"`` (GPU, needs the vllm extra).
+        model: the policy being trained.
+        tokenizer: its tokenizer (HF engine; vLLM loads its own from ``model_path``).
+        model_path: folder or hub id the policy was loaded from (vLLM builds its copy from it).
+
+    Raises:
+        ValueError: unknown ``name``, listing the valid ones.
+        ImportError: ``"vllm"`` without vLLM installed, naming the extra.
+    """
+    if name == "hf":
+        from trainer.rollout.hf_engine import HFEngine
+
+        return HFEngine(model, tokenizer)
+    if name == "vllm":
+        from trainer.rollout.vllm_engine import VllmEngine
+
+        engine = VllmEngine(model_path)
+        # vLLM loaded model_path from disk, but the policy may already differ from it (resumed from a
+        # checkpoint), so the engine starts from the policy's weights rather than trusting the folder.
+        engine.sync_weights(model)
+        return engine
+    raise ValueError(f"unknown rollout engine {name!r}; known: {', '.join(get_args(EngineName))}")
