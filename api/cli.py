@@ -103,7 +103,9 @@ def _die_with_parent() -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from api.demo import run_demo
 
-    return run_demo(steps=args.steps, keep=args.keep)
+    return run_demo(
+        steps=args.steps, keep=args.keep, sft_steps=args.sft_steps, rl_steps=args.rl_steps, rl=not args.no_rl
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="serve, upload, train DPO, watch the numbers, stop")
     demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--keep", action="store_true", help="keep the demo's data folder")
+    demo.add_argument("--sft-steps", type=int, default=400, help="SFT steps before GRPO")
+    demo.add_argument("--rl-steps", type=int, default=300, help="GRPO steps")
+    demo.add_argument("--no-rl", action="store_true", help="only the DPO part")
     demo.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
     result: int = args.func(args)

@@ -37,14 +37,18 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 
 def _sqlite_begin(conn: Any) -> None:
-    conn.exec_driver_sql("BEGIN")
+    # IMMEDIATE takes the write lock up front. A deferred BEGIN that reads and then writes fails at once
+    # with "database is locked" (SQLITE_BUSY_SNAPSHOT, which the busy timeout does not retry) whenever
+    # another process committed in between: exactly the API-while-the-worker-writes case.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """An engine for ``url``; SQLite connections get WAL, a busy timeout and foreign keys.
 
     pysqlite's own transaction handling breaks SAVEPOINT (SQLAlchemy "pysqlite" docs): we turn it off
-    and emit BEGIN ourselves, so nested transactions behave as on PostgreSQL.
+    and emit BEGIN IMMEDIATE ourselves, so nested transactions behave as on PostgreSQL and concurrent
+    writers queue on the busy timeout instead of failing.
     """
     if url.startswith("sqlite"):
         connect_args = {"check_same_thread": False, "timeout": 30}

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +89,173 @@ def watch(client: httpx.Client, run_id: str, timeout: float = 600) -> dict[str, 
         time.sleep(0.5)
 
 
-def run_demo(steps: int = 300, keep: bool = False) -> int:
+def addition_tasks(
+    seed: int = 0, n_heldout: int = 200, n_sft: int = 4000, n_rl: int = 4000
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """2-digit addition (a, b in 0..99) written at fixed width ("07+35=" -> "042", so every digit sits at
+    the same position): SFT pairs, RL prompts with answers, and held-out prompts that neither stage ever
+    trains on."""
+    rng = random.Random(seed)
+    pool = [(a, b) for a in range(100) for b in range(100)]
+    rng.shuffle(pool)
+    held, rest = pool[:n_heldout], pool[n_heldout:]
+    sft = [{"prompt": f"{a:02d}+{b:02d}=", "completion": f"{a + b:03d}"} for a, b in rest[:n_sft]]
+    rl = [{"prompt": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}"} for a, b in rest[-n_rl:]]
+    heldout = [{"prompt": f"{a:02d}+{b:02d}=", "answer": f"{a + b:03d}"} for a, b in held]
+    return sft, rl, heldout
+
+
+def _upload(client: httpx.Client, rows: list[dict[str, Any]], kind: str, name: str) -> str:
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    resp = client.post(
+        "/v1/datasets", files={"file": (f"{name}.jsonl", data)}, data={"kind": kind, "name": name}
+    )
+    resp.raise_for_status()
+    dataset_id: str = resp.json()["id"]
+    return dataset_id
+
+
+def dpo_part(client: httpx.Client, steps: int) -> bool:
+    """Part 1: DPO on 200 addition preference pairs; prints the metrics as they arrive."""
+    data = (
+        EXAMPLE.read_bytes()
+        if EXAMPLE.exists()
+        else "\n".join(json.dumps(r) for r in addition_pairs()).encode()
+    )
+    resp = client.post(
+        "/v1/datasets",
+        files={"file": ("addition.jsonl", data)},
+        data={"kind": "preference", "name": "addition pairs"},
+    )
+    resp.raise_for_status()
+    ds = resp.json()
+    print(f"uploaded dataset {ds['id']}: {ds['row_count']} rows, stats {ds['stats']['source_formats']}")
+    spec = {
+        "algorithm": "dpo",
+        "name": "demo",
+        "model": "tiny:llama-0.4m",
+        "dataset_id": ds["id"],
+        "hyperparameters": {"learning_rate": 1e-3, "max_steps": steps, "batch_size": 8, "beta": 0.1},
+    }
+    resp = client.post("/v1/runs", json=spec)
+    resp.raise_for_status()
+    run = resp.json()
+    print(f"submitted DPO run {run['id']} ({steps} steps on tiny:llama-0.4m); status {run['status']}")
+    run = watch(client, run["id"])
+    finals = client.get(f"/v1/runs/{run['id']}/metrics", params={"min_step": steps}).json()["data"]
+    print(f"run {run['id']} {run['status']}" + (f": {run['error']}" if run["error"] else ""))
+    for m in finals:
+        if m["key"].startswith("final/"):
+            print(f"  {m['key']:28s} {m['value']:.4f}")
+    return bool(run["status"] == "succeeded")
+
+
+RL_SPEC = {
+    "learning_rate": 2e-4,
+    "prompts_per_step": 16,
+    "samples_per_prompt": 8,
+    "max_new_tokens": 4,
+    "max_prompt_length": 8,
+    "max_length": 16,
+    "temperature": 1.0,
+    "kl_coef": 0.0,
+    "dynamic_sampling": True,
+    "eval_every": 25,
+    "log_every": 5,
+    "sample_every": 50,
+    "seed": 0,
+}
+
+
+def rl_part(client: httpx.Client, sft_steps: int, rl_steps: int) -> dict[str, Any]:
+    """Part 2: a pipeline SFT -> GRPO on 2-digit addition with an exact-match verifier; prints held-out
+    greedy exact-match accuracy from the SFT start to the end of RL. Returns the numbers."""
+    sft_rows, rl_rows, heldout = addition_tasks()
+    sft_ds = _upload(client, sft_rows, "sft", "addition-sft")
+    rl_ds = _upload(client, rl_rows, "prompts", "addition-prompts")
+    held_ds = _upload(client, heldout, "prompts", "addition-heldout")
+    body = {
+        "name": "demo-sft-grpo",
+        "stages": [
+            {
+                "name": "sft",
+                "spec": {
+                    "algorithm": "sft",
+                    "model": "tiny:llama-char-0.4m",
+                    "dataset_id": sft_ds,
+                    "hyperparameters": {
+                        "learning_rate": 1e-3,
+                        "max_steps": sft_steps,
+                        "batch_size": 64,
+                        "max_length": 16,
+                        "log_every": 50,
+                    },
+                },
+            },
+            {
+                "name": "grpo",
+                "spec": {
+                    "algorithm": "grpo",
+                    "model": "stage:sft",
+                    "dataset_id": rl_ds,
+                    "validation_dataset_id": held_ds,
+                    "rewards": [{"name": "exact_match"}],
+                    "eval_rewards": [{"name": "exact_match"}],
+                    "hyperparameters": {**RL_SPEC, "max_steps": rl_steps},
+                },
+            },
+        ],
+    }
+    resp = client.post("/v1/pipelines", json=body)
+    resp.raise_for_status()
+    pipeline = resp.json()
+    print(
+        f"pipeline {pipeline['id']}: SFT ({sft_steps} steps) then GRPO ({rl_steps} steps), "
+        f"held-out exact match on {len(heldout)} problems never trained on"
+    )
+    seen: set[int] = set()
+    while True:
+        pipeline = client.get(f"/v1/pipelines/{pipeline['id']}").json()
+        grpo = pipeline["stages"][1]
+        if grpo["run_id"]:
+            evals = client.get(
+                f"/v1/runs/{grpo['run_id']}/metrics",
+                params={"key": ["eval/accuracy", "reward/mean"], "limit": 10_000},
+            ).json()["data"]
+            acc = {m["step"]: m["value"] for m in evals if m["key"] == "eval/accuracy"}
+            reward = {m["step"]: m["value"] for m in evals if m["key"] == "reward/mean"}
+            for step in sorted(set(acc) - seen):
+                seen.add(step)
+                r = f"  train reward {reward[step]:.3f}" if step in reward else ""
+                print(f"  GRPO step {step:4d}  held-out exact match {acc[step]:.3f}{r}")
+        if pipeline["status"] != "running":
+            break
+        time.sleep(1.0)
+    result: dict[str, Any] = {"status": pipeline["status"], "reason": pipeline["reason"]}
+    if grpo["run_id"] and acc:
+        run = client.get(f"/v1/runs/{grpo['run_id']}").json()
+        start, end = acc[min(acc)], acc[max(acc)]
+        minutes = (
+            (
+                datetime.fromisoformat(run["finished_at"]) - datetime.fromisoformat(run["started_at"])
+            ).total_seconds()
+            / 60
+            if run["finished_at"] and run["started_at"]
+            else float("nan")
+        )
+        result |= {"start": start, "end": end, "points": 100 * (end - start), "rl_minutes": minutes}
+        print(
+            f"pipeline {pipeline['status']}: held-out exact match {start:.1%} after SFT -> {end:.1%} after "
+            f"GRPO ({100 * (end - start):+.1f} points) in {minutes:.1f} min of RL"
+        )
+    else:
+        print(f"pipeline {pipeline['status']}: {pipeline['reason']}")
+    return result
+
+
+def run_demo(
+    steps: int = 300, keep: bool = False, sft_steps: int = 400, rl_steps: int = 300, rl: bool = True
+) -> int:
     home = Path(tempfile.mkdtemp(prefix="rlrun-demo-"))
     port = int(os.environ.get("RLRUN_PORT") or free_port())
     env = {**os.environ, "RLRUN_HOME": str(home), "RLRUN_PORT": str(port)}
@@ -105,41 +272,12 @@ def run_demo(steps: int = 300, keep: bool = False) -> int:
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             wait_healthy(client, proc)
-            data = (
-                EXAMPLE.read_bytes()
-                if EXAMPLE.exists()
-                else "\n".join(json.dumps(r) for r in addition_pairs()).encode()
-            )
-            resp = client.post(
-                "/v1/datasets",
-                files={"file": ("addition.jsonl", data)},
-                data={"kind": "preference", "name": "addition pairs"},
-            )
-            resp.raise_for_status()
-            ds = resp.json()
-            print(
-                f"uploaded dataset {ds['id']}: {ds['row_count']} rows, stats {ds['stats']['source_formats']}"
-            )
-            spec = {
-                "algorithm": "dpo",
-                "name": "demo",
-                "model": "tiny:llama-0.4m",
-                "dataset_id": ds["id"],
-                "hyperparameters": {"learning_rate": 1e-3, "max_steps": steps, "batch_size": 8, "beta": 0.1},
-            }
-            resp = client.post("/v1/runs", json=spec)
-            resp.raise_for_status()
-            run = resp.json()
-            print(f"submitted DPO run {run['id']} ({steps} steps on tiny:llama-0.4m); status {run['status']}")
-            run = watch(client, run["id"])
-            finals = client.get(f"/v1/runs/{run['id']}/metrics", params={"min_step": steps}).json()["data"]
-            print(f"run {run['id']} {run['status']}" + (f": {run['error']}" if run["error"] else ""))
-            for m in finals:
-                if m["key"].startswith("final/"):
-                    print(f"  {m['key']:28s} {m['value']:.4f}")
-            if run["output_path"]:
-                print(f"  model saved to {run['output_path']}")
-            ok = run["status"] == "succeeded"
+            print("== part 1: DPO on preference pairs")
+            ok = dpo_part(client, steps)
+            if ok and rl:
+                print("== part 2: SFT then GRPO with a verifier (online RL)")
+                ok = rl_part(client, sft_steps, rl_steps)["status"] == "succeeded"
+            print("rlrun demo: done" if ok else "rlrun demo: FAILED")
             return 0 if ok else 1
     finally:
         proc.terminate()

@@ -366,6 +366,10 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
     def _fits(self) -> OnlineRlHyperparameters:
         if self.max_prompt_length + self.max_new_tokens > self.max_length:
             raise ValueError("max_prompt_length + max_new_tokens must not exceed max_length")
+        if self.dynamic_sampling and self.samples_per_prompt < 2:
+            raise ValueError(
+                "dynamic_sampling needs samples_per_prompt >= 2 (a group of one has no variance)"
+            )
         return self
 
 
@@ -495,10 +499,115 @@ class GroupRlSpec(_OnlineRlSpecBase):
         return self
 
 
-AnyRunSpec = DpoSpec | SftSpec | RewardModelSpec | GroupRlSpec
+PpoAlgorithm = Literal["ppo", "vc_ppo"]
+
+
+class PpoHyperparameters(OnlineRlHyperparameters):
+    """PPO with a learned critic and GAE (Schulman et al. 2017; Ouyang et al. 2022), and VC-PPO
+    (Yuan et al. 2025: value pretraining, decoupled and length-adaptive lambda)."""
+
+    samples_per_prompt: int = Field(default=1, ge=1, le=256, description="Completions per prompt.")
+    kl_estimator: KlEstimatorName = Field(default="k1", description="k1, k2, k3 or abs (Schulman 2020).")
+    kl_placement: Literal["loss", "reward"] = Field(
+        default="reward", description="KL folded into per-token rewards (RLHF recipe) or added to the loss."
+    )
+    gamma: float = Field(default=1.0, gt=0, le=1, description="GAE discount.")
+    lam: float | None = Field(default=None, ge=0, le=1, description="Actor GAE lambda; preset.")
+    critic_lam: float | None = Field(
+        default=None, ge=0, le=1, description="Critic (value target) GAE lambda; VC-PPO decouples it (1.0)."
+    )
+    length_adaptive_alpha: float | None = Field(
+        default=None,
+        gt=0,
+        description="VC-PPO: actor lambda per sequence = 1 - 1/(alpha * length); None keeps `lam` fixed.",
+    )
+    value_clip: float | None = Field(
+        default=0.2, gt=0, description="Clipped value loss range (None: unclipped)."
+    )
+    vf_coef: float = Field(default=0.5, gt=0, le=100, description="Value-loss weight.")
+    critic_learning_rate: float | None = Field(
+        default=None, gt=0, le=1.0, description="Critic AdamW learning rate (default: learning_rate)."
+    )
+    value_pretrain_steps: int | None = Field(
+        default=None,
+        ge=0,
+        le=100_000,
+        description="Steps that train only the critic before the actor; preset.",
+    )
+    whiten_advantages: bool = Field(default=True, description="Standardise advantages over valid tokens.")
+
+
+PPO_PRESETS: dict[str, dict[str, Any]] = {
+    "ppo": {
+        "lam": 0.95,
+        "critic_lam": 0.95,
+        "value_pretrain_steps": 0,
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.05,
+        "dynamic_sampling": False,
+    },
+    # Yuan et al. 2025: critic lambda 1 (unbiased value targets), actor lambda adapted to the length,
+    # and the value model pretrained on the initial policy's rollouts before any actor update.
+    "vc_ppo": {
+        "lam": 0.95,
+        "critic_lam": 1.0,
+        "length_adaptive_alpha": 0.05,
+        "value_pretrain_steps": 10,
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.05,
+        "dynamic_sampling": False,
+    },
+}
+
+
+class PpoSpec(_OnlineRlSpecBase):
+    """PPO family: token-level advantages from a critic (value head) with GAE."""
+
+    algorithm: PpoAlgorithm = Field(description="Preset: ppo or vc_ppo (fills the fields left unset).")
+    critic_model: str | None = Field(
+        default=None,
+        description="Critic initialisation: default the starting policy with a fresh value head; or a "
+        "reward-model run (`run:<id>`), the InstructGPT recipe. " + MODEL_REF_DOC,
+    )
+    hyperparameters: PpoHyperparameters = Field(default_factory=PpoHyperparameters)
+
+    @field_validator("critic_model")
+    @classmethod
+    def _check_critic(cls, v: str | None) -> str | None:
+        return None if v is None else check_model_ref(v)
+
+    @model_validator(mode="after")
+    def _apply_preset(self) -> PpoSpec:
+        if self.hyperparameters.advantage is not None:
+            raise ValueError("PPO takes its advantages from GAE; `advantage` is for the group family")
+        preset = PPO_PRESETS[self.algorithm]
+        unset = {k: v for k, v in preset.items() if getattr(self.hyperparameters, k) is None}
+        if unset:
+            object.__setattr__(self, "hyperparameters", self.hyperparameters.model_copy(update=unset))
+        return self
+
+    @property
+    def model_refs(self) -> dict[str, str]:
+        refs = super().model_refs
+        if self.critic_model is not None:
+            refs["critic_model"] = self.critic_model
+        return refs
+
+
+AnyRunSpec = DpoSpec | SftSpec | RewardModelSpec | GroupRlSpec | PpoSpec
 RunSpec = Annotated[AnyRunSpec, Field(discriminator="algorithm")]
 RUN_SPEC_ADAPTER: TypeAdapter[AnyRunSpec] = TypeAdapter(RunSpec)
-ALGORITHMS: tuple[str, ...] = ("dpo", "sft", "reward_model", *get_args(GroupAlgorithm))
+ALGORITHMS: tuple[str, ...] = (
+    "dpo",
+    "sft",
+    "reward_model",
+    *get_args(GroupAlgorithm),
+    *get_args(PpoAlgorithm),
+)
 
 
 def parse_spec(data: object) -> AnyRunSpec:

@@ -181,15 +181,18 @@ def policy_update(
 def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
     """Train ``spec.model`` with the group-family preset ``spec.algorithm`` on a prompts dataset."""
     hp = spec.hyperparameters
+    # Resolve every model before seeding: building a tiny preset on first use draws from torch's RNG.
     model_path = str(ctx.resume_from) if ctx.resume_from else ctx.resolve_model(spec.model)
+    kl_needed = (hp.kl_coef or 0) > 0 or hp.kl_controller == "adaptive"
+    # The reference is always the original start, also when resuming.
+    reference_path = ctx.resolve_model(spec.reference_model or spec.model) if kl_needed else None
     gen = seed_everything(hp.seed)
     device = pick_device()
     policy, tokenizer = load_causal_lm(model_path)
     policy.to(device)
-    kl_needed = (hp.kl_coef or 0) > 0 or hp.kl_controller == "adaptive"
     reference = None
-    if kl_needed:  # the reference is always the original start, also when resuming
-        reference, _ = load_causal_lm(ctx.resolve_model(spec.reference_model or spec.model))
+    if reference_path is not None:
+        reference, _ = load_causal_lm(reference_path)
         reference.to(device).eval().requires_grad_(False)
     engine = make_engine(hp.engine, model=policy, tokenizer=tokenizer, model_path=model_path)
     reward = build_reward(spec.rewards, ctx.resolve_model, device)
@@ -271,8 +274,11 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
         baseline = torch.tensor(ro.baseline, dtype=torch.float32, device=device) if ro.baseline else None
         adv = advantage(OutcomeBatch(scores=scores, group_ids=group_ids, baseline=baseline))
         stats = policy_update(policy, optimizer, batch, old_logp, ref_logp, adv, mask, hp, kl_ctl.value, gen)
-        if "kl/ref" in stats:
-            kl_ctl.update(float(stats["kl/ref"]), len(ro.completions))
+        if ref_logp is not None:
+            # The controller's target (Ziegler et al. 2019) is per sequence: token sum, mean over rollouts.
+            seq_kl = (KL_ESTIMATORS[hp.kl_estimator](old_logp, ref_logp) * mask).sum(-1).mean()
+            stats["kl/seq"] = seq_kl
+            kl_ctl.update(float(seq_kl), len(ro.completions))
         t_train = time.perf_counter() - t1
 
         # ---- metrics, samples, eval, checkpoint

@@ -1,0 +1,464 @@
+"""Seconds per GRPO step: rlrun's ``run_group_rl`` against TRL's ``GRPOTrainer``, same model, data, settings.
+
+Both train the built-in ``tiny:llama-10m`` (random-init Llama, ~11M parameters) from the same folder on
+the same 64 addition prompts (``a+b=``, answer ``a+b``): 2 prompts x G=4 completions = 8 completions per
+step, 16 new tokens each, temperature 1.0 (top_p 1, top_k off), no KL (kl_coef 0 / beta 0, so neither
+loads a reference model), one policy pass and one AdamW step per generation batch (ppo_epochs 1 /
+num_iterations 1), lr 1e-4 constant, clip 0.2, std-normalised group advantages, per-sequence token-mean
+loss (rlrun's ``grpo`` preset / TRL's ``loss_type="grpo"``), grad clip 1.0, fp32 on CPU, HF ``generate``
+(rlrun's hf engine; TRL without vLLM). The reward is the same function in both: rlrun's ``numeric``
+verifier (1.0 when the completion's last number equals the answer), called by rlrun's reward registry and,
+for TRL, by a reward function with TRL's signature.
+
+Completion lengths are made equal: both models' ``generate`` is wrapped to pass ``min_new_tokens=16``
+(EOS is masked until the budget is spent), so every completion is exactly 16 tokens in both. The same
+wrapper times each ``generate`` call, so ``generate s/step`` is measured the same way for both.
+
+What is timed, for each, from one clock start to the end of the last optimizer step:
+
+- rlrun: the ``run_group_rl`` call, with the model loading replaced by an already loaded copy. This
+  includes tokenizing the prompts and building the engine, the reward and the optimizer. The final-model
+  save after the last step is not timed (TRL saves nothing); no validation set, so no eval.
+- TRL: ``GRPOTrainer(...)`` (dataset preparation, accelerator setup) plus ``trainer.train()``, with the
+  policy passed in already loaded.
+
+``s/step`` is that total over the steps; ``steady s/step`` leaves out setup and the first warm-up steps;
+``cpu s/step`` is the process's CPU time (all threads) over the same span as ``s/step``. Wall times
+swing with other load on a shared machine; CPU time much less so (it is still inflated a little when
+torch's worker threads wait on a descheduled sibling).
+``ratio = TRL s/step / rlrun s/step``: above 1 means rlrun is faster. ``generate s/step`` is the wall time
+inside ``model.generate`` per step; ``rest s/step`` is ``s/step`` minus that (log-probs, loss, backward,
+optimizer, rewards, bookkeeping, and the setup spread over the steps). rlrun's own split (``perf/gen_s``:
+generate + decode + rewards; ``perf/train_s``: log-probs, advantages, update) is printed below the table.
+
+Run: ``make bench`` (runs every file in bench/) or ``.venv/bin/python bench/grpo_vs_trl.py --steps N``
+after ``.venv/bin/pip install -e '.[dev,bench]'``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import random
+import shlex
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+from unittest import mock
+
+import torch
+
+from trainer.loops import group_rl as group_rl_loop
+from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
+from trainer.reporting import LoopContext, MemoryReporter, RunData
+from trainer.rewards.verifiers import Sample, numeric
+from trainer.specs import GroupRlSpec, parse_spec
+
+PRESET = "llama-10m"
+N_PROMPTS = 64
+PROMPTS_PER_STEP = 2
+G = 4  # completions per prompt
+MAX_NEW_TOKENS = 16
+MAX_PROMPT_LENGTH = 32
+LR = 1e-4
+CLIP = 0.2
+TEMPERATURE = 1.0
+SEED = 0
+WARMUP_STEPS = 5  # left out of the steady-state s/step
+
+
+class Stamp(NamedTuple):
+    wall: float  # time.perf_counter()
+    cpu: float  # time.process_time(): this process's CPU time, all threads; less hurt by other load
+
+
+def stamp() -> Stamp:
+    return Stamp(time.perf_counter(), time.process_time())
+
+
+@dataclass
+class Timing:
+    """Clock readings of one training run, its generate time and its completion lengths and rewards."""
+
+    name: str
+    start: Stamp
+    setup_end: Stamp
+    step_ends: list[Stamp]
+    generate_s: float  # wall seconds inside model.generate over the timed span
+    completion_length: float  # mean tokens per completion over all steps
+    reward: float  # mean reward over all steps
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_ends)
+
+    @property
+    def setup_s(self) -> float:
+        return self.setup_end.wall - self.start.wall
+
+    @property
+    def total_s(self) -> float:
+        return self.step_ends[-1].wall - self.start.wall
+
+    @property
+    def per_step_s(self) -> float:
+        return self.total_s / self.steps
+
+    @property
+    def cpu_per_step_s(self) -> float:
+        return (self.step_ends[-1].cpu - self.start.cpu) / self.steps
+
+    @property
+    def steady_s(self) -> float:
+        warm = min(WARMUP_STEPS, self.steps - 1)
+        if warm == 0:
+            return self.per_step_s
+        return (self.step_ends[-1].wall - self.step_ends[warm - 1].wall) / (self.steps - warm)
+
+    @property
+    def generate_per_step_s(self) -> float:
+        return self.generate_s / self.steps
+
+    @property
+    def rest_per_step_s(self) -> float:
+        return self.per_step_s - self.generate_per_step_s
+
+
+@dataclass
+class TimedReporter(MemoryReporter):
+    """A MemoryReporter that also notes when setup ended and when each training step ended."""
+
+    setup_end: Stamp | None = None
+    step_ends: dict[int, Stamp] = field(default_factory=dict)
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        if "perf/train_s" in metrics and step not in self.step_ends:  # a step that made an update
+            self.step_ends[step] = stamp()
+        super().log_metrics(step, metrics)
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        if self.setup_end is None and " steps on " in message:  # the last event before the step loop
+            self.setup_end = stamp()
+        super().event(kind, message, data)
+
+
+@dataclass
+class GenerateClock:
+    """Wraps a model's ``generate``: forces the full completion length and adds up the wall time."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    def install(self, model: Any) -> None:
+        inner = model.generate
+
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            kwargs["min_new_tokens"] = MAX_NEW_TOKENS  # EOS masked until the budget is spent: equal lengths
+            begin = time.perf_counter()
+            out = inner(*args, **kwargs)
+            self.seconds += time.perf_counter() - begin
+            self.calls += 1
+            return out
+
+        model.generate = generate  # an instance attribute: both trainers call model.generate on this object
+
+
+def addition_prompts(n: int, seed: int = SEED) -> list[dict[str, Any]]:
+    """Prompt rows ``a+b=`` with the sum as the answer (the shape of a ``prompts`` dataset row)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 49), rng.randint(0, 49)
+        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b), "meta": {}})
+    return rows
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def warm_up(model_dir: Path) -> None:
+    """One forward/backward and one short generate so neither contender pays torch's first-call costs."""
+    model, tokenizer = load_causal_lm(str(model_dir))
+    ids = tokenizer(["12+30=42"] * PROMPTS_PER_STEP * G, return_tensors="pt").input_ids
+    model(input_ids=ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids[:, :6],
+            attention_mask=torch.ones_like(ids[:, :6]),
+            max_new_tokens=4,
+            do_sample=True,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+
+
+def run_rlrun(
+    model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path
+) -> tuple[Timing, TimedReporter]:
+    spec = parse_spec(
+        {
+            "algorithm": "grpo",
+            "model": f"tiny:{PRESET}",
+            "dataset_id": str(uuid.uuid4()),
+            "rewards": [{"name": "numeric"}],
+            "hyperparameters": {
+                "engine": "hf",
+                "learning_rate": LR,
+                "max_steps": steps,
+                "prompts_per_step": PROMPTS_PER_STEP,
+                "samples_per_prompt": G,
+                "max_new_tokens": MAX_NEW_TOKENS,
+                "max_prompt_length": MAX_PROMPT_LENGTH,
+                "max_length": MAX_PROMPT_LENGTH + MAX_NEW_TOKENS,
+                "temperature": TEMPERATURE,
+                "top_p": 1.0,
+                "top_k": 0,
+                "kl_coef": 0.0,
+                "clip_low": CLIP,
+                "clip_high": CLIP,
+                "ppo_epochs": 1,
+                "dynamic_sampling": False,
+                "weight_decay": 0.0,
+                "warmup_steps": 0,
+                "max_grad_norm": 1.0,
+                "seed": SEED,
+                "log_every": 1,
+                "eval_every": 0,
+                "checkpoint_every": 0,
+                "sample_every": 0,
+            },
+        }
+    )
+    assert isinstance(spec, GroupRlSpec)
+    cache = model_dir.parent.parent
+    ctx = LoopContext(
+        cache_dir=cache,
+        checkpoint_dir=work / "rlrun-checkpoints",  # only the final model is saved (checkpoint_every=0)
+        resolve_model=lambda ref: resolve_model(ref, cache_dir=cache, run_output=lambda _ref: work),
+    )
+    loaded = load_causal_lm(str(model_dir))  # loading is outside the clock, as for TRL
+    clock = GenerateClock()
+    clock.install(loaded[0])
+    reporter = TimedReporter()
+    with mock.patch.object(group_rl_loop, "load_causal_lm", lambda _path: loaded):
+        start = stamp()
+        result = group_rl_loop.run_group_rl(spec, RunData(train=rows), reporter, ctx)
+    assert result.status == "succeeded" and reporter.setup_end is not None
+    assert sorted(reporter.step_ends) == list(range(1, steps + 1)), "a step made no update"
+    timing = Timing(
+        name="rlrun",
+        start=start,
+        setup_end=reporter.setup_end,
+        step_ends=[reporter.step_ends[s] for s in range(1, steps + 1)],
+        generate_s=clock.seconds,  # every generate call falls inside the timed span (no eval)
+        completion_length=mean(reporter.series("response/length_mean")),
+        reward=mean(reporter.series("reward/mean")),
+    )
+    return timing, reporter
+
+
+def trl_config(steps: int, work: Path) -> Any:
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(work / "trl-out"),
+        max_steps=steps,
+        num_generations=G,
+        per_device_train_batch_size=PROMPTS_PER_STEP * G,  # completions per optimizer step
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,  # one optimizer step per generation batch
+        num_iterations=1,
+        max_completion_length=MAX_NEW_TOKENS,
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=0,
+        use_vllm=False,
+        beta=0.0,  # no KL, no reference model
+        epsilon=CLIP,
+        loss_type="grpo",  # per-sequence token mean, as rlrun's grpo preset
+        scale_rewards="group",
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        gradient_checkpointing=False,  # TRL defaults to True; rlrun does not checkpoint
+        bf16=False,  # TRL defaults to bf16; both run fp32
+        fp16=False,
+        use_cpu=True,
+        seed=SEED,
+        logging_steps=1,  # as rlrun's log_every=1
+        log_completions=False,
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        log_level="error",
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+    )
+
+
+def numeric_reward(
+    completions: list[str], answer: list[str], prompts: list[str], **_: Any
+) -> list[float | None]:
+    """rlrun's ``numeric`` verifier with TRL's reward-function signature."""
+    return [
+        numeric(
+            Sample(
+                prompt=p,
+                completion=c,
+                row={"prompt": p, "answer": a, "meta": {}},
+                n_tokens=0,
+                max_new_tokens=MAX_NEW_TOKENS,
+                truncated=False,
+            )
+        )
+        for p, c, a in zip(prompts, completions, answer, strict=True)
+    ]
+
+
+def run_trl(model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path) -> Timing:
+    import datasets
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import GRPOTrainer
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.first_begin: Stamp | None = None
+            self.ends: list[Stamp] = []
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.first_begin is None:
+                self.first_begin = stamp()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.ends.append(stamp())
+
+    args = trl_config(steps, work)
+    model, tokenizer = load_causal_lm(str(model_dir))
+    generate_clock = GenerateClock()
+    generate_clock.install(model)
+    # An all-empty ``meta`` struct is not an Arrow type; TRL's reward function needs only prompt and answer.
+    dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    clock = StepClock()
+    start = stamp()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[numeric_reward],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+    )
+    trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the progress bar for printed logs
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
+    assert clock.first_begin is not None and len(clock.ends) == steps and len(logs) == steps
+    assert generate_clock.calls == steps, f"{generate_clock.calls} generate calls for {steps} steps"
+    return Timing(
+        name="TRL",
+        start=start,
+        setup_end=clock.first_begin,
+        step_ends=clock.ends,
+        generate_s=generate_clock.seconds,
+        completion_length=mean([float(e["completions/mean_length"]) for e in logs]),
+        reward=mean([float(e["reward"]) for e in logs]),
+    )
+
+
+def quiet() -> None:
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def print_table(results: list[Timing]) -> None:
+    header = f"{'':8}{'steps':>7}{'setup s':>10}{'total s':>10}{'s/step':>10}{'steady s/step':>15}"
+    header += f"{'cpu s/step':>12}{'generate s/step':>17}{'rest s/step':>13}{'compl len':>11}{'reward':>8}"
+    print(header)
+    for r in results:
+        row = f"{r.name:8}{r.steps:>7}{r.setup_s:>10.2f}{r.total_s:>10.2f}{r.per_step_s:>10.4f}"
+        row += f"{r.steady_s:>15.4f}{r.cpu_per_step_s:>12.4f}{r.generate_per_step_s:>17.4f}"
+        row += f"{r.rest_per_step_s:>13.4f}{r.completion_length:>11.2f}{r.reward:>8.3f}"
+        print(row)
+    ours, trl = results
+    print(f"ratio = TRL s/step / rlrun s/step = {trl.per_step_s / ours.per_step_s:.2f}")
+    print(f"steady ratio (after {WARMUP_STEPS} warm-up steps) = {trl.steady_s / ours.steady_s:.2f}")
+    cpu_ratio = trl.cpu_per_step_s / ours.cpu_per_step_s
+    print(f"cpu-time ratio (process CPU seconds, same span as s/step) = {cpu_ratio:.2f}")
+    gen_ratio = trl.generate_per_step_s / ours.generate_per_step_s
+    rest_ratio = trl.rest_per_step_s / ours.rest_per_step_s
+    print(f"generate ratio = {gen_ratio:.2f}; rest (everything but generate) ratio = {rest_ratio:.2f}")
+
+
+def print_split(reporter: TimedReporter, ours: Timing) -> None:
+    gen_s, train_s = mean(reporter.series("perf/gen_s")), mean(reporter.series("perf/train_s"))
+    other = ours.per_step_s - gen_s - train_s
+    print(
+        f"rlrun split per step (its perf/* metrics, mean over {ours.steps} steps): "
+        f"gen {gen_s:.4f} s (of which generate() {ours.generate_per_step_s:.4f} s) + "
+        f"train {train_s:.4f} s + other {other:.4f} s (setup, metrics; spread over the steps) "
+        f"= {ours.per_step_s:.4f} s; gen is {gen_s / (gen_s + train_s):.0%} of gen+train"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps for each trainer")
+    steps = parser.parse_args(argv).steps
+    if steps < 1:
+        parser.error("--steps must be at least 1")
+    quiet()
+    import transformers
+    import trl
+
+    print(f"command: cd {shlex.quote(os.getcwd())} && {shlex.join([sys.executable, *sys.argv])}")
+    print(
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"transformers {transformers.__version__}, trl {trl.__version__}; tiny:{PRESET}, "
+        f"{N_PROMPTS} prompts, {PROMPTS_PER_STEP} prompts x G={G} x {MAX_NEW_TOKENS} new tokens per step, "
+        f"temperature {TEMPERATURE}, lr {LR}, no KL, clip {CLIP}, fp32, cpu; "
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus"
+    )
+    rows = addition_prompts(N_PROMPTS)
+    with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
+        work = Path(tmp)
+        model_dir = tiny_model_dir(PRESET, work / "cache")
+        warm_up(model_dir)
+        torch.manual_seed(SEED)
+        ours, reporter = run_rlrun(model_dir, rows, steps, work)
+        gc.collect()
+        torch.manual_seed(SEED)
+        trl_timing = run_trl(model_dir, rows, steps, work)
+        gc.collect()
+    print_table([ours, trl_timing])
+    print_split(reporter, ours)
+    print(f"load average after the runs: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus")
+    print(
+        "note: rlrun runs a no-grad forward for the old-policy log-probs every step; TRL skips it when "
+        "num_iterations=1 and generation is aligned with the optimizer step (it uses the detached "
+        "current log-probs), and computes logits only for the completion positions (logits_to_keep)."
+    )
+    print(
+        "note: TRL's split is not reported by TRL itself; its generate s/step comes from the same wrapper "
+        "around model.generate as rlrun's. Completion lengths are forced to the full budget in both."
+    )
+
+
+if __name__ == "__main__":
+    main()
