@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Annotated
 
 from fastapi import Depends, Path, Request
@@ -26,6 +27,12 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
+def get_session_factory(request: Request) -> Callable[[], AbstractContextManager[Session]]:
+    """For the one route that opens a short session per poll (the SSE stream)."""
+    factory: Callable[[], AbstractContextManager[Session]] = request.app.state.session_factory
+    return factory
+
+
 def get_enqueue(request: Request) -> Enqueue:
     enqueue: Enqueue = request.app.state.enqueue
     return enqueue
@@ -34,6 +41,7 @@ def get_enqueue(request: Request) -> Enqueue:
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 SessionDep = Annotated[Session, Depends(get_session)]
 EnqueueDep = Annotated[Enqueue, Depends(get_enqueue)]
+SessionFactoryDep = Annotated[Callable[[], AbstractContextManager[Session]], Depends(get_session_factory)]
 
 
 def load_run(run_id: Annotated[uuid.UUID, Path()], session: SessionDep) -> Run:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.db import make_engine, make_session_factory
 from api.errors import install_error_handlers
 from api.queue import CeleryEnqueue, Enqueue
-from api.routers import checkpoints, datasets, pipelines, runs
+from api.routers import checkpoints, datasets, pipelines, runs, stream
 from api.settings import Settings, get_settings
 
 log = logging.getLogger("rlrun.api")
@@ -41,6 +44,7 @@ def create_app(
     app.include_router(runs.router)
     app.include_router(checkpoints.router)
     app.include_router(pipelines.router)
+    app.include_router(stream.router)
 
     @app.middleware("http")
     async def log_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -49,6 +53,14 @@ def create_app(
         ms = (time.perf_counter() - start) * 1000
         log.info("%s %s %d %.1fms", request.method, request.url.path, response.status_code, ms)
         return response
+
+    static = Path(__file__).resolve().parent / "static"
+    app.mount("/static", StaticFiles(directory=static, check_dir=False), name="static")
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        """The web dashboard (static files; it reads the same /v1 API)."""
+        return FileResponse(static / "index.html")
 
     @app.get("/healthz", tags=["meta"])
     def healthz() -> dict[str, str]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from api.deps import get_session
+from api.deps import get_session, get_session_factory
 from api.main import create_app
 from api.models import Dataset, DatasetRow, Run, utcnow
 from api.settings import Settings
@@ -41,6 +41,7 @@ def api_client(
         yield session
 
     app.dependency_overrides[get_session] = _session
+    app.dependency_overrides[get_session_factory] = lambda: lambda: nullcontext(session)
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
 

@@ -124,8 +124,29 @@ def list_metrics(
     max_step: Annotated[int | None, Query(ge=0)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
     after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
+    max_points: Annotated[
+        int | None,
+        Query(
+            ge=4,
+            le=100_000,
+            description="Chart mode: at most this many points per key (min-max "
+            "downsampled, first and last kept); no paging.",
+        ),
+    ] = None,
 ) -> Page[MetricRead]:
-    """Metric values ordered by step then key."""
+    """Metric values ordered by step then key; with `max_points`, a downsampled series per key."""
+    if max_points is not None:
+        return Page(
+            data=service.downsampled_metrics(
+                session=session,
+                run_id=run.id,
+                keys=key,
+                min_step=min_step,
+                max_step=max_step,
+                max_points=max_points,
+            ),
+            has_more=False,
+        )
     cursor_key = None
     if after is not None:
         step, k = decode_cursor(after, 2)
@@ -145,6 +166,12 @@ def list_metrics(
     rows = rows[:limit]
     cursor = encode_cursor(rows[-1].step, rows[-1].key) if more else None
     return Page(data=[MetricRead.model_validate(m) for m in rows], has_more=more, next_cursor=cursor)
+
+
+@router.get("/{run_id}/metric-keys", response_model=list[str], responses=_ERRORS)
+def list_metric_keys(run: RunDep, session: SessionDep) -> list[str]:
+    """The metric keys this run has logged, sorted."""
+    return service.metric_keys(session=session, run_id=run.id)
 
 
 @router.get("/{run_id}/events", response_model=Page[EventRead], responses=_ERRORS)

@@ -13,6 +13,7 @@ from datetime import datetime
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
+from api.downsample import minmax_downsample
 from api.errors import (
     IdempotencyConflict,
     IncompatibleDataset,
@@ -21,6 +22,7 @@ from api.errors import (
     RunNotFound,
 )
 from api.models import FINISHED_STATUSES, Checkpoint, Event, Metric, Run, utcnow
+from api.schemas import MetricRead
 from api.services.datasets import get_dataset
 from trainer.specs import AnyRunSpec, parse_run_ref, parse_run_ref_step, parse_stage_ref
 
@@ -195,3 +197,35 @@ def list_events(*, session: Session, run_id: uuid.UUID, after: int | None, limit
     if after is not None:
         stmt = stmt.where(Event.id > after)
     return list(session.scalars(stmt))
+
+
+def metric_keys(*, session: Session, run_id: uuid.UUID) -> list[str]:
+    return list(
+        session.scalars(select(Metric.key).where(Metric.run_id == run_id).distinct().order_by(Metric.key))
+    )
+
+
+def downsampled_metrics(
+    *,
+    session: Session,
+    run_id: uuid.UUID,
+    keys: list[str] | None,
+    min_step: int | None,
+    max_step: int | None,
+    max_points: int,
+) -> list[MetricRead]:
+    """Per key, the series in step order cut to ``max_points`` by min-max bucketing (api/downsample.py).
+    Reads only (step, value, logged_at) through the (run_id, key, step) primary key."""
+    out: list[MetricRead] = []
+    for key in keys or metric_keys(session=session, run_id=run_id):
+        stmt = select(Metric.step, Metric.value, Metric.logged_at).where(
+            Metric.run_id == run_id, Metric.key == key
+        )
+        if min_step is not None:
+            stmt = stmt.where(Metric.step >= min_step)
+        if max_step is not None:
+            stmt = stmt.where(Metric.step <= max_step)
+        rows = session.execute(stmt.order_by(Metric.step)).all()
+        kept = minmax_downsample(rows, [r.value for r in rows], max_points)
+        out += [MetricRead(key=key, step=r.step, value=r.value, logged_at=r.logged_at) for r in kept]
+    return out
