@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from api.settings import Settings
@@ -61,7 +61,7 @@ def cmd_worker(_args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Migrate, start one worker process, then serve the API until interrupted; stop the worker after."""
+    """Migrate, start one worker process and the reconciler, then serve the API until interrupted."""
     import uvicorn
 
     cmd_migrate(args)
@@ -73,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     worker = None
     if not args.no_worker:
         worker = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], preexec_fn=_die_with_parent)
+    reconciler = _start_reconciler(settings)
     try:
         uvicorn.run(
             "api.main:create_app",
@@ -82,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             log_level="warning",
         )
     finally:
+        reconciler.stop()
         if worker is not None:
             worker.send_signal(signal.SIGTERM)
             try:
@@ -89,6 +91,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 worker.kill()
     return 0
+
+
+def _start_reconciler(settings: Settings) -> Any:
+    """The reconciler runs in the API process (`rlrun serve`, with or without a worker)."""
+    from api.db import make_engine, make_session_factory
+    from api.queue import CeleryEnqueue
+    from api.reconciler import ReconcilerThread
+
+    thread = ReconcilerThread(
+        make_session_factory(make_engine(settings.resolved_database_url)),
+        CeleryEnqueue(settings),
+        interval=settings.reconcile_seconds,
+        max_attempts=settings.max_attempts,
+        resend_after_seconds=settings.resend_after_seconds,
+    )
+    thread.start()
+    return thread
 
 
 def _die_with_parent() -> None:

@@ -83,6 +83,7 @@ class Run(Base):
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     worker_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    enqueued_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)

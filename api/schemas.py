@@ -104,7 +104,7 @@ class MetricRead(_Read):
     key: str
     step: int
     value: float
-    logged_at: datetime
+    logged_at: datetime | None = Field(description="When it was logged (null in `max_points` chart mode).")
 
 
 class EventRead(_Read):

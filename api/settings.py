@@ -43,6 +43,15 @@ class Settings(BaseSettings):
     lease_seconds: int = Field(
         default=120, description="A worker's claim on a run lasts this long between heartbeats."
     )
+    max_attempts: int = Field(
+        default=3, ge=1, description="A run whose worker is lost this many times ends failed."
+    )
+    reconcile_seconds: float = Field(
+        default=10.0, gt=0, description="How often `rlrun serve` reconciles runs with workers and the broker."
+    )
+    resend_after_seconds: float = Field(
+        default=300.0, gt=0, description="Re-send a run id that has sat queued this long (a lost message)."
+    )
     broker_polling_interval: float = Field(
         default=0.05, description="Seconds between queue polls of the SQL broker (kombu's default is 1 s)."
     )

@@ -24,8 +24,10 @@ What is timed, for each, from one clock start to the end of the last optimizer s
 
 ``s/step`` is that total over the steps; ``steady s/step`` leaves out setup and the first warm-up steps;
 ``cpu s/step`` is the process's CPU time (all threads) over the same span as ``s/step``. Wall times
-swing with other load on a shared machine; CPU time much less so (it is still inflated a little when
-torch's worker threads wait on a descheduled sibling).
+swing with other load on a shared machine; CPU time less so, but it too is inflated when torch's worker
+threads spin while a sibling is descheduled (with 2 threads on 2 busy cores, by a lot).
+``load`` is the 1-minute load average when that contender finished: the two run one after the other,
+so a ratio only means something when both saw the same load.
 ``ratio = TRL s/step / rlrun s/step``: above 1 means rlrun is faster. ``generate s/step`` is the wall time
 inside ``model.generate`` per step; ``rest s/step`` is ``s/step`` minus that (log-probs, loss, backward,
 optimizer, rewards, bookkeeping, and the setup spread over the steps). rlrun's own split (``perf/gen_s``:
@@ -95,6 +97,7 @@ class Timing:
     generate_s: float  # wall seconds inside model.generate over the timed span
     completion_length: float  # mean tokens per completion over all steps
     reward: float  # mean reward over all steps
+    load: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-minute load average at the end
 
     @property
     def steps(self) -> int:
@@ -389,12 +392,13 @@ def quiet() -> None:
 
 def print_table(results: list[Timing]) -> None:
     header = f"{'':8}{'steps':>7}{'setup s':>10}{'total s':>10}{'s/step':>10}{'steady s/step':>15}"
-    header += f"{'cpu s/step':>12}{'generate s/step':>17}{'rest s/step':>13}{'compl len':>11}{'reward':>8}"
+    header += f"{'cpu s/step':>12}{'generate s/step':>17}{'rest s/step':>13}"
+    header += f"{'compl len':>11}{'reward':>8}{'load':>6}"
     print(header)
     for r in results:
         row = f"{r.name:8}{r.steps:>7}{r.setup_s:>10.2f}{r.total_s:>10.2f}{r.per_step_s:>10.4f}"
         row += f"{r.steady_s:>15.4f}{r.cpu_per_step_s:>12.4f}{r.generate_per_step_s:>17.4f}"
-        row += f"{r.rest_per_step_s:>13.4f}{r.completion_length:>11.2f}{r.reward:>8.3f}"
+        row += f"{r.rest_per_step_s:>13.4f}{r.completion_length:>11.2f}{r.reward:>8.3f}{r.load:>6.2f}"
         print(row)
     ours, trl = results
     print(f"ratio = TRL s/step / rlrun s/step = {trl.per_step_s / ours.per_step_s:.2f}")
@@ -450,9 +454,9 @@ def main(argv: list[str] | None = None) -> None:
     print_split(reporter, ours)
     print(f"load average after the runs: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus")
     print(
-        "note: rlrun runs a no-grad forward for the old-policy log-probs every step; TRL skips it when "
-        "num_iterations=1 and generation is aligned with the optimizer step (it uses the detached "
-        "current log-probs), and computes logits only for the completion positions (logits_to_keep)."
+        "note: with one epoch over one minibatch both use the update's own detached log-probs as the old "
+        "policy's (no extra no-grad pass); TRL computes logits only for the completion positions "
+        "(logits_to_keep), rlrun for every position. Both generate with transformers' generate()."
     )
     print(
         "note: TRL's split is not reported by TRL itself; its generate s/step comes from the same wrapper "

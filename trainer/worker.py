@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -89,16 +90,25 @@ def _updated(session: Session, stmt: Any) -> int:
     return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
 
 
-def upsert_metrics(session: Session, rows: list[dict[str, Any]]) -> None:
-    """Insert metric rows; a (run, key, step) written before (a retried attempt) is overwritten."""
-    dialect = session.get_bind().dialect.name
+@lru_cache(maxsize=4)
+def _upsert_statement(dialect: str) -> Any:
+    """One compiled-once INSERT ... ON CONFLICT (run_id, key, step) DO UPDATE per dialect.
+
+    Executed with a list of rows it goes through SQLAlchemy's "insertmanyvalues" batching; building a
+    fresh ``.values(rows)`` statement per batch instead spent ~90% of ingest time compiling SQL.
+    """
     insert = pg_insert if dialect == "postgresql" else sqlite_insert
-    stmt = insert(Metric).values(rows)
-    stmt = stmt.on_conflict_do_update(
+    stmt = insert(Metric)
+    return stmt.on_conflict_do_update(
         index_elements=["run_id", "key", "step"],
         set_={"value": stmt.excluded.value, "logged_at": stmt.excluded.logged_at},
     )
-    session.execute(stmt)
+
+
+def upsert_metrics(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Insert metric rows; a (run, key, step) written before (a retried attempt) is overwritten."""
+    if rows:
+        session.execute(_upsert_statement(session.get_bind().dialect.name), rows)
 
 
 class DbReporter:
@@ -146,8 +156,7 @@ class DbReporter:
             )
             if owned != 1:
                 raise LeaseLost(f"run {self.run_id} is no longer held by {self.worker_id}")
-            for i in range(0, len(rows), 500):
-                upsert_metrics(session, rows[i : i + 500])
+            upsert_metrics(session, rows)
         self.buffer.clear()
         self.last_flush = time.monotonic()
 
@@ -205,6 +214,47 @@ class DbReporter:
         with self.sf() as session:
             flag = session.scalar(select(Run.cancel_requested).where(Run.id == self.run_id))
         return bool(flag)
+
+
+class LeaseKeeper(threading.Thread):
+    """Renews the run's lease every ``lease_seconds / 3`` while the loop works, so a long step, model
+    loading or a slow first rollout never looks like a dead worker. It dies with the process: a killed
+    worker stops renewing and the reconciler requeues the run when the lease expires."""
+
+    def __init__(
+        self, session_factory: SessionFactory, run_id: uuid.UUID, worker_id: str, lease_seconds: int
+    ):
+        super().__init__(name=f"lease-{run_id}", daemon=True)
+        self.sf, self.run_id, self.worker_id, self.lease_seconds = (
+            session_factory,
+            run_id,
+            worker_id,
+            lease_seconds,
+        )
+        self.stopped = threading.Event()
+        self.lost = False
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.lease_seconds / 3):
+            try:
+                with self.sf.begin() as session:
+                    owned = _updated(
+                        session,
+                        update(Run)
+                        .where(
+                            Run.id == self.run_id, Run.worker_id == self.worker_id, Run.status == "running"
+                        )
+                        .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds))
+                        .execution_options(synchronize_session=False),
+                    )
+                if owned != 1:
+                    self.lost = True
+                    return
+            except Exception:  # noqa: BLE001 - try again next tick; the lease has slack for a few misses
+                log.warning("run %s: lease renewal failed", self.run_id, exc_info=True)
+
+    def stop(self) -> None:
+        self.stopped.set()
 
 
 def one_line(exc: BaseException) -> str:
@@ -305,6 +355,22 @@ def execute_run(
         log.info("run %s: nothing to claim (already taken or ended)", run_id)
         return None
     reporter = DbReporter(session_factory, run_id, worker_id, settings.lease_seconds)
+    keeper = LeaseKeeper(session_factory, run_id, worker_id, settings.lease_seconds)
+    keeper.start()
+    try:
+        return _execute_claimed(run_id, session_factory, settings, loops, worker_id, reporter)
+    finally:
+        keeper.stop()
+
+
+def _execute_claimed(
+    run_id: uuid.UUID,
+    session_factory: SessionFactory,
+    settings: Settings,
+    loops: Mapping[str, Any],
+    worker_id: str,
+    reporter: DbReporter,
+) -> str | None:
     try:
         with session_factory() as session:
             run = session.get(Run, run_id)

@@ -51,7 +51,9 @@ class Cursor:
         try:
             event_id, logged_at, key, step, status = decode_cursor(raw, 5)
         except InvalidRequest:
-            raise InvalidRequest("Last-Event-ID: not an id sent by this stream", field="Last-Event-ID") from None
+            raise InvalidRequest(
+                "Last-Event-ID: not an id sent by this stream", field="Last-Event-ID"
+            ) from None
         if not isinstance(event_id, int) or not isinstance(step, int):
             raise InvalidRequest("Last-Event-ID: not an id sent by this stream", field="Last-Event-ID")
         return cls(event_id, str(logged_at), str(key), step, str(status))

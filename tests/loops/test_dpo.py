@@ -181,3 +181,19 @@ def test_validation_eval_and_retention_keep_last_and_best(tiny_cache: Path, tmp_
     # A checkpoint carries the latest eval, so the best-by-eval/loss is one of the eval steps.
     assert set(reporter.checkpoints) == {5, 6} | {best_step}
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"step-{s:08d}" for s in reporter.checkpoints)
+
+
+def test_nan_loss_fails_the_step_without_touching_the_weights(tiny_cache: Path, tmp_path: Path) -> None:
+    from trainer.loops.common import NonFiniteError, backward_and_step
+
+    model, _ = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    nan_loss = sum(p.sum() for p in model.parameters()) * float("nan")
+    with pytest.raises(NonFiniteError, match="loss is nan at step 7"):
+        backward_and_step(model, optimizer, nan_loss, 1.0, step=7)
+    first = next(iter(model.parameters()))
+    bad_grad = torch.sqrt((first * 0).sum())  # value 0 (finite); d sqrt(u)/du at u = 0 is inf -> nan gradient
+    with pytest.raises(NonFiniteError, match="gradient norm is nan at step 8"):
+        backward_and_step(model, optimizer, bad_grad, 1.0, step=8)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -81,13 +81,32 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf reached the loss or the gradients: the update is refused and the run stops."""
+
+
 def backward_and_step(
-    model: Any, optimizer: torch.optim.Optimizer, loss: torch.Tensor, max_grad_norm: float
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    max_grad_norm: float,
+    *,
+    step: int | None = None,
 ) -> Any:
-    """zero_grad -> backward -> clip -> step; returns the pre-clip gradient norm (a tensor: no sync here)."""
+    """zero_grad -> backward -> clip -> step; returns the pre-clip gradient norm.
+
+    Never trains on NaN: a non-finite loss or gradient norm raises NonFiniteError naming the step and the
+    tensor, before the optimizer touches the weights. (The check is one host sync per step.)
+    """
+    where = f" at step {step}" if step is not None else ""
+    if not torch.isfinite(loss.detach()).all():
+        raise NonFiniteError(f"loss is {float(loss.detach().float().sum())}{where}; no update applied")
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # type: ignore[no-untyped-call]
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(f"gradient norm is {float(grad_norm)}{where}; no update applied")
     optimizer.step()
     return grad_norm
 

@@ -132,7 +132,7 @@ def policy_update(
     policy: Any,
     optimizer: torch.optim.Optimizer,
     batch: TokenBatch,
-    old_logp: Tensor,
+    old_logp: Tensor | None,
     ref_logp: Tensor | None,
     adv: Tensor,
     mask: Tensor,
@@ -152,7 +152,8 @@ def policy_update(
         for start in range(0, n, size):
             mb = order[start : start + size].to(batch.input_ids.device)
             logits, logp = forward_logps(policy, batch.select(mb))
-            out = policy_loss(logp, old_logp[mb], adv[mb], mask[mb], clip=clip)
+            old = logp.detach() if old_logp is None else old_logp[mb]  # None: on-policy, ratio 1
+            out = policy_loss(logp, old, adv[mb], mask[mb], clip=clip)
             per_token = out.per_token
             stats = {f"policy/{k}": v for k, v in out.stats.items()}
             stats["loss/policy"] = aggregate(
@@ -161,6 +162,7 @@ def policy_update(
             if ref_logp is not None:
                 kl_tok = KL_ESTIMATORS[hp.kl_estimator](logp, ref_logp[mb])
                 stats["kl/ref"] = masked_mean(kl_tok.detach(), mask[mb])
+                stats["kl/seq"] = (kl_tok.detach() * mask[mb]).sum(-1).mean()
                 if hp.kl_placement == "loss" and kl_coef > 0:
                     per_token = per_token + kl_coef * kl_tok
             entropy = entropy_from_logits(logits)
@@ -264,21 +266,23 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
         if hp.mask_truncated:
             keep = torch.tensor([c.finish_reason != "length" for c in ro.completions], device=device)
             mask = mask * keep[:, None].float()
-        old_logp = frozen_logps(policy, batch)
         ref_logp = frozen_logps(reference, batch) if reference is not None else None
+        # One epoch over one minibatch is on-policy: the old log-probs are the update's own forward pass
+        # (detached), so the separate no-grad pass is skipped (as TRL does), unless KL-in-reward needs them.
+        on_policy = hp.ppo_epochs == 1 and (hp.minibatch_size or len(ro.completions)) >= len(ro.completions)
+        kl_in_reward = ref_logp is not None and hp.kl_placement == "reward"
+        old_logp = frozen_logps(policy, batch) if not on_policy or kl_in_reward else None
         scores = torch.tensor(ro.total, dtype=torch.float32, device=device)
-        if ref_logp is not None and hp.kl_placement == "reward":  # sequence KL folded into the reward
+        if kl_in_reward:  # sequence KL folded into the reward
+            assert old_logp is not None and ref_logp is not None
             seq_kl = (KL_ESTIMATORS[hp.kl_estimator](old_logp, ref_logp) * mask).sum(-1)
             scores = scores - kl_ctl.value * seq_kl
         group_ids = torch.tensor(ro.prompt_index, device=device)
         baseline = torch.tensor(ro.baseline, dtype=torch.float32, device=device) if ro.baseline else None
         adv = advantage(OutcomeBatch(scores=scores, group_ids=group_ids, baseline=baseline))
         stats = policy_update(policy, optimizer, batch, old_logp, ref_logp, adv, mask, hp, kl_ctl.value, gen)
-        if ref_logp is not None:
-            # The controller's target (Ziegler et al. 2019) is per sequence: token sum, mean over rollouts.
-            seq_kl = (KL_ESTIMATORS[hp.kl_estimator](old_logp, ref_logp) * mask).sum(-1).mean()
-            stats["kl/seq"] = seq_kl
-            kl_ctl.update(float(seq_kl), len(ro.completions))
+        if "kl/seq" in stats:  # the controller's target (Ziegler et al. 2019) is a per-sequence KL
+            kl_ctl.update(float(stats["kl/seq"]), len(ro.completions))
         t_train = time.perf_counter() - t1
 
         # ---- metrics, samples, eval, checkpoint

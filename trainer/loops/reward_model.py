@@ -287,7 +287,7 @@ def run_reward_model(
         mask = batch.mask.to(device)
         margins = batch.margins.to(device) if batch.margins is not None else None
         loss = loss_fn(scores, mask, margins, params)
-        grad_norm = backward_and_step(model, optimizer, loss, hp.max_grad_norm)
+        grad_norm = backward_and_step(model, optimizer, loss, hp.max_grad_norm, step=step)
 
         metrics: dict[str, float] = {}
         if is_due(step, hp.log_every, hp.max_steps):

@@ -132,7 +132,7 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
 
         nll, hits, count = forward(model, batch, device)
         loss = nll / count.clamp(min=1)  # = sft_loss: mean over the batch's completion tokens
-        grad_norm = backward_and_step(model, optimizer, loss, hp.max_grad_norm)
+        grad_norm = backward_and_step(model, optimizer, loss, hp.max_grad_norm, step=step)
 
         metrics: dict[str, float] = {}
         if is_due(step, hp.log_every, hp.max_steps):
