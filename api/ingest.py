@@ -28,15 +28,20 @@ class LineError(ValueError):
 
 
 def parse_json_line(raw: bytes) -> dict[str, Any]:
-    """One JSONL line as an object; refuses non-UTF-8 bytes, bad JSON and non-objects."""
+    """One JSONL line as an object; refuses non-UTF-8 bytes, NUL characters, bad or too deeply nested JSON
+    and non-objects."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise LineError(f"not valid UTF-8 (byte {exc.start})") from None
+    if "\x00" in text or "\\u0000" in text.lower():  # PostgreSQL JSONB cannot store NUL in text
+        raise LineError("NUL characters are not allowed")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise LineError(f"invalid JSON: {exc.msg} at column {exc.colno}") from None
+    except RecursionError:
+        raise LineError("invalid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise LineError(f"expected a JSON object, got {type(obj).__name__}")
     return obj

@@ -34,11 +34,23 @@ class Settings(BaseSettings):
     cache_dir: Path | None = Field(
         default=None, description="Where built-in tiny model presets are built once; default <home>/cache."
     )
+    model_roots: list[Path] = Field(
+        default_factory=list,
+        description="Folders local model paths may point into (besides <home>/models, artifacts, cache).",
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description="Allow models whose code ships with the weights (off: it runs arbitrary code).",
+    )
     queue: str = Field(default="rlrun", description="Celery queue that runs are sent to.")
     port: int = Field(default=8000, description="Port of `rlrun serve`.")
     host: str = Field(default="127.0.0.1", description="Interface of `rlrun serve`.")
     max_upload_bytes: int = Field(
         default=200 * 1024 * 1024, description="Largest dataset upload (413 above)."
+    )
+    max_line_bytes: int = Field(default=8 * 1024 * 1024, ge=1, description="Longest JSONL line of an upload.")
+    max_dataset_rows: int = Field(
+        default=1_000_000, ge=1, description="Most rows in one dataset (413 above)."
     )
     lease_seconds: int = Field(
         default=120, description="A worker's claim on a run lasts this long between heartbeats."
@@ -67,6 +79,15 @@ class Settings(BaseSettings):
     @property
     def resolved_artifacts_dir(self) -> Path:
         return (self.artifacts_dir or self.home / "artifacts").resolve()
+
+    @property
+    def resolved_model_roots(self) -> list[Path]:
+        return [
+            *self.model_roots,
+            (self.home / "models").resolve(),
+            self.resolved_artifacts_dir,
+            self.resolved_cache_dir,
+        ]
 
     @property
     def resolved_cache_dir(self) -> Path:

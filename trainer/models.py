@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from trainer.model_refs import check_loadable
 from trainer.specs import TINY_PRESETS, parse_run_ref
 
 PRESET_SEED = 0  # a preset is a fixed starting point: the same weights on every machine and run
@@ -113,20 +114,26 @@ def tiny_model_dir(preset: str, cache_dir: Path) -> Path:
 RunOutputLookup = Callable[[str], Path]  # "run:<id>[@<step>]" -> the folder of that model
 
 
-def resolve_model(ref: str, *, cache_dir: Path, run_output: RunOutputLookup) -> str:
+def resolve_model(
+    ref: str, *, cache_dir: Path, run_output: RunOutputLookup, roots: Sequence[Path] | None = None
+) -> str:
     """A path or hub id that ``from_pretrained`` can load, for any accepted model reference."""
     if ref.startswith("tiny:"):
         return str(tiny_model_dir(ref.removeprefix("tiny:"), cache_dir))
     if parse_run_ref(ref) is not None:
         return str(run_output(ref))
+    if roots is not None:
+        check_loadable(ref, roots)  # again at load time: the spec may predate a change of roots
     return ref  # a local folder or a hub id
 
 
 def load_causal_lm(path: str) -> tuple[Any, Any]:
-    """Model and tokenizer from a folder or hub id; a missing pad token falls back to EOS."""
+    """Model and tokenizer from a folder or hub id; a missing pad token falls back to EOS.
+
+    Safetensors only (a pickle checkpoint can run code when loaded) and no remote code."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, trust_remote_code=False)
     except OSError as exc:
         raise ValueError(f"could not load model {path!r}: {str(exc).splitlines()[0]}") from exc
     if tokenizer.pad_token_id is None:

@@ -382,7 +382,10 @@ def _execute_claimed(
             cache_dir=cache_dir,
             checkpoint_dir=settings.resolved_artifacts_dir / "runs" / str(run_id) / "checkpoints",
             resolve_model=lambda ref: resolve_model(
-                ref, cache_dir=cache_dir, run_output=lambda r: model_path_of_run_ref(session_factory, r)
+                ref,
+                cache_dir=cache_dir,
+                run_output=lambda r: model_path_of_run_ref(session_factory, r),
+                roots=settings.resolved_model_roots,
             ),
             resume_from=latest_checkpoint(session_factory, run_id),
         )

@@ -53,9 +53,15 @@ _UPLOAD_BODY: dict[str, Any] = {
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 413, 415, 422)}
 
 
-def _lines(fileobj: IO[bytes]) -> Iterator[bytes]:
+def _lines(fileobj: IO[bytes], max_line_bytes: int) -> Iterator[bytes]:
+    """Lines of the spooled upload, never more than ``max_line_bytes + 1`` bytes of one line in memory:
+    the rest of an over-long line is read and dropped (the ingest reports it by its length)."""
     fileobj.seek(0)
-    yield from fileobj  # line by line from the spooled temp file: bounded memory
+    while line := fileobj.readline(max_line_bytes + 1):
+        if len(line) > max_line_bytes and not line.endswith(b"\n"):
+            while (rest := fileobj.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+        yield line
 
 
 @router.post(
@@ -80,7 +86,7 @@ async def create_dataset(request: Request, session: SessionDep, settings: Settin
             raise InvalidRequest("file: a JSONL file part named 'file' is required", field="file")
         name = str(form.get("name") or upload.filename or "dataset")
         kind = str(form.get("kind") or "preference")
-        lines: Iterator[bytes] = _lines(upload.file)
+        lines: Iterator[bytes] = _lines(upload.file, settings.max_line_bytes)
     elif content_type.startswith("application/json"):
         try:
             body = DatasetCreateJson.model_validate_json(await request.body())
@@ -101,6 +107,8 @@ async def create_dataset(request: Request, session: SessionDep, settings: Settin
             kind=kind,
             lines=lines,
             max_bytes=settings.max_upload_bytes,
+            max_line_bytes=settings.max_line_bytes,
+            max_rows=settings.max_dataset_rows,
         )
     except Exception:
         await run_in_threadpool(session.rollback)  # atomic: a refused upload leaves no dataset, no row

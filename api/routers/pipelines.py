@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
 
-from api.deps import EnqueueDep, SessionDep
+from api.deps import EnqueueDep, SessionDep, SettingsDep
 from api.errors import ErrorBody
 from api.models import Pipeline
 from api.schemas import PipelineCreate, PipelineRead, StageRead
@@ -55,9 +55,11 @@ def enqueue_all(enqueue: EnqueueDep, session: SessionDep, run_ids: list[uuid.UUI
 
 
 @router.post("", status_code=201, response_model=PipelineRead, responses=_ERRORS)
-def create_pipeline(body: PipelineCreate, session: SessionDep, enqueue: EnqueueDep) -> PipelineRead:
+def create_pipeline(
+    body: PipelineCreate, session: SessionDep, enqueue: EnqueueDep, settings: SettingsDep
+) -> PipelineRead:
     """Create a pipeline; stages whose inputs are ready start now, the rest as their inputs succeed."""
-    pipeline = service.create_pipeline(session=session, body=body)
+    pipeline = service.create_pipeline(session=session, body=body, roots=settings.resolved_model_roots)
     created = service.advance(session=session, pipeline_id=pipeline.id)
     session.commit()
     enqueue_all(enqueue, session, created)

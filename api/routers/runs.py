@@ -11,7 +11,7 @@ from fastapi import APIRouter, Header, Query
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from api.deps import EnqueueDep, RunDep, SessionDep
+from api.deps import EnqueueDep, RunDep, SessionDep, SettingsDep
 from api.errors import ErrorBody, InvalidRequest
 from api.models import Run, RunSample
 from api.pagination import decode_cursor, encode_cursor
@@ -52,6 +52,7 @@ def create_run(
     spec: RunSpec,
     session: SessionDep,
     enqueue: EnqueueDep,
+    settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> RunRead:
     """Submit a run; it is stored queued, committed, then sent to a worker."""
@@ -59,7 +60,9 @@ def create_run(
         existing = service.find_by_idempotency_key(session=session, key=idempotency_key, spec=spec)
         if existing is not None:
             return to_read(existing)
-    run = service.submit_run(session=session, spec=spec, idempotency_key=idempotency_key)
+    run = service.submit_run(
+        session=session, spec=spec, idempotency_key=idempotency_key, roots=settings.resolved_model_roots
+    )
     try:
         session.commit()
     except IntegrityError:  # a concurrent retry with the same key won the insert

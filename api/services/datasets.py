@@ -18,7 +18,14 @@ INSERT_BATCH = 500
 
 
 def ingest_dataset(
-    *, session: Session, name: str, kind: str, lines: Iterable[bytes], max_bytes: int
+    *,
+    session: Session,
+    name: str,
+    kind: str,
+    lines: Iterable[bytes],
+    max_bytes: int,
+    max_line_bytes: int = 8 * 1024 * 1024,
+    max_rows: int = 1_000_000,
 ) -> Dataset:
     """Validate every line of ``lines`` and store the dataset with all its rows, or raise.
 
@@ -44,6 +51,15 @@ def ingest_dataset(
             raise PayloadTooLarge(f"upload is larger than the limit of {max_bytes} bytes", field="file")
         if not raw.strip():
             continue
+        if len(raw) > max_line_bytes:  # the reader hands over at most max_line_bytes + 1 of a line
+            n_errors += 1
+            if len(errors) < MAX_REPORTED_ERRORS:
+                errors.append(
+                    ErrorDetail(line=line_no, message=f"line is longer than {max_line_bytes} bytes")
+                )
+            continue
+        if stats.rows >= max_rows:
+            raise PayloadTooLarge(f"more than {max_rows} rows; split the dataset", field="file")
         try:
             row, fmt = normalize(parse_json_line(raw.rstrip(b"\r\n")))
         except LineError as exc:

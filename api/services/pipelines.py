@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -40,7 +42,7 @@ def _stage_refs(spec: dict[str, Any]) -> dict[str, str]:
     return refs
 
 
-def create_pipeline(*, session: Session, body: PipelineCreate) -> Pipeline:
+def create_pipeline(*, session: Session, body: PipelineCreate, roots: Sequence[Path]) -> Pipeline:
     """Check every stage now (names, references, datasets), store the pipeline, start what can start."""
     seen: set[str] = set()
     for i, stage in enumerate(body.stages):
@@ -57,7 +59,7 @@ def create_pipeline(*, session: Session, body: PipelineCreate) -> Pipeline:
         validate_submission(session=session, spec=stage.spec, check_refs=False)
         for field, ref in stage.spec.model_refs.items():
             if parse_stage_ref(ref) is None:
-                check_model_ref_exists(session, ref, f"{where}.spec.{field}")
+                check_model_ref_exists(session, ref, f"{where}.spec.{field}", roots)
         seen.add(stage.name)
     pipeline = Pipeline(
         id=uuid.uuid4(),

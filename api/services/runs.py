@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
+from pathlib import Path
 
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
@@ -24,6 +26,7 @@ from api.errors import (
 from api.models import FINISHED_STATUSES, Checkpoint, Event, Metric, Run, utcnow
 from api.schemas import MetricRead
 from api.services.datasets import get_dataset
+from trainer.model_refs import check_loadable
 from trainer.specs import AnyRunSpec, parse_run_ref, parse_run_ref_step, parse_stage_ref
 
 log = logging.getLogger("rlrun.runs")
@@ -45,8 +48,17 @@ def find_by_idempotency_key(*, session: Session, key: str, spec: AnyRunSpec) -> 
     return run
 
 
-def check_model_ref_exists(session: Session, ref: str, field: str) -> None:
-    """``run:<id>`` must name a succeeded run; ``run:<id>@<step>`` an existing checkpoint of that run."""
+def check_model_ref_exists(
+    session: Session, ref: str, field: str, roots: Sequence[Path] | None = None
+) -> None:
+    """``run:<id>`` must name a succeeded run; ``run:<id>@<step>`` an existing checkpoint of that run; a
+    local path must lie inside the server's model roots (``roots=None``: checked earlier, e.g. when a
+    pipeline was created)."""
+    if roots is not None:
+        try:
+            check_loadable(ref, roots)
+        except ValueError as exc:
+            raise InvalidReference(f"{field}: {exc}", field=field) from None
     if parse_stage_ref(ref) is not None:
         raise InvalidReference(f"{field}: stage references are valid only inside a pipeline", field=field)
     run_id = parse_run_ref(ref)
@@ -75,7 +87,9 @@ def check_dataset(session: Session, dataset_id: uuid.UUID, spec: AnyRunSpec, fie
     return dataset.kind
 
 
-def validate_submission(*, session: Session, spec: AnyRunSpec, check_refs: bool = True) -> None:
+def validate_submission(
+    *, session: Session, spec: AnyRunSpec, check_refs: bool = True, roots: Sequence[Path] | None = None
+) -> None:
     """The checks that need the DB: datasets exist and fit the run type, model references resolve."""
     kind = check_dataset(session, spec.dataset_id, spec, "dataset_id")
     if spec.validation_dataset_id is not None:
@@ -87,7 +101,7 @@ def validate_submission(*, session: Session, spec: AnyRunSpec, check_refs: bool 
             )
     if check_refs:
         for field, ref in spec.model_refs.items():
-            check_model_ref_exists(session, ref, field)
+            check_model_ref_exists(session, ref, field, roots)
 
 
 def submit_run(
@@ -97,9 +111,10 @@ def submit_run(
     idempotency_key: str | None = None,
     pipeline_id: uuid.UUID | None = None,
     stage: str | None = None,
+    roots: Sequence[Path] | None = None,
 ) -> Run:
     """Store a new queued run (flush only), after the DB checks of ``validate_submission``."""
-    validate_submission(session=session, spec=spec)
+    validate_submission(session=session, spec=spec, roots=roots)
     run = Run(
         id=uuid.uuid4(),
         algorithm=spec.algorithm,

@@ -36,6 +36,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
         "RLRUN_DATABASE_URL": db_url,
         "RLRUN_BROKER_URL": REDIS_URL,
         "RLRUN_QUEUE": settings.queue,
+        "HF_HUB_OFFLINE": "1",
     }
     log = (home / "worker.log").open("wb")
     worker = subprocess.Popen(
@@ -79,7 +80,7 @@ def test_failing_run_says_why(stack: TestClient, tmp_path: Path) -> None:
         "/v1/runs",
         json={
             "algorithm": "dpo",
-            "model": str(tmp_path / "no-model-here"),
+            "model": "no-such-org/no-such-model",
             "dataset_id": ds["id"],
             "hyperparameters": {"max_steps": 2},
         },

@@ -79,9 +79,11 @@ def load_reward_model(path: str) -> tuple[Any, Any]:
     token (EOS when there is none), which is what the model uses to find the last real token.
     """
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         with _quiet_transformers():
-            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, use_safetensors=True, trust_remote_code=False
+            )
     except OSError as exc:
         raise ValueError(f"could not load model {path!r}: {str(exc).splitlines()[0]}") from exc
     if tokenizer.pad_token_id is None:
