@@ -19,6 +19,7 @@ from sqlalchemy import (
     Text,
     Uuid,
 )
+from sqlalchemy import false as sa_false
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -26,7 +27,7 @@ from api.db import Base, UtcDateTime
 
 JsonType = JSON().with_variant(JSONB(), "postgresql")
 
-RUN_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+RUN_STATUSES = ("queued", "running", "paused", "succeeded", "failed", "cancelled")
 FINISHED_STATUSES = ("succeeded", "failed", "cancelled")
 PIPELINE_STATUSES = ("running", "succeeded", "failed", "cancelled")
 DATASET_KINDS = ("preference", "sft", "ranking", "prompts")
@@ -85,6 +86,7 @@ class Run(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     enqueued_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    pause_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
     step: Mapped[int] = mapped_column(Integer, default=0)
     total_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)

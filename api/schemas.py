@@ -83,7 +83,7 @@ class RunRead(_Read):
     id: uuid.UUID
     name: str | None
     algorithm: str
-    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    status: Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
     spec: RunSpec
     pipeline_id: uuid.UUID | None = Field(default=None, description="The pipeline this run is a stage of.")
     stage: str | None = Field(default=None, description="Its stage name in that pipeline.")
@@ -91,6 +91,7 @@ class RunRead(_Read):
     attempt: int
     progress: Progress
     cancel_requested: bool
+    pause_requested: bool
     error: str | None = Field(description="One-line reason when the run failed.")
     output_path: str | None = Field(
         description="Folder of the final model (Hugging Face format) once succeeded."

@@ -212,8 +212,10 @@ class DbReporter:
 
     def should_stop(self) -> bool:
         with self.sf() as session:
-            flag = session.scalar(select(Run.cancel_requested).where(Run.id == self.run_id))
-        return bool(flag)
+            row = session.execute(
+                select(Run.cancel_requested, Run.pause_requested).where(Run.id == self.run_id)
+            ).one_or_none()
+        return row is not None and bool(row[0] or row[1])
 
 
 class LeaseKeeper(threading.Thread):
@@ -404,10 +406,35 @@ def _execute_claimed(
         advance_pipeline_of(run_id, session_factory, settings)
         return "failed"
     output = str(result.output_path) if result.output_path else None
+    if result.status == "cancelled" and _pause_requested(session_factory, run_id):
+        pause_claimed_run(session_factory, run_id, worker_id)
+        return "paused"
     finish_run(session_factory, run_id, worker_id, status=result.status, output_path=output)
     advance_pipeline_of(run_id, session_factory, settings)
     status: str = result.status
     return status
+
+
+def _pause_requested(session_factory: SessionFactory, run_id: uuid.UUID) -> bool:
+    with session_factory() as session:
+        row = session.execute(select(Run.pause_requested, Run.cancel_requested).where(Run.id == run_id)).one()
+    return bool(row[0]) and not bool(row[1])  # a cancel wins over a pause
+
+
+def pause_claimed_run(session_factory: SessionFactory, run_id: uuid.UUID, worker_id: str) -> None:
+    """The loop stopped for a pause (its checkpoint is saved): release the run as ``paused``."""
+    with session_factory.begin() as session:
+        done = _updated(
+            session,
+            update(Run)
+            .where(Run.id == run_id, Run.worker_id == worker_id, Run.status == "running")
+            .values(status="paused", worker_id=None, lease_expires_at=None, pause_requested=False)
+            .execution_options(synchronize_session=False),
+        )
+        if done:
+            step = session.scalar(select(Run.step).where(Run.id == run_id))
+            session.add(Event(run_id=run_id, kind="status", message="paused", data={"step": step}))
+    log.info("run %s paused", run_id)
 
 
 def advance_pipeline_of(run_id: uuid.UUID, session_factory: SessionFactory, settings: Settings) -> None:

@@ -23,7 +23,7 @@ from trainer.specs import RunSpec
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 log = logging.getLogger("rlrun.api")
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 422)}
-Status = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+Status = Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
 
 
 def to_read(run: Run) -> RunRead:
@@ -37,6 +37,7 @@ def to_read(run: Run) -> RunRead:
         attempt=run.attempt,
         progress=Progress(step=run.step, total_steps=run.total_steps),
         cancel_requested=run.cancel_requested,
+        pause_requested=run.pause_requested,
         error=run.error,
         output_path=run.output_path,
         pipeline_id=run.pipeline_id,
@@ -115,6 +116,26 @@ def cancel_run(run: RunDep, session: SessionDep) -> RunRead:
     if run.pipeline_id is not None and run.status == "cancelled":
         advance(session=session, pipeline_id=run.pipeline_id)  # the rest of its pipeline ends too
     session.commit()
+    return to_read(run)
+
+
+@router.post("/{run_id}/pause", response_model=RunRead, responses=_ERRORS)
+def pause_run(run: RunDep, session: SessionDep) -> RunRead:
+    """Pause a run: at once if queued; a running run saves a checkpoint and stops before its next step."""
+    run = service.pause_run(session=session, run=run)
+    session.commit()
+    return to_read(run)
+
+
+@router.post("/{run_id}/resume", response_model=RunRead, responses=_ERRORS)
+def resume_run(run: RunDep, session: SessionDep, enqueue: EnqueueDep) -> RunRead:
+    """Queue a paused run again; it continues from its last checkpoint. 409 unless paused."""
+    run = service.resume_run(session=session, run=run)
+    session.commit()
+    try:
+        enqueue(run.id)
+    except Exception as exc:  # queued in the DB; the reconciler re-sends it
+        log.warning("run %s: enqueue failed: %s", run.id, exc)
     return to_read(run)
 
 

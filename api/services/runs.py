@@ -153,13 +153,13 @@ def get_run(*, session: Session, run_id: uuid.UUID) -> Run:
 
 
 def cancel_run(*, session: Session, run: Run) -> Run:
-    """A queued run ends cancelled now; a running one gets the flag its worker checks every step."""
+    """A queued or paused run ends cancelled now; a running one gets the flag its worker checks every step."""
     if run.status in FINISHED_STATUSES:
         raise InvalidTransition(f"run {run.id} already ended {run.status}", field="status")
     if run.cancel_requested:
         return run
     run.cancel_requested = True
-    if run.status == "queued":
+    if run.status in ("queued", "paused"):
         run.status = "cancelled"
         run.finished_at = utcnow()
         add_event(session, run.id, "status", "cancelled", {"reason": "cancelled before it started"})
@@ -244,3 +244,31 @@ def downsampled_metrics(
         kept = minmax_downsample(rows, [r.value for r in rows], max_points)
         out += [MetricRead(key=key, step=r.step, value=r.value, logged_at=None) for r in kept]
     return out
+
+
+def pause_run(*, session: Session, run: Run) -> Run:
+    """A queued run is paused now; a running one checkpoints and stops before its next step."""
+    if run.status not in ("queued", "running") or run.cancel_requested:
+        raise InvalidTransition(
+            f"run {run.id} is {run.status}; only queued or running runs pause", field="status"
+        )
+    if run.status == "queued":
+        run.status = "paused"
+        add_event(session, run.id, "status", "paused", {"reason": "paused before it started"})
+    elif not run.pause_requested:
+        run.pause_requested = True
+        add_event(session, run.id, "pause_requested", "pause requested; the worker checkpoints and stops")
+    session.flush()
+    log.info("run %s pause requested (%s)", run.id, run.status)
+    return run
+
+
+def resume_run(*, session: Session, run: Run) -> Run:
+    """A paused run goes back to the queue; a worker resumes it from its last checkpoint."""
+    if run.status != "paused":
+        raise InvalidTransition(f"run {run.id} is {run.status}; only paused runs resume", field="status")
+    run.status, run.pause_requested, run.enqueued_at = "queued", False, utcnow()
+    add_event(session, run.id, "status", "queued", {"reason": "resumed by the user"})
+    session.flush()
+    log.info("run %s resumed", run.id)
+    return run

@@ -233,7 +233,17 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
     pad_id = tokenizer.pad_token_id
     for step in range(start + 1, hp.max_steps + 1):
         if reporter.should_stop():
-            reporter.event("info", f"stopping before step {step}: cancel requested")
+            reporter.event("info", f"stopping before step {step}: cancel or pause requested")
+            if step - 1 > start and step - 1 not in checkpointer.saved:  # keep the work done (pause/resume)
+                checkpointer.save(
+                    step - 1,
+                    model=policy,
+                    tokenizer=tokenizer,
+                    optimizer=optimizer,
+                    sampler=sampler,
+                    metrics=last_eval,
+                    extra={"kl_coef": kl_ctl.value},
+                )
             return LoopResult(status="cancelled", output_path=None)
         set_lr(optimizer, warmup_constant_lr(step, base_lr=hp.learning_rate, warmup_steps=hp.warmup_steps))
 

@@ -348,7 +348,9 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     pad_id = tokenizer.pad_token_id
     for step in range(start + 1, hp.max_steps + 1):
         if reporter.should_stop():
-            reporter.event("info", f"stopping before step {step}: cancel requested")
+            reporter.event("info", f"stopping before step {step}: cancel or pause requested")
+            if step - 1 > start and step - 1 not in checkpointer.saved:  # keep the work done (pause/resume)
+                save(step - 1, last_eval)
             return LoopResult(status="cancelled", output_path=None)
         train_actor = step > pretrain
         if pretrain > 0 and step == pretrain + 1:

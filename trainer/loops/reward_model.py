@@ -278,7 +278,16 @@ def run_reward_model(
     last_eval: dict[str, float] = {}
     for step in range(start + 1, hp.max_steps + 1):
         if reporter.should_stop():
-            reporter.event("info", f"stopping before step {step}: cancel requested")
+            reporter.event("info", f"stopping before step {step}: cancel or pause requested")
+            if step - 1 > start and step - 1 not in checkpointer.saved:  # keep the work done (pause/resume)
+                checkpointer.save(
+                    step - 1,
+                    model=model,
+                    tokenizer=tokenizer,
+                    optimizer=optimizer,
+                    sampler=sampler,
+                    metrics=last_eval,
+                )
             return LoopResult(status="cancelled", output_path=None)
         t0 = time.perf_counter()
         batch = collate_groups([groups[i] for i in sampler.next_batch()], pad_id)
