@@ -267,7 +267,7 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tiny_cache: Path, t
     # Interrupted: cancel after 4 steps (checkpoint at 3 exists), then resume from step 3 in a fresh call.
     first = MemoryReporter(stop_after=4)
     assert run_reward_model(spec, data, first, _ctx(tiny_cache, tmp_path / "b")).status == "cancelled"
-    assert list(first.checkpoints) == [3]
+    assert list(first.checkpoints) == [3, 4]  # 4: the checkpoint saved when it stopped
     resumed_rep = MemoryReporter()
     resumed = run_reward_model(
         spec, data, resumed_rep, _ctx(tiny_cache, tmp_path / "b", resume_from=first.checkpoints[3])

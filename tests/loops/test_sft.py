@@ -218,7 +218,7 @@ def test_cancel_is_obeyed_before_the_next_step(tiny_cache: Path, tmp_path: Path)
     result = run_sft(_spec(max_steps=50), DATA, reporter, _ctx(tiny_cache, tmp_path / "out"))
     assert result.status == "cancelled" and result.output_path is None
     assert _loss_steps(reporter) == [1, 2]
-    assert reporter.checkpoints == {}
+    assert list(reporter.checkpoints) == [2]  # the work done so far is kept on stop
 
 
 def test_resume_from_checkpoint_matches_an_uninterrupted_run(tiny_cache: Path, tmp_path: Path) -> None:
@@ -228,7 +228,7 @@ def test_resume_from_checkpoint_matches_an_uninterrupted_run(tiny_cache: Path, t
     # Interrupted: cancel after 4 steps (checkpoint at 3 exists), then resume from step 3 in a fresh call.
     first = MemoryReporter(stop_after=4)
     assert run_sft(spec, DATA, first, _ctx(tiny_cache, tmp_path / "b")).status == "cancelled"
-    assert list(first.checkpoints) == [3]
+    assert list(first.checkpoints) == [3, 4]  # 4: the checkpoint saved when it stopped
     resumed_rep = MemoryReporter()
     resumed = run_sft(
         spec, DATA, resumed_rep, _ctx(tiny_cache, tmp_path / "b", resume_from=first.checkpoints[3])
