@@ -67,6 +67,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cmd_migrate(args)
     settings = _settings()
     port = args.port or settings.port
+    host = args.host or settings.host
+    if not settings.auth:
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            print(
+                f"refusing to serve on {host} with auth off: set RLRUN_AUTH=on and create keys with "
+                "`rlrun keys create --project NAME`",
+                file=sys.stderr,
+            )
+            return 2
+        logging.getLogger("rlrun").warning("auth is off: serving on loopback only, one default project")
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with the default handler that would
     # kill this process before `finally` stops the worker. Exiting through SystemExit keeps `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -78,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         uvicorn.run(
             "api.main:create_app",
             factory=True,
-            host=args.host or settings.host,
+            host=host,
             port=port,
             log_level="warning",
         )
@@ -119,6 +129,35 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    """API keys, straight in the database (run where RLRUN_DATABASE_URL points at the server's DB)."""
+    from sqlalchemy import select
+
+    from api.db import make_engine, make_session_factory
+    from api.models import ApiKey, Project
+    from api.services.auth import create_api_key, revoke_api_key
+
+    cmd_migrate(args)
+    factory = make_session_factory(make_engine(_settings().resolved_database_url))
+    with factory.begin() as session:
+        if args.keys_command == "create":
+            key, row = create_api_key(session=session, project_name=args.project)
+            print(f"API key for project {args.project!r} (prefix {row.prefix}); it is shown only now:\n{key}")
+        elif args.keys_command == "revoke":
+            if not revoke_api_key(session=session, prefix=args.prefix):
+                print(f"no active key with prefix {args.prefix!r}", file=sys.stderr)
+                return 1
+            print(f"revoked {args.prefix}")
+        else:
+            rows = session.execute(select(ApiKey, Project.name).join(Project).order_by(ApiKey.created_at))
+            for key_row, project in rows:
+                state = "revoked" if key_row.revoked_at else "active"
+                print(
+                    f"{key_row.prefix}  {project:20s}  {state:8s}  {key_row.created_at:%Y-%m-%d %H:%M}"
+                )
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from api.demo import run_demo
 
@@ -138,6 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.set_defaults(func=cmd_serve)
     sub.add_parser("worker", help="one Celery worker (solo pool)").set_defaults(func=cmd_worker)
     sub.add_parser("migrate", help="alembic upgrade head").set_defaults(func=cmd_migrate)
+    keys = sub.add_parser("keys", help="API keys: create, list, revoke")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="a new key for a project (created if needed)")
+    create.add_argument("--project", required=True)
+    revoke = keys_sub.add_parser("revoke", help="revoke a key by its prefix")
+    revoke.add_argument("prefix")
+    keys_sub.add_parser("list", help="keys and their projects")
+    keys.set_defaults(func=cmd_keys)
     demo = sub.add_parser("demo", help="serve, upload, train DPO, watch the numbers, stop")
     demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--keep", action="store_true", help="keep the demo's data folder")

@@ -7,11 +7,12 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Annotated
 
-from fastapi import Depends, Path, Request
+from fastapi import Depends, Header, Path, Request
 from sqlalchemy.orm import Session
 
-from api.models import Dataset, Run
+from api.models import DEFAULT_PROJECT_ID, Dataset, Run
 from api.queue import Enqueue
+from api.services.auth import project_of_key
 from api.services.datasets import get_dataset
 from api.services.runs import get_run
 from api.settings import Settings
@@ -44,12 +45,26 @@ EnqueueDep = Annotated[Enqueue, Depends(get_enqueue)]
 SessionFactoryDep = Annotated[Callable[[], AbstractContextManager[Session]], Depends(get_session_factory)]
 
 
-def load_run(run_id: Annotated[uuid.UUID, Path()], session: SessionDep) -> Run:
-    return get_run(session=session, run_id=run_id)
+def get_project_id(
+    session: SessionDep, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+) -> uuid.UUID:
+    """The caller's project: from its API key, or the default project when auth is off (loopback only)."""
+    if not settings.auth:
+        return DEFAULT_PROJECT_ID
+    return project_of_key(session=session, authorization=authorization)
 
 
-def load_dataset(dataset_id: Annotated[uuid.UUID, Path()], session: SessionDep) -> Dataset:
-    return get_dataset(session=session, dataset_id=dataset_id)
+ProjectDep = Annotated[uuid.UUID, Depends(get_project_id)]
+
+
+def load_run(run_id: Annotated[uuid.UUID, Path()], session: SessionDep, project_id: ProjectDep) -> Run:
+    return get_run(session=session, run_id=run_id, project_id=project_id)
+
+
+def load_dataset(
+    dataset_id: Annotated[uuid.UUID, Path()], session: SessionDep, project_id: ProjectDep
+) -> Dataset:
+    return get_dataset(session=session, dataset_id=dataset_id, project_id=project_id)
 
 
 RunDep = Annotated[Run, Depends(load_run)]

@@ -90,6 +90,11 @@ class InvalidReference(ApiError):
     code = "invalid_reference"
 
 
+class TooManyRuns(ApiError):
+    status = 429
+    code = "too_many_runs"
+
+
 class DatasetInvalid(ApiError):
     status = 422
     code = "dataset_invalid"

@@ -33,6 +33,10 @@ PIPELINE_STATUSES = ("running", "succeeded", "failed", "cancelled")
 DATASET_KINDS = ("preference", "sft", "ranking", "prompts")
 
 
+# Every row belongs to a project. With auth off (loopback only) everything lives in this one.
+DEFAULT_PROJECT_ID = uuid.UUID("00000000-0000-0000-0000-000000000001")
+
+
 def _one_of(column: str, values: tuple[str, ...]) -> str:
     return f"{column} IN ({', '.join(repr(v) for v in values)})"
 
@@ -41,11 +45,37 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+class Project(Base):
+    """A tenant: API keys belong to one, and see only its datasets, runs and pipelines."""
+
+    __tablename__ = "projects"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+
+
+class ApiKey(Base):
+    """An API key: shown once at creation; only its sha256 is stored (keys are 256-bit random)."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    project_id: Mapped[uuid.UUID] = mapped_column(Uuid, ForeignKey("projects.id", ondelete="CASCADE"))
+    prefix: Mapped[str] = mapped_column(String(16), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+
+
 class Dataset(Base):
     __tablename__ = "datasets"
     __table_args__ = (CheckConstraint(_one_of("kind", DATASET_KINDS), name="kind"),)
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    project_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("projects.id", ondelete="RESTRICT"), default=DEFAULT_PROJECT_ID, index=True
+    )
     name: Mapped[str] = mapped_column(String(200))
     kind: Mapped[str] = mapped_column(String(32))
     row_count: Mapped[int] = mapped_column(Integer)
@@ -74,6 +104,9 @@ class Run(Base):
     )
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    project_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("projects.id", ondelete="RESTRICT"), default=DEFAULT_PROJECT_ID, index=True
+    )
     algorithm: Mapped[str] = mapped_column(String(32))
     status: Mapped[str] = mapped_column(String(16), default="queued")
     spec: Mapped[dict[str, Any]] = mapped_column(JsonType)
@@ -107,6 +140,9 @@ class Pipeline(Base):
     __table_args__ = (CheckConstraint(_one_of("status", PIPELINE_STATUSES), name="status"),)
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    project_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("projects.id", ondelete="RESTRICT"), default=DEFAULT_PROJECT_ID, index=True
+    )
     name: Mapped[str | None] = mapped_column(String(200), nullable=True)
     status: Mapped[str] = mapped_column(String(16), default="running")
     stages: Mapped[list[dict[str, Any]]] = mapped_column(JsonType)

@@ -42,6 +42,14 @@ class Settings(BaseSettings):
         default=False,
         description="Allow models whose code ships with the weights (off: it runs arbitrary code).",
     )
+    auth: bool = Field(
+        default=False,
+        description="Require `Authorization: Bearer <key>` (from `rlrun keys create`). Off is allowed only "
+        "when serving on a loopback host: everything then lives in one default project.",
+    )
+    max_runs_in_flight: int = Field(
+        default=1000, ge=1, description="Queued, running or paused runs one project may have (429 above)."
+    )
     queue: str = Field(default="rlrun", description="Celery queue that runs are sent to.")
     port: int = Field(default=8000, description="Port of `rlrun serve`.")
     host: str = Field(default="127.0.0.1", description="Interface of `rlrun serve`.")

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
-from api.deps import DatasetDep, SessionDep, SettingsDep
+from api.deps import DatasetDep, ProjectDep, SessionDep, SettingsDep
 from api.errors import ErrorBody, InvalidRequest, PayloadTooLarge, UnsupportedMediaType, validation_details
 from api.models import Dataset, DatasetRow
 from api.pagination import decode_cursor, encode_cursor
@@ -71,7 +71,9 @@ def _lines(fileobj: IO[bytes], max_line_bytes: int) -> Iterator[bytes]:
     responses=_ERRORS,
     openapi_extra=_UPLOAD_BODY,
 )
-async def create_dataset(request: Request, session: SessionDep, settings: SettingsDep) -> DatasetRead:
+async def create_dataset(
+    request: Request, session: SessionDep, settings: SettingsDep, project_id: ProjectDep
+) -> DatasetRead:
     """Upload a dataset: every line validated, all rows stored or none."""
     declared = int(request.headers.get("content-length") or 0)
     if declared > settings.max_upload_bytes + 64 * 1024:  # + room for multipart framing
@@ -109,6 +111,7 @@ async def create_dataset(request: Request, session: SessionDep, settings: Settin
             max_bytes=settings.max_upload_bytes,
             max_line_bytes=settings.max_line_bytes,
             max_rows=settings.max_dataset_rows,
+            project_id=project_id,
         )
     except Exception:
         await run_in_threadpool(session.rollback)  # atomic: a refused upload leaves no dataset, no row
@@ -120,11 +123,17 @@ async def create_dataset(request: Request, session: SessionDep, settings: Settin
 @router.get("", response_model=Page[DatasetRead])
 def list_datasets(
     session: SessionDep,
+    project_id: ProjectDep,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
 ) -> Page[DatasetRead]:
     """List datasets, newest first."""
-    stmt = select(Dataset).order_by(Dataset.created_at.desc(), Dataset.id.desc()).limit(limit + 1)
+    stmt = (
+        select(Dataset)
+        .where(Dataset.project_id == project_id)
+        .order_by(Dataset.created_at.desc(), Dataset.id.desc())
+        .limit(limit + 1)
+    )
     if after is not None:
         created, did = decode_cursor(after, 2)
         try:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
 
-from api.deps import EnqueueDep, SessionDep, SettingsDep
+from api.deps import EnqueueDep, ProjectDep, SessionDep, SettingsDep
 from api.errors import ErrorBody
 from api.models import Pipeline
 from api.schemas import PipelineCreate, PipelineRead, StageRead
@@ -56,10 +56,16 @@ def enqueue_all(enqueue: EnqueueDep, session: SessionDep, run_ids: list[uuid.UUI
 
 @router.post("", status_code=201, response_model=PipelineRead, responses=_ERRORS)
 def create_pipeline(
-    body: PipelineCreate, session: SessionDep, enqueue: EnqueueDep, settings: SettingsDep
+    body: PipelineCreate,
+    session: SessionDep,
+    enqueue: EnqueueDep,
+    settings: SettingsDep,
+    project_id: ProjectDep,
 ) -> PipelineRead:
     """Create a pipeline; stages whose inputs are ready start now, the rest as their inputs succeed."""
-    pipeline = service.create_pipeline(session=session, body=body, roots=settings.resolved_model_roots)
+    pipeline = service.create_pipeline(
+        session=session, body=body, roots=settings.resolved_model_roots, project_id=project_id
+    )
     created = service.advance(session=session, pipeline_id=pipeline.id)
     session.commit()
     enqueue_all(enqueue, session, created)
@@ -67,16 +73,21 @@ def create_pipeline(
 
 
 @router.get("/{pipeline_id}", response_model=PipelineRead, responses=_ERRORS)
-def read_pipeline(pipeline_id: Annotated[uuid.UUID, Path()], session: SessionDep) -> PipelineRead:
+def read_pipeline(
+    pipeline_id: Annotated[uuid.UUID, Path()], session: SessionDep, project_id: ProjectDep
+) -> PipelineRead:
     """A pipeline with each stage's run and status."""
-    return to_read(session, service.get_pipeline(session=session, pipeline_id=pipeline_id))
+    return to_read(
+        session, service.get_pipeline(session=session, pipeline_id=pipeline_id, project_id=project_id)
+    )
 
 
 @router.post("/{pipeline_id}/cancel", response_model=PipelineRead, responses=_ERRORS)
-def cancel_pipeline(pipeline_id: Annotated[uuid.UUID, Path()], session: SessionDep) -> PipelineRead:
+def cancel_pipeline(
+    pipeline_id: Annotated[uuid.UUID, Path()], session: SessionDep, project_id: ProjectDep
+) -> PipelineRead:
     """Cancel the running stage and every stage not yet started; 409 once the pipeline has ended."""
-    pipeline = service.cancel_pipeline(
-        session=session, pipeline=service.get_pipeline(session=session, pipeline_id=pipeline_id)
-    )
+    pipeline = service.get_pipeline(session=session, pipeline_id=pipeline_id, project_id=project_id)
+    pipeline = service.cancel_pipeline(session=session, pipeline=pipeline)
     session.commit()
     return to_read(session, pipeline)

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Header, Query
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from api.deps import EnqueueDep, RunDep, SessionDep, SettingsDep
+from api.deps import EnqueueDep, ProjectDep, RunDep, SessionDep, SettingsDep
 from api.errors import ErrorBody, InvalidRequest
 from api.models import Run, RunSample
 from api.pagination import decode_cursor, encode_cursor
@@ -54,21 +54,29 @@ def create_run(
     session: SessionDep,
     enqueue: EnqueueDep,
     settings: SettingsDep,
-    idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
+    project_id: ProjectDep,
+    idempotency_key: Annotated[str | None, Header(max_length=160)] = None,
 ) -> RunRead:
     """Submit a run; it is stored queued, committed, then sent to a worker."""
-    if idempotency_key:
-        existing = service.find_by_idempotency_key(session=session, key=idempotency_key, spec=spec)
+    # Keys are scoped to the project: another project's identical key is a different request.
+    scoped_key = f"{project_id}:{idempotency_key}" if idempotency_key else None
+    if scoped_key:
+        existing = service.find_by_idempotency_key(session=session, key=scoped_key, spec=spec)
         if existing is not None:
             return to_read(existing)
     run = service.submit_run(
-        session=session, spec=spec, idempotency_key=idempotency_key, roots=settings.resolved_model_roots
+        session=session,
+        spec=spec,
+        idempotency_key=scoped_key,
+        roots=settings.resolved_model_roots,
+        project_id=project_id,
+        max_in_flight=settings.max_runs_in_flight,
     )
     try:
         session.commit()
     except IntegrityError:  # a concurrent retry with the same key won the insert
         session.rollback()
-        existing = service.find_by_idempotency_key(session=session, key=idempotency_key or "", spec=spec)
+        existing = service.find_by_idempotency_key(session=session, key=scoped_key or "", spec=spec)
         if existing is None:
             raise
         return to_read(existing)
@@ -84,6 +92,7 @@ def create_run(
 @router.get("", response_model=Page[RunRead], responses=_ERRORS)
 def list_runs(
     session: SessionDep,
+    project_id: ProjectDep,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
     status: Annotated[Status | None, Query(description="Only runs in this status")] = None,
@@ -96,7 +105,7 @@ def list_runs(
             key = (datetime.fromisoformat(created), uuid.UUID(rid))
         except (TypeError, ValueError):
             raise InvalidRequest("after: not a cursor returned by this API", field="after") from None
-    rows = service.list_runs(session=session, limit=limit, after=key, status=status)
+    rows = service.list_runs(session=session, limit=limit, after=key, status=status, project_id=project_id)
     more = len(rows) > limit
     rows = rows[:limit]
     cursor = encode_cursor(rows[-1].created_at.isoformat(), rows[-1].id) if more else None

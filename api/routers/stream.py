@@ -22,7 +22,7 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import SessionFactoryDep
+from api.deps import ProjectDep, SessionFactoryDep
 from api.errors import InvalidRequest
 from api.models import FINISHED_STATUSES, Event, Metric
 from api.pagination import decode_cursor, encode_cursor
@@ -62,10 +62,12 @@ class Cursor:
 Message = tuple[str, Any, str]  # (event type, data, id = the cursor just after this message)
 
 
-def poll(session: Session, run_id: uuid.UUID, cur: Cursor) -> tuple[list[Message], bool]:
+def poll(
+    session: Session, run_id: uuid.UUID, cur: Cursor, project_id: uuid.UUID | None = None
+) -> tuple[list[Message], bool]:
     """New messages since ``cur`` (advancing it) and whether the run has ended with nothing left."""
     messages: list[Message] = []
-    run = get_run(session=session, run_id=run_id)
+    run = get_run(session=session, run_id=run_id, project_id=project_id)
     events = session.scalars(
         select(Event).where(Event.run_id == run_id, Event.id > cur.event_id).order_by(Event.id).limit(BATCH)
     ).all()
@@ -116,6 +118,7 @@ async def stream_run(
     run_id: Annotated[uuid.UUID, Path()],
     request: Request,
     factory: SessionFactoryDep,
+    project_id: ProjectDep,
     last_event_id: Annotated[str | None, Header(description="Resume after this message id")] = None,
     poll_seconds: Annotated[float, Query(ge=0.05, le=10)] = 0.5,
 ) -> StreamingResponse:
@@ -124,7 +127,7 @@ async def stream_run(
 
     def poll_once(cur: Cursor) -> tuple[list[Message], bool]:
         with factory() as session:
-            return poll(session, run_id, cur)
+            return poll(session, run_id, cur, project_id)
 
     first = await run_in_threadpool(poll_once, cursor)  # a missing run answers 404 before streaming
 

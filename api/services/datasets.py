@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import DatasetInvalid, DatasetNotFound, ErrorDetail, InvalidRequest, PayloadTooLarge
 from api.ingest import NORMALIZERS, DatasetStatsBuilder, LineError, content_hash, parse_json_line
-from api.models import Dataset, DatasetRow
+from api.models import DEFAULT_PROJECT_ID, Dataset, DatasetRow
 
 MAX_REPORTED_ERRORS = 20
 INSERT_BATCH = 500
@@ -26,6 +26,7 @@ def ingest_dataset(
     max_bytes: int,
     max_line_bytes: int = 8 * 1024 * 1024,
     max_rows: int = 1_000_000,
+    project_id: uuid.UUID = DEFAULT_PROJECT_ID,
 ) -> Dataset:
     """Validate every line of ``lines`` and store the dataset with all its rows, or raise.
 
@@ -36,7 +37,9 @@ def ingest_dataset(
     normalize = NORMALIZERS.get(kind)
     if normalize is None:
         raise InvalidRequest(f"kind must be one of {sorted(NORMALIZERS)}, got {kind!r}", field="kind")
-    dataset = Dataset(id=uuid.uuid4(), name=name, kind=kind, row_count=0, size_bytes=0, stats={})
+    dataset = Dataset(
+        id=uuid.uuid4(), project_id=project_id, name=name, kind=kind, row_count=0, size_bytes=0, stats={}
+    )
     session.add(dataset)
     session.flush()
 
@@ -94,9 +97,10 @@ def ingest_dataset(
     return dataset
 
 
-def get_dataset(*, session: Session, dataset_id: uuid.UUID) -> Dataset:
+def get_dataset(*, session: Session, dataset_id: uuid.UUID, project_id: uuid.UUID | None = None) -> Dataset:
+    """The dataset, if it exists in ``project_id`` (None: any project; the worker's view)."""
     dataset = session.get(Dataset, dataset_id)
-    if dataset is None:
+    if dataset is None or (project_id is not None and dataset.project_id != project_id):
         raise DatasetNotFound(f"dataset {dataset_id} does not exist", field="dataset_id")
     return dataset
 

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import InvalidRequest, InvalidTransition, NotFound
-from api.models import FINISHED_STATUSES, Pipeline, Run, utcnow
+from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Pipeline, Run, utcnow
 from api.schemas import PipelineCreate
 from api.services.runs import add_event, cancel_run, check_model_ref_exists, submit_run, validate_submission
 from trainer.specs import RunSpec, parse_spec, parse_stage_ref
@@ -42,7 +42,13 @@ def _stage_refs(spec: dict[str, Any]) -> dict[str, str]:
     return refs
 
 
-def create_pipeline(*, session: Session, body: PipelineCreate, roots: Sequence[Path]) -> Pipeline:
+def create_pipeline(
+    *,
+    session: Session,
+    body: PipelineCreate,
+    roots: Sequence[Path],
+    project_id: uuid.UUID = DEFAULT_PROJECT_ID,
+) -> Pipeline:
     """Check every stage now (names, references, datasets), store the pipeline, start what can start."""
     seen: set[str] = set()
     for i, stage in enumerate(body.stages):
@@ -56,13 +62,14 @@ def create_pipeline(*, session: Session, body: PipelineCreate, roots: Sequence[P
                     f"{where}.spec.{field}: 'stage:{target}' must name an earlier stage",
                     field=f"{where}.spec.{field}",
                 )
-        validate_submission(session=session, spec=stage.spec, check_refs=False)
+        validate_submission(session=session, spec=stage.spec, check_refs=False, project_id=project_id)
         for field, ref in stage.spec.model_refs.items():
             if parse_stage_ref(ref) is None:
-                check_model_ref_exists(session, ref, f"{where}.spec.{field}", roots)
+                check_model_ref_exists(session, ref, f"{where}.spec.{field}", roots, project_id)
         seen.add(stage.name)
     pipeline = Pipeline(
         id=uuid.uuid4(),
+        project_id=project_id,
         name=body.name,
         status="running",
         stages=[{"name": s.name, "spec": s.spec.model_dump(mode="json")} for s in body.stages],
@@ -115,7 +122,11 @@ def advance(*, session: Session, pipeline_id: uuid.UUID) -> list[uuid.UUID]:
         for field, name in refs.items():
             spec_json[field] = f"run:{runs[name].id}"
         run = submit_run(
-            session=session, spec=parse_spec(spec_json), pipeline_id=pipeline.id, stage=stage["name"]
+            session=session,
+            spec=parse_spec(spec_json),
+            pipeline_id=pipeline.id,
+            stage=stage["name"],
+            project_id=pipeline.project_id,
         )
         runs[stage["name"]] = run
         created.append(run.id)
@@ -130,6 +141,7 @@ def _cancelled_stage_run(session: Session, pipeline: Pipeline, stage: dict[str, 
     spec = TypeAdapter(RunSpec).validate_python(stage["spec"])
     run = Run(
         id=uuid.uuid4(),
+        project_id=pipeline.project_id,
         algorithm=spec.algorithm,
         status="cancelled",
         spec=stage["spec"],
@@ -165,8 +177,10 @@ def cancel_pipeline(*, session: Session, pipeline: Pipeline) -> Pipeline:
     return pipeline
 
 
-def get_pipeline(*, session: Session, pipeline_id: uuid.UUID) -> Pipeline:
+def get_pipeline(
+    *, session: Session, pipeline_id: uuid.UUID, project_id: uuid.UUID = DEFAULT_PROJECT_ID
+) -> Pipeline:
     pipeline = session.get(Pipeline, pipeline_id)
-    if pipeline is None:
+    if pipeline is None or pipeline.project_id != project_id:
         raise PipelineNotFound(f"pipeline {pipeline_id} does not exist", field="pipeline_id")
     return pipeline

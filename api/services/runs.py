@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from api.downsample import minmax_downsample
@@ -22,8 +22,9 @@ from api.errors import (
     InvalidReference,
     InvalidTransition,
     RunNotFound,
+    TooManyRuns,
 )
-from api.models import FINISHED_STATUSES, Checkpoint, Event, Metric, Run, utcnow
+from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Checkpoint, Event, Metric, Run, utcnow
 from api.schemas import MetricRead
 from api.services.datasets import get_dataset
 from trainer.model_refs import check_loadable
@@ -49,7 +50,11 @@ def find_by_idempotency_key(*, session: Session, key: str, spec: AnyRunSpec) -> 
 
 
 def check_model_ref_exists(
-    session: Session, ref: str, field: str, roots: Sequence[Path] | None = None
+    session: Session,
+    ref: str,
+    field: str,
+    roots: Sequence[Path] | None = None,
+    project_id: uuid.UUID | None = None,
 ) -> None:
     """``run:<id>`` must name a succeeded run; ``run:<id>@<step>`` an existing checkpoint of that run; a
     local path must lie inside the server's model roots (``roots=None``: checked earlier, e.g. when a
@@ -65,7 +70,7 @@ def check_model_ref_exists(
     if run_id is None:
         return
     source = session.get(Run, run_id)
-    if source is None:
+    if source is None or (project_id is not None and source.project_id != project_id):
         raise InvalidReference(f"{field}: run {run_id} does not exist", field=field)
     step = parse_run_ref_step(ref)
     if step is not None:
@@ -77,8 +82,10 @@ def check_model_ref_exists(
         )
 
 
-def check_dataset(session: Session, dataset_id: uuid.UUID, spec: AnyRunSpec, field: str) -> str:
-    dataset = get_dataset(session=session, dataset_id=dataset_id)
+def check_dataset(
+    session: Session, dataset_id: uuid.UUID, spec: AnyRunSpec, field: str, project_id: uuid.UUID | None
+) -> str:
+    dataset = get_dataset(session=session, dataset_id=dataset_id, project_id=project_id)
     if dataset.kind not in spec.dataset_kinds:
         wanted = " or ".join(f"'{k}'" for k in spec.dataset_kinds)
         raise IncompatibleDataset(
@@ -88,12 +95,19 @@ def check_dataset(session: Session, dataset_id: uuid.UUID, spec: AnyRunSpec, fie
 
 
 def validate_submission(
-    *, session: Session, spec: AnyRunSpec, check_refs: bool = True, roots: Sequence[Path] | None = None
+    *,
+    session: Session,
+    spec: AnyRunSpec,
+    check_refs: bool = True,
+    roots: Sequence[Path] | None = None,
+    project_id: uuid.UUID | None = None,
 ) -> None:
     """The checks that need the DB: datasets exist and fit the run type, model references resolve."""
-    kind = check_dataset(session, spec.dataset_id, spec, "dataset_id")
+    kind = check_dataset(session, spec.dataset_id, spec, "dataset_id", project_id)
     if spec.validation_dataset_id is not None:
-        val_kind = check_dataset(session, spec.validation_dataset_id, spec, "validation_dataset_id")
+        val_kind = check_dataset(
+            session, spec.validation_dataset_id, spec, "validation_dataset_id", project_id
+        )
         if val_kind != kind:
             raise IncompatibleDataset(
                 f"validation dataset is of kind '{val_kind}' but the training dataset is '{kind}'",
@@ -101,7 +115,7 @@ def validate_submission(
             )
     if check_refs:
         for field, ref in spec.model_refs.items():
-            check_model_ref_exists(session, ref, field, roots)
+            check_model_ref_exists(session, ref, field, roots, project_id)
 
 
 def submit_run(
@@ -112,10 +126,25 @@ def submit_run(
     pipeline_id: uuid.UUID | None = None,
     stage: str | None = None,
     roots: Sequence[Path] | None = None,
+    project_id: uuid.UUID = DEFAULT_PROJECT_ID,
+    max_in_flight: int | None = None,
 ) -> Run:
     """Store a new queued run (flush only), after the DB checks of ``validate_submission``."""
-    validate_submission(session=session, spec=spec, roots=roots)
+    validate_submission(session=session, spec=spec, roots=roots, project_id=project_id)
+    if max_in_flight is not None:
+        in_flight = session.scalar(
+            select(func.count())
+            .select_from(Run)
+            .where(Run.project_id == project_id, Run.status.in_(("queued", "running", "paused")))
+        )
+        if (in_flight or 0) >= max_in_flight:
+            raise TooManyRuns(
+                f"the project has {in_flight} runs queued, running or paused (limit {max_in_flight}); "
+                "wait for some to end",
+                field="project",
+            )
     run = Run(
+        project_id=project_id,
         id=uuid.uuid4(),
         algorithm=spec.algorithm,
         status="queued",
@@ -145,9 +174,10 @@ def submit_run(
     return run
 
 
-def get_run(*, session: Session, run_id: uuid.UUID) -> Run:
+def get_run(*, session: Session, run_id: uuid.UUID, project_id: uuid.UUID | None = None) -> Run:
+    """The run, if it exists in ``project_id`` (None: any project; the worker's view)."""
     run = session.get(Run, run_id)
-    if run is None:
+    if run is None or (project_id is not None and run.project_id != project_id):
         raise RunNotFound(f"run {run_id} does not exist", field="run_id")
     return run
 
@@ -172,10 +202,20 @@ def cancel_run(*, session: Session, run: Run) -> Run:
 
 
 def list_runs(
-    *, session: Session, limit: int, after: tuple[datetime, uuid.UUID] | None, status: str | None
+    *,
+    session: Session,
+    limit: int,
+    after: tuple[datetime, uuid.UUID] | None,
+    status: str | None,
+    project_id: uuid.UUID = DEFAULT_PROJECT_ID,
 ) -> list[Run]:
     """Newest first; ``limit + 1`` rows so the caller can tell whether there is more."""
-    stmt = select(Run).order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1)
+    stmt = (
+        select(Run)
+        .where(Run.project_id == project_id)
+        .order_by(Run.created_at.desc(), Run.id.desc())
+        .limit(limit + 1)
+    )
     if status is not None:
         stmt = stmt.where(Run.status == status)
     if after is not None:

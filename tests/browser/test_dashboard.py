@@ -192,8 +192,14 @@ def click(browser: WebDriver, css: str) -> None:
 
 
 def text(browser: WebDriver, testid: str) -> str:
-    els = browser.find_elements(By.CSS_SELECTOR, f'[data-testid="{testid}"]')
-    return els[0].text if els else ""
+    """The element's visible text, read in one script call: the live page re-renders elements while
+    they update, so a found-then-read WebElement can go stale in between."""
+    value: str = browser.execute_script(
+        "const el = document.querySelector(`[data-testid='${CSS.escape(arguments[0])}']`);"
+        "return el ? el.innerText.trim() : '';",
+        testid,
+    )
+    return value
 
 
 def screenshot(browser: WebDriver, folder: Path, name: str) -> Path:

@@ -21,6 +21,8 @@ TABLES = {
     "checkpoints",
     "pipelines",
     "samples",
+    "projects",
+    "api_keys",
     "alembic_version",
 }
 
