@@ -152,9 +152,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
             rows = session.execute(select(ApiKey, Project.name).join(Project).order_by(ApiKey.created_at))
             for key_row, project in rows:
                 state = "revoked" if key_row.revoked_at else "active"
-                print(
-                    f"{key_row.prefix}  {project:20s}  {state:8s}  {key_row.created_at:%Y-%m-%d %H:%M}"
-                )
+                print(f"{key_row.prefix}  {project:20s}  {state:8s}  {key_row.created_at:%Y-%m-%d %H:%M}")
     return 0
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from typing import Protocol
 
 from celery import Celery
 
@@ -17,7 +17,9 @@ from api.settings import Settings
 TASK_NAME = "rlrun.train_run"
 log = logging.getLogger("rlrun.queue")
 
-Enqueue = Callable[[uuid.UUID], None]
+
+class Enqueue(Protocol):
+    def __call__(self, run_id: uuid.UUID, queue: str | None = None) -> None: ...
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -52,8 +54,9 @@ class CeleryEnqueue:
         self._settings = settings
         self._app: Celery | None = None
 
-    def __call__(self, run_id: uuid.UUID) -> None:
+    def __call__(self, run_id: uuid.UUID, queue: str | None = None) -> None:
+        """Send ``run_id`` to ``queue`` (the run spec's), or the server's default queue."""
         if self._app is None:
             self._app = make_celery(self._settings)
-        self._app.send_task(TASK_NAME, args=[str(run_id)], queue=self._settings.queue)
+        self._app.send_task(TASK_NAME, args=[str(run_id)], queue=queue or self._settings.queue)
         log.info("run %s enqueued", run_id)

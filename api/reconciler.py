@@ -50,6 +50,7 @@ def reconcile_once(
     now = now or utcnow()
     report = ReconcileReport()
     ended_in_pipelines: list[uuid.UUID] = []
+    queues: dict[uuid.UUID, str | None] = {}
     with session_factory.begin() as session:
         expired = session.scalars(
             select(Run)
@@ -92,12 +93,15 @@ def reconcile_once(
         for run in queued:
             run.enqueued_at = now
             report.sent.append(run.id)
+            queues[run.id] = run.spec.get("queue")
     for pipeline_id in ended_in_pipelines:
         with session_factory.begin() as session:
-            report.sent += advance(session=session, pipeline_id=pipeline_id)
+            for run_id in advance(session=session, pipeline_id=pipeline_id):
+                report.sent.append(run_id)
+                queues[run_id] = session.get(Run, run_id).spec.get("queue")  # type: ignore[union-attr]
     for run_id in report.sent:
         try:
-            enqueue(run_id)
+            enqueue(run_id, queue=queues.get(run_id))
         except Exception as exc:  # noqa: BLE001 - the next pass tries again
             log.warning("run %s: re-send failed: %s", run_id, exc)
     return report

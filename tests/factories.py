@@ -22,12 +22,14 @@ class FakeEnqueue:
 
     def __init__(self, fail: bool = False):
         self.sent: list[uuid.UUID] = []
+        self.queues: list[str | None] = []
         self.fail = fail
 
-    def __call__(self, run_id: uuid.UUID) -> None:
+    def __call__(self, run_id: uuid.UUID, queue: str | None = None) -> None:
         if self.fail:
             raise ConnectionError("broker down")
         self.sent.append(run_id)
+        self.queues.append(queue)
 
 
 @contextmanager

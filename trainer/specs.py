@@ -132,6 +132,10 @@ class TrainingHyperparameters(_Frozen):
         description="Also keep the checkpoint best by this metric (e.g. `eval/loss`), besides the newest.",
     )
     best_mode: Literal["min", "max"] = Field(default="min", description="Whether lower or higher is better.")
+    on_nonfinite: Literal["fail", "skip"] = Field(
+        default="fail",
+        description="NaN/inf loss or gradient: fail the run naming the step, or skip the batch (an event).",
+    )
 
 
 class DpoHyperparameters(TrainingHyperparameters):
@@ -192,6 +196,12 @@ class _RunSpecBase(_Frozen):
     dataset_id: uuid.UUID = Field(description="Training dataset.")
     validation_dataset_id: uuid.UUID | None = Field(
         default=None, description="Validation dataset of the same kind (evaluated every `eval_every` steps)."
+    )
+    queue: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Worker queue this run is sent to (workers consume one with RLRUN_QUEUE, e.g. `gpu` or "
+        "`cpu`); default: the server's RLRUN_QUEUE.",
     )
     validation_fraction: float = Field(
         default=0.0,

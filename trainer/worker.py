@@ -9,6 +9,7 @@ across training steps.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -132,6 +133,8 @@ class DbReporter:
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         now = utcnow()
         for key, value in metrics.items():
+            if not math.isfinite(value):  # JSON has no NaN/inf; the step's event says what happened
+                continue
             self.buffer[(key, step)] = {
                 "run_id": self.run_id,
                 "key": key,
@@ -442,10 +445,11 @@ def advance_pipeline_of(run_id: uuid.UUID, session_factory: SessionFactory, sett
     with session_factory.begin() as session:
         pipeline_id = session.scalar(select(Run.pipeline_id).where(Run.id == run_id))
         created = advance(session=session, pipeline_id=pipeline_id) if pipeline_id else []
+        queues = {r: session.get(Run, r).spec.get("queue") for r in created}  # type: ignore[union-attr]
     enqueue = CeleryEnqueue(settings)
     for new_run in created:
         try:
-            enqueue(new_run)
+            enqueue(new_run, queue=queues[new_run])
         except Exception as exc:  # noqa: BLE001 - queued in the DB; the reconciler re-sends it
             log.warning("run %s: enqueue failed: %s", new_run, exc)
 

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Path
 
 from api.deps import EnqueueDep, ProjectDep, SessionDep, SettingsDep
 from api.errors import ErrorBody
-from api.models import Pipeline
+from api.models import Pipeline, Run
 from api.schemas import PipelineCreate, PipelineRead, StageRead
 from api.services import pipelines as service
 from api.services.runs import add_event
@@ -46,8 +46,9 @@ def to_read(session: SessionDep, pipeline: Pipeline) -> PipelineRead:
 
 def enqueue_all(enqueue: EnqueueDep, session: SessionDep, run_ids: list[uuid.UUID]) -> None:
     for run_id in run_ids:
+        run = session.get(Run, run_id)
         try:
-            enqueue(run_id)
+            enqueue(run_id, queue=run.spec.get("queue") if run is not None else None)
         except Exception as exc:  # queued in the DB; the reconciler re-sends it
             log.warning("run %s: enqueue failed: %s", run_id, exc)
             add_event(session, run_id, "warning", f"could not reach the broker: {type(exc).__name__}")

@@ -81,7 +81,7 @@ def create_run(
             raise
         return to_read(existing)
     try:
-        enqueue(run.id)
+        enqueue(run.id, queue=spec.queue)
     except Exception as exc:  # the run is safely queued in the DB; say so and answer 201 anyway
         log.warning("run %s: enqueue failed: %s", run.id, exc)
         service.add_event(session, run.id, "warning", f"could not reach the broker: {type(exc).__name__}")
@@ -142,7 +142,7 @@ def resume_run(run: RunDep, session: SessionDep, enqueue: EnqueueDep) -> RunRead
     run = service.resume_run(session=session, run=run)
     session.commit()
     try:
-        enqueue(run.id)
+        enqueue(run.id, queue=run.spec.get("queue"))
     except Exception as exc:  # queued in the DB; the reconciler re-sends it
         log.warning("run %s: enqueue failed: %s", run.id, exc)
     return to_read(run)

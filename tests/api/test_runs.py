@@ -175,3 +175,15 @@ def test_openapi_documents_every_route_and_spec_field(session: Session) -> None:
         "multipart/form-data",
         "application/json",
     }
+
+
+def test_runs_are_routed_to_their_spec_queue(session: Session) -> None:
+    ds = make_dataset(session)
+    enqueue = FakeEnqueue()
+    with api_client(session, enqueue=enqueue) as client:
+        gpu = client.post("/v1/runs", json={**dpo_spec(ds.id), "queue": "gpu"})
+        default = client.post("/v1/runs", json=dpo_spec(ds.id))
+        bad = client.post("/v1/runs", json={**dpo_spec(ds.id), "queue": "no spaces"})
+    assert gpu.status_code == default.status_code == 201
+    assert enqueue.queues == ["gpu", None]  # None: the server's RLRUN_QUEUE
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "queue"

@@ -197,3 +197,26 @@ def test_nan_loss_fails_the_step_without_touching_the_weights(tiny_cache: Path, 
     with pytest.raises(NonFiniteError, match="gradient norm is nan at step 8"):
         backward_and_step(model, optimizer, bad_grad, 1.0, step=8)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_skip_mode_skips_a_nan_batch_with_an_event_and_keeps_training(
+    tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainer.loops import dpo
+
+    real = dpo.PREFERENCE_LOSSES["sigmoid"]
+    calls = {"n": 0}
+
+    def nan_on_second_call(c: torch.Tensor, r: torch.Tensor, p: Any) -> torch.Tensor:
+        calls["n"] += 1
+        out = real(c, r, p)
+        return out * float("nan") if calls["n"] == 2 else out
+
+    monkeypatch.setattr(dpo, "PREFERENCE_LOSSES", {"sigmoid": nan_on_second_call})
+    reporter = MemoryReporter()
+    result = run_dpo(_spec(max_steps=3, on_nonfinite="skip"), DATA, reporter, _ctx(tiny_cache, tmp_path))
+    assert result.status == "succeeded"
+    assert any(k == "warning" and "step 2: non-finite" in m for k, m, _ in reporter.events)
+    with pytest.raises(Exception, match="loss is nan at step 2"):
+        calls["n"] = 0
+        run_dpo(_spec(max_steps=3), DATA, MemoryReporter(), _ctx(tiny_cache, tmp_path / "fail"))

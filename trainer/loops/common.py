@@ -92,20 +92,26 @@ def backward_and_step(
     max_grad_norm: float,
     *,
     step: int | None = None,
+    skip_nonfinite: bool = False,
 ) -> Any:
     """zero_grad -> backward -> clip -> step; returns the pre-clip gradient norm.
 
     Never trains on NaN: a non-finite loss or gradient norm raises NonFiniteError naming the step and the
-    tensor, before the optimizer touches the weights. (The check is one host sync per step.)
+    tensor, before the optimizer touches the weights; with ``skip_nonfinite`` it returns None instead
+    (the batch is skipped, the weights unchanged). The check is one host sync per step.
     """
     where = f" at step {step}" if step is not None else ""
     if not torch.isfinite(loss.detach()).all():
+        if skip_nonfinite:
+            return None
         raise NonFiniteError(f"loss is {float(loss.detach().float().sum())}{where}; no update applied")
     optimizer.zero_grad(set_to_none=True)
     loss.backward()  # type: ignore[no-untyped-call]
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
+        if skip_nonfinite:
+            return None
         raise NonFiniteError(f"gradient norm is {float(grad_norm)}{where}; no update applied")
     optimizer.step()
     return grad_norm

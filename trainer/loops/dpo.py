@@ -180,7 +180,14 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         ref_batch = ref[idx].to(device)
         chosen_logratio, rejected_logratio = chosen - ref_batch[:, 0], rejected - ref_batch[:, 1]
         loss = loss_fn(chosen_logratio, rejected_logratio, params).mean()
-        grad_norm = backward_and_step(model, optimizer, loss, hp.max_grad_norm, step=step)
+        grad_norm = backward_and_step(
+            model, optimizer, loss, hp.max_grad_norm, step=step, skip_nonfinite=hp.on_nonfinite == "skip"
+        )
+        if grad_norm is None:
+            reporter.event(
+                "warning", f"step {step}: non-finite loss or gradient; batch skipped, weights unchanged"
+            )
+            grad_norm = torch.tensor(float("nan"))  # logged values that are not finite are dropped
 
         metrics: dict[str, float] = {}
         if is_due(step, hp.log_every, hp.max_steps):

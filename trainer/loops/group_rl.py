@@ -173,7 +173,11 @@ def policy_update(
                 per_token, mask[mb], hp.loss_aggregation or "token_mean", max_len=hp.max_new_tokens
             )
             stats["loss/total"] = loss.detach()
-            stats["grad_norm"] = backward_and_step(policy, optimizer, loss, hp.max_grad_norm)
+            grad_norm = backward_and_step(
+                policy, optimizer, loss, hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
+            )
+            stats["skipped_updates"] = torch.tensor(float(grad_norm is None))
+            stats["grad_norm"] = grad_norm if grad_norm is not None else torch.tensor(float("nan"))
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0) + v.detach().float()
             updates += 1
@@ -310,6 +314,8 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
             engine.sync_weights(policy)
             last_eval = evaluate_greedy(engine, val_prompts, eval_reward, hp, seed=hp.seed)
             metrics |= last_eval
+        if float(stats.get("skipped_updates", 0.0)) > 0:
+            reporter.event("warning", f"step {step}: non-finite loss or gradient; those updates were skipped")
         reporter.log_metrics(step, metrics)
         if hp.sample_every and hp.samples_to_store and is_due(step, hp.sample_every, hp.max_steps):
             reporter.log_samples(

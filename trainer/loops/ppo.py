@@ -221,9 +221,12 @@ def ppo_update(
                 stats["value/clipfrac"] = value_clipfrac(
                     values.detach(), mb.old_values, mb.returns, mb.mask, hp.value_clip
                 )
-            stats["value/grad_norm"] = backward_and_step(
-                critic, critic_opt, hp.vf_coef * v_loss, hp.max_grad_norm
+            skip = hp.on_nonfinite == "skip"
+            v_norm = backward_and_step(
+                critic, critic_opt, hp.vf_coef * v_loss, hp.max_grad_norm, skip_nonfinite=skip
             )
+            stats["value/grad_norm"] = v_norm if v_norm is not None else torch.tensor(float("nan"))
+            stats["skipped_updates"] = torch.tensor(float(v_norm is None))
             total = hp.vf_coef * v_loss.detach()
             # ---- actor: clipped surrogate (+ KL to the reference in the loss) - entropy bonus
             if train_actor:
@@ -239,7 +242,9 @@ def ppo_update(
                 if hp.entropy_coef > 0:
                     per_token = per_token - hp.entropy_coef * entropy
                 loss = aggregate(per_token, mb.mask, mode, max_len=hp.max_new_tokens)
-                stats["grad_norm"] = backward_and_step(policy, policy_opt, loss, hp.max_grad_norm)
+                p_norm = backward_and_step(policy, policy_opt, loss, hp.max_grad_norm, skip_nonfinite=skip)
+                stats["grad_norm"] = p_norm if p_norm is not None else torch.tensor(float("nan"))
+                stats["skipped_updates"] = stats["skipped_updates"] + float(p_norm is None)
                 total = total + loss.detach()
             stats["loss/total"] = total
             for k, v in stats.items():
@@ -423,6 +428,8 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
             engine.sync_weights(policy)
             last_eval = evaluate_greedy(engine, val_prompts, eval_reward, hp, seed=hp.seed)
             metrics |= last_eval
+        if float(stats.get("skipped_updates", 0.0)) > 0:
+            reporter.event("warning", f"step {step}: non-finite loss or gradient; those updates were skipped")
         reporter.log_metrics(step, metrics)
         if hp.sample_every and hp.samples_to_store and is_due(step, hp.sample_every, hp.max_steps):
             records = sample_records(

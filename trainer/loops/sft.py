@@ -141,7 +141,14 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
 
         nll, hits, count = forward(model, batch, device)
         loss = nll / count.clamp(min=1)  # = sft_loss: mean over the batch's completion tokens
-        grad_norm = backward_and_step(model, optimizer, loss, hp.max_grad_norm, step=step)
+        grad_norm = backward_and_step(
+            model, optimizer, loss, hp.max_grad_norm, step=step, skip_nonfinite=hp.on_nonfinite == "skip"
+        )
+        if grad_norm is None:
+            reporter.event(
+                "warning", f"step {step}: non-finite loss or gradient; batch skipped, weights unchanged"
+            )
+            grad_norm = torch.tensor(float("nan"))  # logged values that are not finite are dropped
 
         metrics: dict[str, float] = {}
         if is_due(step, hp.log_every, hp.max_steps):
