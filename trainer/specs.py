@@ -232,15 +232,12 @@ class _RunSpecBase(_Frozen):
         return steps
 
 
-class DpoSpec(_RunSpecBase):
-    """A DPO run: a policy trained on preference pairs against a frozen reference model."""
-
-    algorithm: Literal["dpo"] = Field(description="Run type.")
+class _ReferencedSpecBase(_RunSpecBase):
     reference_model: str | None = Field(
-        default=None, description="Frozen reference model; default: the starting model. " + MODEL_REF_DOC
+        default=None,
+        description="Frozen reference model (DPO's implicit reward, the RL KL term); default: the starting "
+        "model. " + MODEL_REF_DOC,
     )
-    hyperparameters: DpoHyperparameters = Field(default_factory=DpoHyperparameters)
-    dataset_kinds: ClassVar[tuple[str, ...]] = ("preference",)
 
     @field_validator("reference_model")
     @classmethod
@@ -253,6 +250,20 @@ class DpoSpec(_RunSpecBase):
         if self.reference_model is not None:
             refs["reference_model"] = self.reference_model
         return refs
+
+
+def _fill_unset(hp: _Frozen, preset: dict[str, Any]) -> _Frozen:
+    """``hp`` with every field the user left None taken from the algorithm's preset."""
+    unset = {k: v for k, v in preset.items() if getattr(hp, k) is None}
+    return hp.model_copy(update=unset) if unset else hp
+
+
+class DpoSpec(_ReferencedSpecBase):
+    """A DPO run: a policy trained on preference pairs against a frozen reference model."""
+
+    algorithm: Literal["dpo"] = Field(description="Run type.")
+    hyperparameters: DpoHyperparameters = Field(default_factory=DpoHyperparameters)
+    dataset_kinds: ClassVar[tuple[str, ...]] = ("preference",)
 
 
 class SftSpec(_RunSpecBase):
@@ -455,11 +466,7 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class _OnlineRlSpecBase(_RunSpecBase):
-    reference_model: str | None = Field(
-        default=None,
-        description="Frozen reference for the KL term; default: the starting model. " + MODEL_REF_DOC,
-    )
+class _OnlineRlSpecBase(_ReferencedSpecBase):
     dataset_id: uuid.UUID = Field(description="A dataset of kind `prompts` ({prompt, answer?, meta}).")
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16, description="Reward components, summed.")
     eval_rewards: list[RewardSpec] | None = Field(
@@ -469,16 +476,9 @@ class _OnlineRlSpecBase(_RunSpecBase):
     )
     dataset_kinds: ClassVar[tuple[str, ...]] = ("prompts",)
 
-    @field_validator("reference_model")
-    @classmethod
-    def _check_reference(cls, v: str | None) -> str | None:
-        return None if v is None else check_model_ref(v)
-
     @property
     def model_refs(self) -> dict[str, str]:
-        refs = {"model": self.model}
-        if self.reference_model is not None:
-            refs["reference_model"] = self.reference_model
+        refs = super().model_refs
         for i, r in enumerate(self.rewards):
             if r.model is not None:
                 refs[f"rewards[{i}].model"] = r.model
@@ -497,11 +497,9 @@ class GroupRlSpec(_OnlineRlSpecBase):
 
     @model_validator(mode="after")
     def _apply_preset(self) -> GroupRlSpec:
-        preset = GROUP_PRESETS[self.algorithm]
-        unset = {k: v for k, v in preset.items() if getattr(self.hyperparameters, k) is None}
-        if unset:
-            hp = self.hyperparameters.model_copy(update=unset)
-            object.__setattr__(self, "hyperparameters", hp)
+        object.__setattr__(
+            self, "hyperparameters", _fill_unset(self.hyperparameters, GROUP_PRESETS[self.algorithm])
+        )
         if self.hyperparameters.advantage == "remax" and self.algorithm != "remax":
             raise ValueError(
                 "the remax advantage needs algorithm 'remax' (it adds the greedy baseline rollout)"
@@ -594,10 +592,9 @@ class PpoSpec(_OnlineRlSpecBase):
     def _apply_preset(self) -> PpoSpec:
         if self.hyperparameters.advantage is not None:
             raise ValueError("PPO takes its advantages from GAE; `advantage` is for the group family")
-        preset = PPO_PRESETS[self.algorithm]
-        unset = {k: v for k, v in preset.items() if getattr(self.hyperparameters, k) is None}
-        if unset:
-            object.__setattr__(self, "hyperparameters", self.hyperparameters.model_copy(update=unset))
+        object.__setattr__(
+            self, "hyperparameters", _fill_unset(self.hyperparameters, PPO_PRESETS[self.algorithm])
+        )
         return self
 
     @property

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
+from tests.factories import loop_ctx
 from trainer.loops.dpo import run_dpo, sequence_logps
 from trainer.loops.preference_data import collate_pairs, tokenize_pair
-from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
-from trainer.reporting import LoopContext, MemoryReporter, RunData
+from trainer.models import load_causal_lm, tiny_model_dir
+from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec
 
 ROWS = [
@@ -36,16 +37,7 @@ EXPECTED_KEYS = {
 }
 
 
-def _ctx(tiny_cache: Path, out: Path, resume_from: Path | None = None) -> LoopContext:
-    def no_runs(_ref: str) -> Path:
-        raise AssertionError("no run refs here")
-
-    return LoopContext(
-        cache_dir=tiny_cache,
-        checkpoint_dir=out,
-        resume_from=resume_from,
-        resolve_model=lambda ref: resolve_model(ref, cache_dir=tiny_cache, run_output=no_runs),
-    )
+_ctx = loop_ctx
 
 
 def _spec(**hp: Any) -> Any:

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import torch
 
+from tests.factories import loop_ctx
 from trainer.loops.common import EpochSampler
 from trainer.loops.group_rl import collect_rollouts, run_group_rl
 from trainer.loops.rl_common import PromptSet
-from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
-from trainer.reporting import LoopContext, MemoryReporter, RunData
+from trainer.models import load_causal_lm, tiny_model_dir
+from trainer.reporting import MemoryReporter, RunData
 from trainer.rewards.composite import CompositeReward, RewardComponent
 from trainer.rewards.verifiers import Sample
 from trainer.rollout.base import Completion, SamplingParams
@@ -24,15 +25,7 @@ from trainer.specs import GROUP_PRESETS, parse_spec
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "meta": {}} for a in range(4) for b in range(4)]
 
 
-def _ctx(tiny_cache: Path, out: Path) -> LoopContext:
-    def no_runs(_ref: str) -> Path:
-        raise AssertionError("no run refs here")
-
-    return LoopContext(
-        cache_dir=tiny_cache,
-        checkpoint_dir=out,
-        resolve_model=lambda ref: resolve_model(ref, cache_dir=tiny_cache, run_output=no_runs),
-    )
+_ctx = loop_ctx
 
 
 def _spec(algorithm: str, **hp: Any) -> Any:

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 import torch
 
+from tests.factories import loop_ctx
 from trainer.checkpoints import STATE_FILE
 from trainer.loops.common import seed_everything
 from trainer.loops.ppo import run_ppo, token_advantages, token_values
 from trainer.loops.reward_model import load_reward_model, run_reward_model
 from trainer.loops.rl_common import to_token_batch
-from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
-from trainer.reporting import LoopContext, MemoryReporter, RunData
+from trainer.models import load_causal_lm, tiny_model_dir
+from trainer.reporting import MemoryReporter, RunData
 from trainer.rollout.base import Completion
 from trainer.specs import parse_spec
 
@@ -56,19 +57,7 @@ EXPECTED_KEYS = {
 }
 
 
-def _ctx(
-    tiny_cache: Path, out: Path, resume_from: Path | None = None, runs: dict[str, Path] | None = None
-) -> LoopContext:
-    def run_output(ref: str) -> Path:
-        assert runs is not None and ref in runs, f"unexpected run reference {ref}"
-        return runs[ref]
-
-    return LoopContext(
-        cache_dir=tiny_cache,
-        checkpoint_dir=out,
-        resume_from=resume_from,
-        resolve_model=lambda ref: resolve_model(ref, cache_dir=tiny_cache, run_output=run_output),
-    )
+_ctx = loop_ctx
 
 
 def _spec(algorithm: str, critic_model: str | None = None, **hp: Any) -> Any:

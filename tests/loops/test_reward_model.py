@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.factories import loop_ctx
 from trainer.loops.common import seed_everything
 from trainer.loops.reward_data import collate_groups, tokenize_group, tokenize_groups
 from trainer.loops.reward_model import (
@@ -26,8 +27,8 @@ from trainer.loops.reward_model import (
     run_reward_model,
     score_groups,
 )
-from trainer.models import resolve_model, tiny_model_dir
-from trainer.reporting import LoopContext, MemoryReporter, RunData
+from trainer.models import tiny_model_dir
+from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec
 
 CPU = torch.device("cpu")
@@ -60,16 +61,7 @@ EVAL_KEYS = {"eval/loss", "eval/accuracy", "eval/margin", "eval/scores_mean", "e
 FINAL_KEYS = {"final/score_mean", "final/score_std", "final/accuracy"}
 
 
-def _ctx(tiny_cache: Path, out: Path, resume_from: Path | None = None) -> LoopContext:
-    def no_runs(_ref: str) -> Path:
-        raise AssertionError("no run refs here")
-
-    return LoopContext(
-        cache_dir=tiny_cache,
-        checkpoint_dir=out,
-        resume_from=resume_from,
-        resolve_model=lambda ref: resolve_model(ref, cache_dir=tiny_cache, run_output=no_runs),
-    )
+_ctx = loop_ctx
 
 
 def _spec(**hp: Any) -> Any:

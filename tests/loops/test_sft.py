@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.factories import loop_ctx
 from trainer.loops.sft import completion_sums, run_sft, sft_loss
 from trainer.loops.sft_data import TokenizedExample, collate_examples, tokenize_example, truncate
-from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
-from trainer.reporting import LoopContext, MemoryReporter, RunData
+from trainer.models import load_causal_lm, tiny_model_dir
+from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec
 
 ROWS: list[dict[str, Any]] = [
@@ -25,16 +26,7 @@ DATA = RunData(train=ROWS)
 EXPECTED_KEYS = {"loss", "token_accuracy", "grad_norm", "lr", "perf/tokens_per_s"}
 
 
-def _ctx(tiny_cache: Path, out: Path, resume_from: Path | None = None) -> LoopContext:
-    def no_runs(_ref: str) -> Path:
-        raise AssertionError("no run refs here")
-
-    return LoopContext(
-        cache_dir=tiny_cache,
-        checkpoint_dir=out,
-        resume_from=resume_from,
-        resolve_model=lambda ref: resolve_model(ref, cache_dir=tiny_cache, run_output=no_runs),
-    )
+_ctx = loop_ctx
 
 
 def _spec(**hp: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Container
 from typing import Any, TypeVar
 
 import torch
@@ -130,3 +131,39 @@ def make_optimizer(model: Any, lr: float, weight_decay: float) -> torch.optim.Op
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     except (RuntimeError, ValueError):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def stop_requested(
+    reporter: Any, step: int, start: int, saved_steps: Container[int], save: Callable[[int], object]
+) -> bool:
+    """True if a cancel or pause asks the loop to stop before ``step``. The work done is kept first:
+    ``save(step - 1)`` writes a checkpoint unless nothing new was trained or it exists already."""
+    if not reporter.should_stop():
+        return False
+    reporter.event("info", f"stopping before step {step}: cancel or pause requested")
+    if step - 1 > start and step - 1 not in saved_steps:
+        save(step - 1)
+    return True
+
+
+def update_or_skip(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    *,
+    max_grad_norm: float,
+    step: int,
+    on_nonfinite: str,
+    reporter: Any,
+) -> Any:
+    """``backward_and_step`` honouring the spec's ``on_nonfinite``: "skip" reports the skipped batch as an
+    event and returns a NaN norm (the reporter drops non-finite values); "fail" raises NonFiniteError."""
+    grad_norm = backward_and_step(
+        model, optimizer, loss, max_grad_norm, step=step, skip_nonfinite=on_nonfinite == "skip"
+    )
+    if grad_norm is None:
+        reporter.event(
+            "warning", f"step {step}: non-finite loss or gradient; batch skipped, weights unchanged"
+        )
+        return torch.tensor(float("nan"))
+    return grad_norm

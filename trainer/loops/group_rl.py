@@ -32,6 +32,7 @@ from trainer.loops.common import (
     pick_device,
     seed_everything,
     set_lr,
+    stop_requested,
     to_floats,
     warmup_constant_lr,
 )
@@ -235,19 +236,20 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
         last_eval = evaluate_greedy(engine, val_prompts, eval_reward, hp, seed=hp.seed)
         reporter.log_metrics(0, last_eval)
     pad_id = tokenizer.pad_token_id
+
+    def keep_work(s: int) -> object:  # a checkpoint of the steps done, when a cancel or pause stops us
+        return checkpointer.save(
+            s,
+            model=policy,
+            tokenizer=tokenizer,
+            optimizer=optimizer,
+            sampler=sampler,
+            metrics=last_eval,
+            extra={"kl_coef": kl_ctl.value},
+        )
+
     for step in range(start + 1, hp.max_steps + 1):
-        if reporter.should_stop():
-            reporter.event("info", f"stopping before step {step}: cancel or pause requested")
-            if step - 1 > start and step - 1 not in checkpointer.saved:  # keep the work done (pause/resume)
-                checkpointer.save(
-                    step - 1,
-                    model=policy,
-                    tokenizer=tokenizer,
-                    optimizer=optimizer,
-                    sampler=sampler,
-                    metrics=last_eval,
-                    extra={"kl_coef": kl_ctl.value},
-                )
+        if stop_requested(reporter, step, start, checkpointer.saved, keep_work):
             return LoopResult(status="cancelled", output_path=None)
         set_lr(optimizer, warmup_constant_lr(step, base_lr=hp.learning_rate, warmup_steps=hp.warmup_steps))
 

@@ -43,6 +43,7 @@ from trainer.loops.common import (
     pick_device,
     seed_everything,
     set_lr,
+    stop_requested,
     to_floats,
     warmup_constant_lr,
 )
@@ -351,11 +352,12 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         last_eval = evaluate_greedy(engine, val_prompts, eval_reward, hp, seed=hp.seed)
         reporter.log_metrics(0, last_eval)
     pad_id = tokenizer.pad_token_id
+
+    def keep_work(s: int) -> object:  # a checkpoint of the steps done, when a cancel or pause stops us
+        return save(s, last_eval)
+
     for step in range(start + 1, hp.max_steps + 1):
-        if reporter.should_stop():
-            reporter.event("info", f"stopping before step {step}: cancel or pause requested")
-            if step - 1 > start and step - 1 not in checkpointer.saved:  # keep the work done (pause/resume)
-                save(step - 1, last_eval)
+        if stop_requested(reporter, step, start, checkpointer.saved, keep_work):
             return LoopResult(status="cancelled", output_path=None)
         train_actor = step > pretrain
         if pretrain > 0 and step == pretrain + 1:

@@ -36,13 +36,14 @@ from trainer.algorithms.preference_losses import bradley_terry, kwise_ranking
 from trainer.checkpoints import Checkpointer, load_trainer_state
 from trainer.loops.common import (
     EpochSampler,
-    backward_and_step,
     is_due,
     make_optimizer,
     pick_device,
     seed_everything,
     set_lr,
+    stop_requested,
     to_floats,
+    update_or_skip,
     warmup_constant_lr,
 )
 from trainer.loops.reward_data import (
@@ -276,18 +277,14 @@ def run_reward_model(
         return LoopResult(status="succeeded", output_path=ctx.resume_from)
     model.train()
     last_eval: dict[str, float] = {}
+
+    def keep_work(s: int) -> object:  # a checkpoint of the steps done, when a cancel or pause stops us
+        return checkpointer.save(
+            s, model=model, tokenizer=tokenizer, optimizer=optimizer, sampler=sampler, metrics=last_eval
+        )
+
     for step in range(start + 1, hp.max_steps + 1):
-        if reporter.should_stop():
-            reporter.event("info", f"stopping before step {step}: cancel or pause requested")
-            if step - 1 > start and step - 1 not in checkpointer.saved:  # keep the work done (pause/resume)
-                checkpointer.save(
-                    step - 1,
-                    model=model,
-                    tokenizer=tokenizer,
-                    optimizer=optimizer,
-                    sampler=sampler,
-                    metrics=last_eval,
-                )
+        if stop_requested(reporter, step, start, checkpointer.saved, keep_work):
             return LoopResult(status="cancelled", output_path=None)
         t0 = time.perf_counter()
         batch = collate_groups([groups[i] for i in sampler.next_batch()], pad_id)
@@ -298,14 +295,15 @@ def run_reward_model(
         mask = batch.mask.to(device)
         margins = batch.margins.to(device) if batch.margins is not None else None
         loss = loss_fn(scores, mask, margins, params)
-        grad_norm = backward_and_step(
-            model, optimizer, loss, hp.max_grad_norm, step=step, skip_nonfinite=hp.on_nonfinite == "skip"
+        grad_norm = update_or_skip(
+            model,
+            optimizer,
+            loss,
+            max_grad_norm=hp.max_grad_norm,
+            step=step,
+            on_nonfinite=hp.on_nonfinite,
+            reporter=reporter,
         )
-        if grad_norm is None:
-            reporter.event(
-                "warning", f"step {step}: non-finite loss or gradient; batch skipped, weights unchanged"
-            )
-            grad_norm = torch.tensor(float("nan"))  # logged values that are not finite are dropped
 
         metrics: dict[str, float] = {}
         if is_due(step, hp.log_every, hp.max_steps):
