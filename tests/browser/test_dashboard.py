@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -21,8 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from api.demo import addition_pairs, free_port, wait_healthy
+from api.demo import addition_pairs
 from tests.factories import jsonl
+from tests.integration.flow import FINISHED, embedded_server
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +42,6 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-FINISHED = ("succeeded", "failed", "cancelled")
 SHORT_STEPS = 40
 WIDTH = 1400
 
@@ -53,26 +51,8 @@ WIDTH = 1400
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    home = tmp_path_factory.mktemp("browser-serve")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RLRUN_DATABASE_URL", "RLRUN_BROKER_URL")}
-    env |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port)}
-    log = (home / "serve.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            wait_healthy(client, proc)
-            yield client
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    assert proc.returncode == 0, (home / "serve.log").read_text()[-3000:]
+    with embedded_server(tmp_path_factory.mktemp("browser-serve")) as client:
+        yield client
 
 
 def submit_dpo(client: httpx.Client, dataset_id: str, name: str, steps: int, **hp: Any) -> str:

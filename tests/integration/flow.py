@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from api.demo import addition_pairs
+import httpx
+
+from api.demo import addition_pairs, free_port, wait_healthy
 from tests.factories import jsonl
 
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -55,3 +63,28 @@ def all_metrics(client: Any, run_id: str) -> list[dict[str, Any]]:
         if not page["has_more"]:
             return out
         after = page["next_cursor"]
+
+
+@contextmanager
+def embedded_server(home: Path) -> Iterator[httpx.Client]:
+    """`rlrun serve` (API + one worker) on the embedded defaults in ``home`` and a free port; a client for
+    it. The server is stopped afterwards and must exit cleanly (its log tail is the failure message)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RLRUN_DATABASE_URL", "RLRUN_BROKER_URL")}
+    env |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port)}
+    log = (home / "serve.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api.cli", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            wait_healthy(client, proc)
+            yield client
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    assert proc.returncode == 0, (home / "serve.log").read_text()[-3000:]

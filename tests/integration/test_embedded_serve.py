@@ -6,9 +6,6 @@ long run end to end.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,36 +13,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.demo import addition_pairs, free_port, rl_part, wait_healthy
+from api.demo import addition_pairs, rl_part
 from tests.factories import jsonl
-from tests.integration.flow import FINISHED, all_metrics, submit_dpo, upload_pairs, wait_for
+from tests.integration.flow import FINISHED, all_metrics, embedded_server, submit_dpo, upload_pairs, wait_for
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    home = tmp_path_factory.mktemp("embedded")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RLRUN_DATABASE_URL", "RLRUN_BROKER_URL")}
-    env |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port)}
-    log = (home / "serve.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            wait_healthy(client, proc)
-            yield client
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        print((home / "serve.log").read_text()[-3000:])
-    assert proc.returncode == 0
+    with embedded_server(tmp_path_factory.mktemp("embedded")) as client:
+        yield client
 
 
 def test_demo_run_reaches_accuracy_above_0_8(served: httpx.Client) -> None:
