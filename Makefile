@@ -22,7 +22,7 @@ serve: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy api trainer/algorithms
+	$(VENV)/bin/mypy api rlrun trainer/algorithms
 
 test: lint
 	$(VENV)/bin/pytest -q

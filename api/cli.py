@@ -1,4 +1,5 @@
-"""``rlrun``: serve (API + one worker), worker, migrate, demo."""
+"""``rlrun``: serve (API + one worker), worker, migrate, keys, demo; and, against a running server,
+datasets (upload, list) and runs (create, list, get, watch, cancel)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.no_worker:
         worker = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], preexec_fn=_die_with_parent)
     reconciler = _start_reconciler(settings)
+    dispatcher = _start_webhook_dispatcher(settings)
     try:
         uvicorn.run(
             "api.main:create_app",
@@ -94,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     finally:
         reconciler.stop()
+        dispatcher.stop()
         if worker is not None:
             worker.send_signal(signal.SIGTERM)
             try:
@@ -116,6 +119,16 @@ def _start_reconciler(settings: Settings) -> Any:
         max_attempts=settings.max_attempts,
         resend_after_seconds=settings.resend_after_seconds,
     )
+    thread.start()
+    return thread
+
+
+def _start_webhook_dispatcher(settings: Settings) -> Any:
+    """Webhook deliveries are sent from the API process too (workers stay busy training)."""
+    from api.db import make_engine, make_session_factory
+    from api.webhook_dispatcher import WebhookDispatcher
+
+    thread = WebhookDispatcher(make_session_factory(make_engine(settings.resolved_database_url)), settings)
     thread.start()
     return thread
 
@@ -190,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--rl-steps", type=int, default=300, help="GRPO steps")
     demo.add_argument("--no-rl", action="store_true", help="only the DPO part")
     demo.set_defaults(func=cmd_demo)
+    from rlrun.commands import add_client_commands
+
+    add_client_commands(sub)  # datasets ..., runs ...: the REST API's client commands
     args = parser.parse_args(argv)
     result: int = args.func(args)
     return result

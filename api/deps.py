@@ -57,6 +57,21 @@ def get_project_id(
 ProjectDep = Annotated[uuid.UUID, Depends(get_project_id)]
 
 
+def get_project_id_briefly(
+    factory: SessionFactoryDep, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
+) -> uuid.UUID:
+    """``ProjectDep`` for long responses (the SSE stream): the key is looked up in a session that ends at
+    once. A request session would stay open as long as the response, and on SQLite, where every
+    transaction takes the write lock (api/db.py), it would block every other writer meanwhile."""
+    if not settings.auth:
+        return DEFAULT_PROJECT_ID
+    with factory() as session:
+        return project_of_key(session=session, authorization=authorization)
+
+
+BriefProjectDep = Annotated[uuid.UUID, Depends(get_project_id_briefly)]
+
+
 def load_run(run_id: Annotated[uuid.UUID, Path()], session: SessionDep, project_id: ProjectDep) -> Run:
     return get_run(session=session, run_id=run_id, project_id=project_id)
 

@@ -1,5 +1,7 @@
 """API errors: one exception family, one JSON shape ``{"error": {"code", "message", "field"}}``.
 
+The OpenAI-compatible paths (``/v1/files``, ``/v1/fine_tuning``) answer the same errors in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}`` so the official SDK raises its typed errors.
 No handler ever puts a stack trace in a response; unexpected exceptions are logged and answered 500.
 """
 
@@ -11,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trainer.specs import ALGORITHMS
@@ -38,6 +40,41 @@ class ErrorBody(BaseModel):
     """Every error response has this shape."""
 
     error: ErrorInfo
+
+
+class OpenAIErrorInfo(BaseModel):
+    message: str
+    type: str = Field(description="`invalid_request_error` for 4xx, `server_error` for 5xx.")
+    param: str | None = Field(description="The request parameter at fault, if one is.")
+    code: str | None = Field(description="rlrun's stable machine code (e.g. `file_not_found`).")
+
+
+class OpenAIErrorBody(BaseModel):
+    """Every error on /v1/files and /v1/fine_tuning has this shape (OpenAI's)."""
+
+    error: OpenAIErrorInfo
+
+
+OPENAI_PREFIXES = ("/v1/files", "/v1/fine_tuning")
+
+
+def is_openai_path(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in OPENAI_PREFIXES)
+
+
+def openai_error_response(status: int, message: str, *, param: str | None, code: str | None) -> JSONResponse:
+    """OpenAI's error body. OpenAI answers invalid parameters with 400, so a 422 becomes 400 here. A 4xx
+    carries ``x-should-retry: false``: the SDK otherwise retries 409 and 429 with backoff, and these
+    answers (a finished job, the runs-in-flight limit) do not change within its retry window."""
+    status = 400 if status == 422 else status
+    info = OpenAIErrorInfo(
+        message=message,
+        type="server_error" if status >= 500 else "invalid_request_error",
+        param=param,
+        code=code,
+    )
+    headers = {"x-should-retry": "false"} if 400 <= status < 500 else None
+    return JSONResponse(status_code=status, content=OpenAIErrorBody(error=info).model_dump(), headers=headers)
 
 
 class ApiError(Exception):
@@ -100,6 +137,19 @@ class DatasetInvalid(ApiError):
     code = "dataset_invalid"
 
 
+class FileNotFound(NotFound):
+    code = "file_not_found"
+
+
+class JobNotFound(NotFound):
+    code = "fine_tuning_job_not_found"
+
+
+class FileInUse(ApiError):
+    status = 409
+    code = "file_in_use"
+
+
 class InvalidRequest(ApiError):
     status = 422
     code = "validation_error"
@@ -145,29 +195,37 @@ def _respond(status: int, body: dict[str, Any]) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Render every error, expected or not, in the one shape."""
+    """Render every error, expected or not, in the one shape (OpenAI's on the OpenAI-compatible paths)."""
 
     @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        if is_openai_path(request.url.path):
+            return openai_error_response(exc.status, exc.message, param=exc.field, code=exc.code)
         return _respond(exc.status, exc.body())
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         details = validation_details(exc.errors())
         first = details[0] if details else ErrorDetail(message="invalid request")
         message = f"{first.field}: {first.message}" if first.field else first.message
         err = InvalidRequest(message, field=first.field or None, details=details)
+        if is_openai_path(request.url.path):
+            return openai_error_response(err.status, message, param=err.field, code=err.code)
         return _respond(err.status, err.body())
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
         code = codes.get(exc.status_code, "http_error")
+        if is_openai_path(request.url.path):
+            return openai_error_response(exc.status_code, str(exc.detail), param=None, code=code)
         body = ErrorBody(error=ErrorInfo(code=code, message=str(exc.detail)))
         return _respond(exc.status_code, body.model_dump(exclude_none=True))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        if is_openai_path(request.url.path):
+            return openai_error_response(500, "internal server error", param=None, code="internal_error")
         body = ErrorBody(error=ErrorInfo(code="internal_error", message="internal server error"))
         return _respond(500, body.model_dump(exclude_none=True))

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.db import make_engine, make_session_factory
 from api.errors import install_error_handlers
 from api.queue import CeleryEnqueue, Enqueue
-from api.routers import checkpoints, datasets, pipelines, runs, stream
+from api.routers import checkpoints, datasets, openai_files, openai_jobs, pipelines, runs, stream, webhooks
 from api.settings import Settings, get_settings
 
 log = logging.getLogger("rlrun.api")
@@ -45,6 +45,10 @@ def create_app(
     app.include_router(checkpoints.router)
     app.include_router(pipelines.router)
     app.include_router(stream.router)
+    app.include_router(webhooks.router)
+    # The OpenAI-compatible surface (/v1/files, /v1/fine_tuning/jobs), mapped onto datasets and runs.
+    app.include_router(openai_files.router)
+    app.include_router(openai_jobs.router)
 
     @app.middleware("http")
     async def log_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

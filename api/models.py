@@ -18,6 +18,7 @@ from sqlalchemy import (
     String,
     Text,
     Uuid,
+    text,
 )
 from sqlalchemy import false as sa_false
 from sqlalchemy.dialects.postgresql import JSONB
@@ -101,6 +102,13 @@ class Run(Base):
         CheckConstraint(_one_of("status", RUN_STATUSES), name="status"),
         Index("ix_runs_created_at_id", "created_at", "id"),
         Index("ix_runs_status", "status"),
+        # The webhook dispatcher's scan: finished runs whose webhooks are not yet queued (few rows).
+        Index(
+            "ix_runs_unannounced",
+            "finished_at",
+            postgresql_where=text("announced = false AND finished_at IS NOT NULL"),
+            sqlite_where=text("announced = 0 AND finished_at IS NOT NULL"),
+        ),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
@@ -128,6 +136,10 @@ class Run(Base):
         Uuid, ForeignKey("pipelines.id", ondelete="SET NULL"), nullable=True, index=True
     )
     stage: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    user_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JsonType, nullable=True)
+    announced: Mapped[bool] = mapped_column(
+        Boolean, default=False, server_default=sa_false(), doc="Webhook deliveries for its end are queued."
+    )
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
@@ -204,3 +216,46 @@ class RunSample(Base):
     reward: Mapped[float] = mapped_column(Float)
     data: Mapped[dict[str, Any]] = mapped_column(JsonType)
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+
+
+WEBHOOK_EVENT_TYPES = ("run.succeeded", "run.failed", "run.cancelled")
+DELIVERY_STATUSES = ("pending", "succeeded", "failed")
+
+
+class Webhook(Base):
+    """A project's endpoint: rlrun POSTs the run object there when one of its runs ends."""
+
+    __tablename__ = "webhooks"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    project_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("projects.id", ondelete="CASCADE"), default=DEFAULT_PROJECT_ID, index=True
+    )
+    url: Mapped[str] = mapped_column(Text)
+    description: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    event_types: Mapped[list[str]] = mapped_column(JsonType)
+    secret: Mapped[str] = mapped_column(String(100), doc="Standard Webhooks signing secret, whsec_<base64>.")
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """One message to one webhook, with every attempt to deliver it (the delivery log)."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        CheckConstraint(_one_of("status", DELIVERY_STATUSES), name="status"),
+        Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_webhook_id_created_at", "webhook_id", "created_at"),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    webhook_id: Mapped[uuid.UUID] = mapped_column(Uuid, ForeignKey("webhooks.id", ondelete="CASCADE"))
+    run_id: Mapped[uuid.UUID] = mapped_column(Uuid, ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    event_type: Mapped[str] = mapped_column(String(32))
+    message_id: Mapped[str] = mapped_column(String(64), doc="webhook-id header: the same on every retry.")
+    body: Mapped[str] = mapped_column(Text, doc="The exact JSON sent (and signed) on every attempt.")
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[list[dict[str, Any]]] = mapped_column(JsonType, default=list)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)

@@ -202,3 +202,61 @@ class SampleRead(_Read):
     reward: float
     data: dict[str, Any] = Field(description="Per-component rewards, finish reason, ...")
     created_at: datetime
+
+
+WebhookEventType = Literal["run.succeeded", "run.failed", "run.cancelled"]
+
+
+def _all_event_types() -> list[WebhookEventType]:
+    return ["run.succeeded", "run.failed", "run.cancelled"]
+
+
+class WebhookCreate(BaseModel):
+    """A URL to POST to when a run of this project ends. It must pass the server's allow-list."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=1, max_length=2000, examples=["https://hooks.example.com/rlrun"])
+    description: str | None = Field(default=None, max_length=200)
+    event_types: list[WebhookEventType] = Field(
+        default_factory=_all_event_types,
+        min_length=1,
+        description="Which ends to announce (default: all three).",
+    )
+
+
+class WebhookRead(_Read):
+    id: uuid.UUID
+    url: str
+    description: str | None
+    event_types: list[WebhookEventType]
+    created_at: datetime
+
+
+class WebhookCreated(WebhookRead):
+    secret: str = Field(
+        description="Signing secret (`whsec_...`), shown only now. Verify each delivery's "
+        "`webhook-signature` with it (Standard Webhooks)."
+    )
+
+
+class DeliveryAttempt(BaseModel):
+    at: datetime
+    status_code: int | None = Field(description="The receiver's HTTP status; null when no answer came.")
+    error: str | None = Field(description="Why the attempt failed, when it did.")
+    duration_ms: float
+
+
+class WebhookDeliveryRead(_Read):
+    """One message to one webhook and every attempt to deliver it."""
+
+    id: uuid.UUID
+    message_id: str = Field(description="The `webhook-id` header, the same on every attempt.")
+    run_id: uuid.UUID
+    event_type: WebhookEventType
+    status: Literal["pending", "succeeded", "failed"]
+    attempts: list[DeliveryAttempt]
+    next_attempt_at: datetime | None = Field(description="When the next attempt is due (pending only).")
+    payload: dict[str, Any] = Field(description="The JSON body sent: {type, timestamp, data: run}.")
+    created_at: datetime
+    finished_at: datetime | None

@@ -6,10 +6,11 @@ for the broker's queue tables, and the artifacts folder), so ``rlrun serve`` nee
 
 from __future__ import annotations
 
+import ipaddress
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -75,6 +76,38 @@ class Settings(BaseSettings):
     broker_polling_interval: float = Field(
         default=0.05, description="Seconds between queue polls of the SQL broker (kombu's default is 1 s)."
     )
+    webhook_allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="If set, webhook URLs must name one of these hosts (`*.example.com` matches subdomains).",
+    )
+    webhook_allowed_networks: list[str] = Field(
+        default_factory=list,
+        description="Private networks (CIDR) webhook hosts may resolve into; public addresses are always "
+        "allowed, other non-public ones never.",
+    )
+    webhook_allow_loopback: bool = Field(
+        default=False, description="Allow webhook URLs on loopback addresses (tests, one-machine setups)."
+    )
+    webhook_timeout_seconds: float = Field(default=10.0, gt=0, description="Timeout of one delivery attempt.")
+    webhook_max_attempts: int = Field(
+        default=8, ge=1, le=50, description="Attempts per delivery before it is given up as failed."
+    )
+    webhook_backoff_seconds: float = Field(
+        default=5.0, gt=0, description="Wait before the 2nd attempt; doubles after each failure."
+    )
+    webhook_max_backoff_seconds: float = Field(
+        default=3600.0, gt=0, description="Longest wait between two attempts."
+    )
+    webhook_poll_seconds: float = Field(
+        default=1.0, gt=0, description="How often `rlrun serve` looks for ended runs and due deliveries."
+    )
+
+    @field_validator("webhook_allowed_networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        for net in value:
+            ipaddress.ip_network(net, strict=False)  # ValueError names the bad entry
+        return value
 
     @property
     def resolved_database_url(self) -> str:

@@ -22,7 +22,7 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api.deps import ProjectDep, SessionFactoryDep
+from api.deps import BriefProjectDep, SessionFactoryDep
 from api.errors import InvalidRequest
 from api.models import FINISHED_STATUSES, Event, Metric
 from api.pagination import decode_cursor, encode_cursor
@@ -118,7 +118,7 @@ async def stream_run(
     run_id: Annotated[uuid.UUID, Path()],
     request: Request,
     factory: SessionFactoryDep,
-    project_id: ProjectDep,
+    project_id: BriefProjectDep,
     last_event_id: Annotated[str | None, Header(description="Resume after this message id")] = None,
     poll_seconds: Annotated[float, Query(ge=0.05, le=10)] = 0.5,
 ) -> StreamingResponse:

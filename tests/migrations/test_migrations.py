@@ -23,6 +23,8 @@ TABLES = {
     "samples",
     "projects",
     "api_keys",
+    "webhooks",
+    "webhook_deliveries",
     "alembic_version",
 }
 

@@ -1,0 +1,165 @@
+"""/v1/files, OpenAI-compatible: a `fine-tune` file is an rlrun dataset (kind detected from its lines)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import IO, Annotated, Any, Literal
+
+from fastapi import APIRouter, Path, Query, Request
+from sqlalchemy import and_, or_, select
+from sqlalchemy.exc import IntegrityError
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+
+from api.deps import ProjectDep, SessionDep, SettingsDep
+from api.errors import (
+    ApiError,
+    DatasetInvalid,
+    FileInUse,
+    OpenAIErrorBody,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
+from api.models import Dataset
+from api.routers.datasets import _lines  # the bounded-memory line reader of every upload
+from api.schemas_openai import FileDeleted, FileList, FileObject
+from api.services import openai_compat as compat
+from api.services.datasets import ingest_dataset
+
+router = APIRouter(prefix="/v1/files", tags=["openai"])
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": OpenAIErrorBody} for code in (400, 401, 404, 409, 413, 415, 422)
+}
+_UPLOAD_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file", "purpose"],
+                    "properties": {
+                        "file": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": "JSONL: chat `messages` lines (supervised) or OpenAI preference "
+                            "lines `input`/`preferred_output`/`non_preferred_output` (dpo)",
+                        },
+                        "purpose": {"type": "string", "enum": ["fine-tune"]},
+                    },
+                }
+            }
+        },
+    }
+}
+FileIdPath = Annotated[str, Path(description="`file-...`")]
+
+
+def _first_line(fileobj: IO[bytes], max_line_bytes: int) -> bytes:
+    lines: Iterator[bytes] = _lines(fileobj, max_line_bytes)
+    return next((line for line in lines if line.strip()), b"")
+
+
+@router.post("", response_model=FileObject, responses=_ERRORS, openapi_extra=_UPLOAD_BODY)
+async def create_file(
+    request: Request, session: SessionDep, settings: SettingsDep, project_id: ProjectDep
+) -> FileObject:
+    """Upload a fine-tuning file: every line validated, all rows stored as a dataset or none."""
+    if int(request.headers.get("content-length") or 0) > settings.max_upload_bytes + 64 * 1024:
+        raise PayloadTooLarge(
+            f"upload is larger than the limit of {settings.max_upload_bytes} bytes", field="file"
+        )
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise UnsupportedMediaType("send multipart/form-data with `file` and `purpose` parts", field="file")
+    form = await request.form(max_files=1, max_fields=10)
+    purpose = form.get("purpose")
+    if purpose != "fine-tune":
+        raise ApiError(
+            f"purpose must be 'fine-tune' (rlrun keeps files for fine-tuning only), got {purpose!r}",
+            field="purpose",
+        )
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise ApiError("a JSONL file part named 'file' is required", field="file")
+    kind = compat.detect_kind(_first_line(upload.file, settings.max_line_bytes))
+    try:
+        dataset = await run_in_threadpool(
+            ingest_dataset,
+            session=session,
+            name=(upload.filename or "file.jsonl")[:200],
+            kind=kind,
+            lines=_lines(upload.file, settings.max_line_bytes),
+            max_bytes=settings.max_upload_bytes,
+            max_line_bytes=settings.max_line_bytes,
+            max_rows=settings.max_dataset_rows,
+            project_id=project_id,
+        )
+    except Exception as exc:
+        await run_in_threadpool(session.rollback)  # atomic: a refused upload leaves no dataset, no row
+        if isinstance(exc, DatasetInvalid):  # the message names the line; the parameter is the file
+            raise DatasetInvalid(f"{exc.message} (read as {kind} data)", field="file") from None
+        raise
+    await run_in_threadpool(session.commit)
+    return compat.file_object(dataset)
+
+
+@router.get("", response_model=FileList, responses=_ERRORS)
+def list_files(
+    session: SessionDep,
+    project_id: ProjectDep,
+    after: Annotated[str | None, Query(description="A file id: the page starts after it.")] = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    order: Annotated[Literal["asc", "desc"], Query(description="By created_at.")] = "desc",
+    purpose: Annotated[str | None, Query(description="Only `fine-tune` files exist.")] = None,
+) -> FileList:
+    """The project's fine-tuning files (its sft and preference datasets)."""
+    desc = order == "desc"
+    key = (Dataset.created_at.desc(), Dataset.id.desc()) if desc else (Dataset.created_at, Dataset.id)
+    stmt = (
+        select(Dataset)
+        .where(Dataset.project_id == project_id, Dataset.kind.in_(compat.FILE_KINDS))
+        .order_by(*key)
+        .limit(limit + 1)
+    )
+    if after is not None:
+        anchor = compat.get_file(session=session, file=after, project_id=project_id, param="after")
+        before, same = (
+            (Dataset.created_at < anchor.created_at, Dataset.id < anchor.id)
+            if desc
+            else (Dataset.created_at > anchor.created_at, Dataset.id > anchor.id)
+        )
+        stmt = stmt.where(or_(before, and_(Dataset.created_at == anchor.created_at, same)))
+    rows = list(session.scalars(stmt)) if purpose in (None, "fine-tune") else []
+    data = [compat.file_object(d) for d in rows[:limit]]
+    return FileList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=len(rows) > limit,
+    )
+
+
+@router.get("/{file_id}", response_model=FileObject, responses=_ERRORS)
+def retrieve_file(file_id: FileIdPath, session: SessionDep, project_id: ProjectDep) -> FileObject:
+    """One file."""
+    return compat.file_object(
+        compat.get_file(session=session, file=file_id, project_id=project_id, param="file_id")
+    )
+
+
+@router.delete("/{file_id}", response_model=FileDeleted, responses=_ERRORS)
+def delete_file(file_id: FileIdPath, session: SessionDep, project_id: ProjectDep) -> FileDeleted:
+    """Delete a file no run or running pipeline uses (409 otherwise: runs keep the data they used)."""
+    dataset = compat.get_file(session=session, file=file_id, project_id=project_id, param="file_id")
+    user = compat.file_user(session=session, dataset=dataset)
+    if user is not None:
+        raise FileInUse(f"{file_id} is used by {user} and cannot be deleted", field="file_id")
+    dataset_id: uuid.UUID = dataset.id
+    session.delete(dataset)  # its rows go with it (ON DELETE CASCADE)
+    try:
+        session.commit()
+    except IntegrityError:  # a run was submitted on it since the check (runs.dataset_id is RESTRICT)
+        session.rollback()
+        raise FileInUse(f"{file_id} is used by a run and cannot be deleted", field="file_id") from None
+    return FileDeleted(id=compat.file_id(dataset_id), deleted=True)

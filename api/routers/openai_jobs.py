@@ -1,0 +1,204 @@
+"""/v1/fine_tuning/jobs, OpenAI-compatible: a job is an rlrun `sft` (supervised) or `dpo` run."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from sqlalchemy import and_, or_, select
+from sqlalchemy.orm import Session
+
+from api.deps import EnqueueDep, ProjectDep, SessionDep, SettingsDep
+from api.errors import ApiError, InvalidTransition, OpenAIErrorBody
+from api.models import Checkpoint, Event, Run
+from api.schemas_openai import (
+    FineTuningJob,
+    FineTuningJobCreate,
+    JobCheckpointList,
+    JobEventList,
+    JobList,
+)
+from api.services import openai_compat as compat
+from api.services import runs as service
+from api.services.pipelines import advance
+
+router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["openai"])
+log = logging.getLogger("rlrun.api")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": OpenAIErrorBody} for code in (400, 401, 404, 409, 422, 429)
+}
+After = Annotated[str | None, Query(description="An id from the previous page: the page starts after it.")]
+
+
+def load_job(
+    fine_tuning_job_id: Annotated[str, Path(description="`ftjob-...`")],
+    session: SessionDep,
+    project_id: ProjectDep,
+) -> Run:
+    return compat.get_job(
+        session=session, job=fine_tuning_job_id, project_id=project_id, param="fine_tuning_job_id"
+    )
+
+
+JobDep = Annotated[Run, Depends(load_job)]
+
+
+def _job(session: Session, run: Run) -> FineTuningJob:
+    return compat.job_object(run, compat.job_methods(session=session, run_ids=[run.id]).get(run.id))
+
+
+def _enqueue(enqueue: EnqueueDep, session: Session, run: Run) -> None:
+    try:
+        enqueue(run.id, queue=run.spec.get("queue"))
+    except Exception as exc:  # the run is safely queued in the DB; the reconciler re-sends it
+        log.warning("run %s: enqueue failed: %s", run.id, exc)
+        service.add_event(session, run.id, "warning", f"could not reach the broker: {type(exc).__name__}")
+        session.commit()
+
+
+@router.post("", response_model=FineTuningJob, responses=_ERRORS)
+def create_job(
+    body: FineTuningJobCreate,
+    session: SessionDep,
+    enqueue: EnqueueDep,
+    settings: SettingsDep,
+    project_id: ProjectDep,
+) -> FineTuningJob:
+    """Create a fine-tuning job: stored as a queued run, committed, then sent to a worker."""
+    run, method = compat.create_job(
+        session=session,
+        body=body,
+        project_id=project_id,
+        seed=body.seed if body.seed is not None else secrets.randbelow(2**31),  # OpenAI picks one too
+        roots=settings.resolved_model_roots,
+        max_in_flight=settings.max_runs_in_flight,
+    )
+    session.commit()
+    _enqueue(enqueue, session, run)
+    return compat.job_object(run, method)
+
+
+@router.get("", response_model=JobList, responses=_ERRORS)
+def list_jobs(
+    request: Request,
+    session: SessionDep,
+    project_id: ProjectDep,
+    after: After = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> JobList:
+    """The project's jobs (its sft and dpo runs), newest first."""
+    if any(k == "metadata" or k.startswith("metadata[") for k in request.query_params):
+        raise ApiError("filtering jobs by metadata is not supported by rlrun", field="metadata")
+    stmt = (
+        select(Run)
+        .where(Run.project_id == project_id, Run.algorithm.in_(compat.JOB_ALGORITHMS))
+        .order_by(Run.created_at.desc(), Run.id.desc())
+        .limit(limit + 1)
+    )
+    if after is not None:
+        anchor = compat.get_job(session=session, job=after, project_id=project_id, param="after")
+        stmt = stmt.where(
+            or_(
+                Run.created_at < anchor.created_at,
+                and_(Run.created_at == anchor.created_at, Run.id < anchor.id),
+            )
+        )
+    rows = list(session.scalars(stmt))
+    page = rows[:limit]
+    methods = compat.job_methods(session=session, run_ids=[r.id for r in page])
+    return JobList(data=[compat.job_object(r, methods.get(r.id)) for r in page], has_more=len(rows) > limit)
+
+
+@router.get("/{fine_tuning_job_id}", response_model=FineTuningJob, responses=_ERRORS)
+def retrieve_job(run: JobDep, session: SessionDep) -> FineTuningJob:
+    """One job: status, hyperparameters, fine_tuned_model once succeeded."""
+    return _job(session, run)
+
+
+def _refused(action: str, run: Run, session: Session) -> InvalidTransition:
+    job = _job(session, run)
+    state = (
+        f"{job.status}, cancel requested" if run.cancel_requested and job.status == "running" else job.status
+    )
+    return InvalidTransition(
+        f"cannot {action} fine-tuning job {job.id}: it is {state}", field="fine_tuning_job_id"
+    )
+
+
+@router.post("/{fine_tuning_job_id}/cancel", response_model=FineTuningJob, responses=_ERRORS)
+def cancel_job(run: JobDep, session: SessionDep) -> FineTuningJob:
+    """Cancel: at once if queued or paused, within one step if running; 409 once it has ended."""
+    try:
+        run = service.cancel_run(session=session, run=run)
+    except InvalidTransition:
+        raise _refused("cancel", run, session) from None
+    if run.pipeline_id is not None and run.status == "cancelled":
+        advance(session=session, pipeline_id=run.pipeline_id)  # the rest of its pipeline ends too
+    session.commit()
+    return _job(session, run)
+
+
+@router.post("/{fine_tuning_job_id}/pause", response_model=FineTuningJob, responses=_ERRORS)
+def pause_job(run: JobDep, session: SessionDep) -> FineTuningJob:
+    """Pause: at once if queued; a running job checkpoints and stops before its next step (`pausing`)."""
+    try:
+        run = service.pause_run(session=session, run=run)
+    except InvalidTransition:
+        raise _refused("pause", run, session) from None
+    session.commit()
+    return _job(session, run)
+
+
+@router.post("/{fine_tuning_job_id}/resume", response_model=FineTuningJob, responses=_ERRORS)
+def resume_job(run: JobDep, session: SessionDep, enqueue: EnqueueDep) -> FineTuningJob:
+    """Queue a paused job again; it continues from its last checkpoint. 409 unless paused."""
+    try:
+        run = service.resume_run(session=session, run=run)
+    except InvalidTransition:
+        raise _refused("resume", run, session) from None
+    session.commit()
+    _enqueue(enqueue, session, run)
+    return _job(session, run)
+
+
+@router.get("/{fine_tuning_job_id}/events", response_model=JobEventList, responses=_ERRORS)
+def list_job_events(
+    run: JobDep, session: SessionDep, after: After = None, limit: Annotated[int, Query(ge=1, le=1000)] = 20
+) -> JobEventList:
+    """The job's events, newest first: status changes, checkpoints, warnings, the failure reason."""
+    stmt = select(Event).where(Event.run_id == run.id).order_by(Event.id.desc()).limit(limit + 1)
+    if after is not None:
+        last = compat.parse_event_id(after)
+        if last is None:
+            raise ApiError(f"after: {after!r} is not an event id (ftevent-...)", field="after")
+        stmt = stmt.where(Event.id < last)
+    rows = list(session.scalars(stmt))
+    return JobEventList(data=[compat.event_object(e) for e in rows[:limit]], has_more=len(rows) > limit)
+
+
+@router.get("/{fine_tuning_job_id}/checkpoints", response_model=JobCheckpointList, responses=_ERRORS)
+def list_job_checkpoints(
+    run: JobDep, session: SessionDep, after: After = None, limit: Annotated[int, Query(ge=1, le=1000)] = 10
+) -> JobCheckpointList:
+    """The job's kept checkpoints, newest first; each is usable as `model` (`run:<id>@<step>`)."""
+    stmt = (
+        select(Checkpoint)
+        .where(Checkpoint.run_id == run.id)
+        .order_by(Checkpoint.step.desc())
+        .limit(limit + 1)
+    )
+    if after is not None:
+        step = compat.parse_checkpoint_step(after)
+        if step is None:
+            raise ApiError(f"after: {after!r} is not a checkpoint id (ftckpt-...)", field="after")
+        stmt = stmt.where(Checkpoint.step < step)
+    rows = list(session.scalars(stmt))
+    data = [compat.checkpoint_object(c) for c in rows[:limit]]
+    return JobCheckpointList(
+        data=data,
+        first_id=data[0].id if data else None,
+        last_id=data[-1].id if data else None,
+        has_more=len(rows) > limit,
+    )

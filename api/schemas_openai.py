@@ -1,0 +1,244 @@
+"""Request and response bodies of the OpenAI-compatible surface (/v1/files, /v1/fine_tuning/jobs).
+
+Field names, types and status names follow the official SDK's models (``openai.types.FileObject``,
+``openai.types.fine_tuning.FineTuningJob`` and friends), so code written against OpenAI's fine-tuning API
+runs unchanged; the descriptions say how each maps onto rlrun's datasets and runs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+
+
+def _auto_or(
+    kind: type[int] | type[float], low: float, high: float, *, above: bool = False
+) -> PlainValidator:
+    """A validator of ``"auto"`` or a number in range. One validator rather than a union: pydantic reports a
+    union's errors under member tags (``n_epochs.literal['auto']``) instead of the parameter's own name."""
+    noun = "an integer" if kind is int else "a number"
+    message = f"must be 'auto' or {noun} {'above' if above else 'from'} {low:g} up to {high:g}"
+
+    def check(value: object) -> object:
+        if value == "auto":
+            return "auto"
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(message)
+        if (kind is int and not float(value).is_integer()) or not (
+            low < value <= high if above else low <= value <= high
+        ):
+            raise ValueError(message)
+        return kind(value)
+
+    return PlainValidator(check)
+
+
+def _auto_schema(
+    kind: type[int] | type[float], low: float, high: float, *, above: bool = False
+) -> WithJsonSchema:
+    number: dict[str, Any] = {"type": "integer" if kind is int else "number", "maximum": high}
+    number["exclusiveMinimum" if above else "minimum"] = low
+    return WithJsonSchema({"anyOf": [{"type": "string", "enum": ["auto"]}, number]})
+
+
+NEpochs = Annotated[Literal["auto"] | int, _auto_or(int, 1, 1000), _auto_schema(int, 1, 1000)]
+BatchSize = Annotated[Literal["auto"] | int, _auto_or(int, 1, 4096), _auto_schema(int, 1, 4096)]
+LrMultiplier = Annotated[
+    Literal["auto"] | float, _auto_or(float, 0, 1e6, above=True), _auto_schema(float, 0, 1e6, above=True)
+]
+Beta = Annotated[
+    Literal["auto"] | float, _auto_or(float, 0, 100, above=True), _auto_schema(float, 0, 100, above=True)
+]
+JobStatus = Literal[
+    "validating_files", "queued", "running", "pausing", "paused", "succeeded", "failed", "cancelled"
+]
+MethodType = Literal["supervised", "dpo", "reinforcement"]
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- files ---------------------------------------------------------------------------------------------
+
+
+class FileObject(BaseModel):
+    """An uploaded file: an rlrun dataset (kind `sft` or `preference`, detected from its lines)."""
+
+    id: str = Field(description="`file-<dataset id hex>`.")
+    object: Literal["file"] = "file"
+    bytes: int = Field(description="Size of the upload.")
+    created_at: int = Field(description="Unix seconds.")
+    filename: str = Field(description="The uploaded file's name (the dataset's name).")
+    purpose: Literal["fine-tune"] = "fine-tune"
+    status: Literal["uploaded", "processed", "error"] = Field(
+        default="processed",
+        description="Always `processed`: a file is validated in full before it is stored.",
+    )
+    expires_at: int | None = Field(default=None, description="Never: rlrun files do not expire.")
+    status_details: str | None = None
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool
+
+
+# --- fine-tuning jobs ----------------------------------------------------------------------------------
+
+
+class SupervisedMethodHyperparameters(_In):
+    """`auto` picks: 3 epochs, the spec's default batch size (8, at most the file's rows), multiplier 1."""
+
+    n_epochs: NEpochs | None = Field(
+        default=None, description="Passes over the file: max_steps = ceil(n_epochs * rows / batch_size)."
+    )
+    batch_size: BatchSize | None = Field(default=None, description="Examples per optimizer step.")
+    learning_rate_multiplier: LrMultiplier | None = Field(
+        default=None, description="Times the run type's default learning rate (SFT 2e-5, DPO 1e-6)."
+    )
+
+
+class DpoMethodHyperparameters(SupervisedMethodHyperparameters):
+    beta: Beta | None = Field(
+        default=None, description="DPO's KL strength to the reference model (`auto`: 0.1)."
+    )
+
+
+class SupervisedMethod(_In):
+    hyperparameters: SupervisedMethodHyperparameters | None = None
+
+
+class DpoMethod(_In):
+    hyperparameters: DpoMethodHyperparameters | None = None
+
+
+class Method(_In):
+    """`supervised` -> an rlrun `sft` run (file of chat `messages` lines); `dpo` -> a `dpo` run (file of
+    `input`/`preferred_output`/`non_preferred_output` lines). `reinforcement` is refused."""
+
+    type: MethodType
+    supervised: SupervisedMethod | None = None
+    dpo: DpoMethod | None = None
+    reinforcement: dict[str, Any] | None = Field(default=None, description="Not supported by rlrun.")
+
+
+class FineTuningJobCreate(_In):
+    """OpenAI's job request; it becomes an rlrun run through the same checks as `POST /v1/runs`."""
+
+    model: str = Field(
+        min_length=1,
+        description="An rlrun model reference: `tiny:llama-0.4m`, `run:<id>`, `run:<id>@<step>`, a path.",
+    )
+    training_file: str = Field(description="`file-...` id of an uploaded file.")
+    validation_file: str | None = Field(default=None, description="A file of the same kind, for eval/*.")
+    method: Method | None = Field(default=None, description="Default: supervised.")
+    hyperparameters: SupervisedMethodHyperparameters | None = Field(
+        default=None,
+        description="Deprecated by OpenAI in favour of `method`: the supervised hyperparameters.",
+    )
+    suffix: str | None = Field(
+        default=None, min_length=1, max_length=64, description="Becomes the run's name."
+    )
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1, description="Default: a random seed.")
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = (
+        Field(default=None, max_length=16, description="Up to 16 string pairs, stored with the run.")
+    )
+    integrations: list[dict[str, Any]] | None = Field(default=None, description="Not supported by rlrun.")
+
+
+class JobError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+
+
+class JobHyperparameters(BaseModel):
+    n_epochs: NEpochs | None = None
+    batch_size: BatchSize | None = None
+    learning_rate_multiplier: LrMultiplier | None = None
+
+
+class FineTuningJob(BaseModel):
+    """A fine-tuning job: an rlrun `sft` or `dpo` run, seen through OpenAI's job object."""
+
+    id: str = Field(description="`ftjob-<run id hex>`.")
+    object: Literal["fine_tuning.job"] = "fine_tuning.job"
+    created_at: int
+    finished_at: int | None
+    model: str
+    fine_tuned_model: str | None = Field(description="`run:<id>` once succeeded: use it as `model` anywhere.")
+    organization_id: str = Field(description="The rlrun project id.")
+    result_files: list[str]
+    status: JobStatus = Field(description="rlrun's status; `pausing` while a pause is requested.")
+    error: JobError | None
+    hyperparameters: JobHyperparameters
+    method: Method
+    seed: int
+    training_file: str
+    validation_file: str | None
+    trained_tokens: int | None = None
+    metadata: dict[str, str] | None
+    user_provided_suffix: str | None
+    estimated_finish: int | None = None
+    integrations: list[dict[str, Any]] | None = None
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FineTuningJob]
+    has_more: bool
+
+
+class JobEvent(BaseModel):
+    id: str = Field(description="`ftevent-<rlrun event id>`.")
+    object: Literal["fine_tuning.job.event"] = "fine_tuning.job.event"
+    created_at: int
+    level: Literal["info", "warn", "error"]
+    message: str
+    data: dict[str, Any] | None = None
+    type: Literal["message", "metrics"] = "message"
+
+
+class JobEventList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobEvent]
+    has_more: bool
+
+
+class CheckpointMetrics(BaseModel):
+    step: float | None = None
+    train_loss: float | None = None
+    train_mean_token_accuracy: float | None = None
+    valid_loss: float | None = None
+    valid_mean_token_accuracy: float | None = None
+    full_valid_loss: float | None = None
+    full_valid_mean_token_accuracy: float | None = None
+
+
+class JobCheckpoint(BaseModel):
+    id: str = Field(description="`ftckpt-<run id hex>-<step>`.")
+    object: Literal["fine_tuning.job.checkpoint"] = "fine_tuning.job.checkpoint"
+    created_at: int
+    fine_tuned_model_checkpoint: str = Field(description="`run:<id>@<step>`: usable as `model` anywhere.")
+    fine_tuning_job_id: str
+    metrics: CheckpointMetrics
+    step_number: int
+
+
+class JobCheckpointList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[JobCheckpoint]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -1,0 +1,510 @@
+"""OpenAI's fine-tuning API mapped onto rlrun: a file is a dataset, a job is an ``sft`` or ``dpo`` run.
+
+The translation functions (ids, kind detection, job request -> run spec, run/event/checkpoint/dataset ->
+OpenAI object) are pure. The few functions at the bottom touch the DB; like the other services they
+take ``session`` keyword-only and never commit (the router owns the unit of work).
+
+A job's OpenAI method (with every ``auto`` resolved) is kept in the run's first event of kind
+``fine_tuning_job``: the spec stores ``max_steps`` and ``learning_rate``, from which ``n_epochs`` cannot be
+recovered exactly. Runs submitted through ``/v1/runs`` have no such event; their method is derived from
+the spec and their ``n_epochs`` reads ``auto`` (they were budgeted in steps).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import Text, cast, or_, select
+from sqlalchemy.orm import Session
+
+from api.errors import ApiError, DatasetNotFound, FileNotFound, JobNotFound, RunNotFound
+from api.ingest import LineError, parse_json_line
+from api.models import Checkpoint, Dataset, Event, Pipeline, Run
+from api.schemas_openai import (
+    CheckpointMetrics,
+    DpoMethod,
+    DpoMethodHyperparameters,
+    FileObject,
+    FineTuningJob,
+    FineTuningJobCreate,
+    JobCheckpoint,
+    JobError,
+    JobEvent,
+    JobHyperparameters,
+    Method,
+    SupervisedMethod,
+    SupervisedMethodHyperparameters,
+)
+from api.services.datasets import get_dataset
+from api.services.runs import add_event, get_run, submit_run
+from trainer.specs import DpoHyperparameters as DpoSpecHyperparameters
+from trainer.specs import DpoSpec, SftSpec
+from trainer.specs import SftHyperparameters as SftSpecHyperparameters
+
+JOB_ALGORITHMS = ("sft", "dpo")
+FILE_KINDS = ("sft", "preference")
+CREATED_EVENT = "fine_tuning_job"
+AUTO_EPOCHS = 3  # OpenAI's long-standing starting point; `auto` here is a fixed rule, not a search
+METHOD_KIND = {"supervised": "sft", "dpo": "preference"}
+KIND_LINES = {
+    "sft": "chat `messages` lines",
+    "preference": "preference lines (`input`, `preferred_output`, `non_preferred_output`)",
+}
+# Where rlrun's own field names show up in errors, the OpenAI request parameter they came from.
+OPENAI_PARAMS = {
+    "dataset_id": "training_file",
+    "validation_dataset_id": "validation_file",
+    "reference_model": "model",
+    "name": "suffix",
+}
+
+
+# --- ids -----------------------------------------------------------------------------------------------
+
+
+def _uuid_after(value: str, prefix: str) -> uuid.UUID | None:
+    if not value.startswith(prefix):
+        return None
+    try:
+        return uuid.UUID(hex=value[len(prefix) :])
+    except ValueError:
+        return None
+
+
+def file_id(dataset_id: uuid.UUID) -> str:
+    return f"file-{dataset_id.hex}"
+
+
+def parse_file_id(value: str) -> uuid.UUID | None:
+    return _uuid_after(value, "file-")
+
+
+def job_id(run_id: uuid.UUID) -> str:
+    return f"ftjob-{run_id.hex}"
+
+
+def parse_job_id(value: str) -> uuid.UUID | None:
+    return _uuid_after(value, "ftjob-")
+
+
+def event_id(event: int) -> str:
+    return f"ftevent-{event}"
+
+
+def _count(text: str) -> int | None:
+    """A non-negative integer a DB column can hold (ASCII digits only: ``"²".isdigit()`` is true)."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+
+
+def parse_event_id(value: str) -> int | None:
+    rest = value.removeprefix("ftevent-")
+    return _count(rest) if rest != value else None
+
+
+def checkpoint_id(run_id: uuid.UUID, step: int) -> str:
+    return f"ftckpt-{run_id.hex}-{step}"
+
+
+def parse_checkpoint_step(value: str) -> int | None:
+    """The step of a ``ftckpt-<run hex>-<step>`` id (the run part is not checked: it is a cursor)."""
+    rest = value.removeprefix("ftckpt-")
+    return _count(rest.rpartition("-")[2]) if rest != value else None
+
+
+def unix(moment: datetime) -> int:
+    return int(moment.timestamp())
+
+
+# --- files ---------------------------------------------------------------------------------------------
+
+
+def detect_kind(first_line: bytes) -> str:
+    """The dataset kind of an uploaded fine-tuning file, from its first non-blank line: OpenAI DPO lines
+    (and rlrun's other preference formats, with ``chosen``/``rejected``) -> ``preference``, anything else
+    -> ``sft``. Ingest then validates every line against that kind, so a mixed or malformed file is refused
+    naming its first bad line."""
+    try:
+        obj = parse_json_line(first_line.strip())
+    except LineError:
+        return "sft"
+    preference_keys = ("input", "preferred_output", "non_preferred_output", "chosen", "rejected")
+    return "preference" if any(k in obj for k in preference_keys) else "sft"
+
+
+def file_object(dataset: Dataset) -> FileObject:
+    return FileObject(
+        id=file_id(dataset.id),
+        bytes=dataset.size_bytes,
+        created_at=unix(dataset.created_at),
+        filename=dataset.name,
+    )
+
+
+# --- job request -> run spec ---------------------------------------------------------------------------
+
+
+def _requested(body: FineTuningJobCreate) -> tuple[str, SupervisedMethodHyperparameters, str]:
+    """The method type, its hyperparameters as given, and the parameter path they came from."""
+    if body.integrations:
+        raise ApiError("integrations are not supported by rlrun", field="integrations")
+    method = body.method or Method(type="supervised")
+    if method.type == "reinforcement":
+        raise ApiError(
+            "method.type 'reinforcement' is not supported here: jobs are 'supervised' or 'dpo' (rlrun's "
+            "online RL runs, GRPO, PPO and others, are submitted with POST /v1/runs)",
+            field="method.type",
+        )
+    for other in ("supervised", "dpo", "reinforcement"):
+        if other != method.type and getattr(method, other) is not None:
+            raise ApiError(
+                f"method.{other} is given but method.type is '{method.type}'", field=f"method.{other}"
+            )
+    config = method.supervised if method.type == "supervised" else method.dpo
+    given = config.hyperparameters if config is not None else None
+    if body.hyperparameters is not None:
+        if method.type != "supervised" or given is not None:
+            raise ApiError(
+                f"give hyperparameters under method.{method.type}.hyperparameters (the top-level "
+                "`hyperparameters` are the deprecated form for supervised jobs)",
+                field="hyperparameters",
+            )
+        return "supervised", body.hyperparameters, "hyperparameters"
+    default = DpoMethodHyperparameters() if method.type == "dpo" else SupervisedMethodHyperparameters()
+    return method.type, given or default, f"method.{method.type}.hyperparameters"
+
+
+def _check_kind(dataset: Dataset, method_type: str, param: str) -> None:
+    needed = METHOD_KIND[method_type]
+    if dataset.kind != needed:
+        have = KIND_LINES.get(dataset.kind, f"'{dataset.kind}' data")
+        raise ApiError(
+            f"{param} {file_id(dataset.id)} holds {have}; method.type '{method_type}' needs "
+            f"{KIND_LINES[needed]}",
+            field=param,
+        )
+
+
+def _spec_param(loc: Sequence[int | str], hp_param: str) -> str:
+    """The OpenAI parameter behind a spec validation error's location."""
+    parts = [str(p) for p in loc]
+    if parts[:1] != ["hyperparameters"]:
+        return OPENAI_PARAMS.get(parts[0], ".".join(parts)) if parts else hp_param
+    name = parts[1] if len(parts) > 1 else ""
+    if name == "seed":
+        return "seed"
+    name = {"max_steps": "n_epochs", "learning_rate": "learning_rate_multiplier"}.get(name, name)
+    return f"{hp_param}.{name}" if name else hp_param
+
+
+def _number(value: str | float | None, auto: float) -> float:
+    """A hyperparameter as given, or ``auto``'s value when it is None or "auto" (the only string)."""
+    return auto if value is None or isinstance(value, str) else float(value)
+
+
+def plan_job(
+    body: FineTuningJobCreate, *, training: Dataset, validation: Dataset | None, seed: int
+) -> tuple[SftSpec | DpoSpec, Method]:
+    """The run spec for an OpenAI job request and the job's method with every ``auto`` resolved.
+
+    ``auto``: ``AUTO_EPOCHS`` epochs, the run type's default batch size capped at the file's rows,
+    learning-rate multiplier 1 (the run type's default learning rate), DPO beta 0.1 (the spec default).
+    ``max_steps = ceil(n_epochs * rows / batch_size)``. Raises ``ApiError`` naming the OpenAI parameter.
+    """
+    method_type, given, hp_param = _requested(body)
+    _check_kind(training, method_type, "training_file")
+    if validation is not None:
+        _check_kind(validation, method_type, "validation_file")
+    spec_cls: type[SftSpec] | type[DpoSpec] = SftSpec if method_type == "supervised" else DpoSpec
+    defaults = (
+        SftSpecHyperparameters if method_type == "supervised" else DpoSpecHyperparameters
+    ).model_fields
+    rows = training.row_count
+    n_epochs = int(_number(given.n_epochs, AUTO_EPOCHS))
+    batch_size = int(_number(given.batch_size, min(int(defaults["batch_size"].default), rows)))
+    multiplier = _number(given.learning_rate_multiplier, 1.0)
+    hp: dict[str, Any] = {
+        "max_steps": -(-n_epochs * rows // batch_size),  # ceil, in integers
+        "batch_size": batch_size,
+        "learning_rate": multiplier * float(defaults["learning_rate"].default),
+        "seed": seed,
+    }
+    resolved: dict[str, Any] = {
+        "n_epochs": n_epochs,
+        "batch_size": batch_size,
+        "learning_rate_multiplier": multiplier,
+    }
+    if isinstance(given, DpoMethodHyperparameters):
+        hp["beta"] = resolved["beta"] = _number(given.beta, float(defaults["beta"].default))
+    try:
+        spec = spec_cls.model_validate(
+            {
+                "algorithm": "sft" if method_type == "supervised" else "dpo",
+                "model": body.model,
+                "dataset_id": training.id,
+                "validation_dataset_id": validation.id if validation is not None else None,
+                "name": body.suffix,
+                "hyperparameters": hp,
+            }
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _spec_param(first["loc"], hp_param)
+        derived = {  # what the OpenAI parameter turned into, when that is what the spec refused
+            "max_steps": f"{n_epochs} epoch(s) of {rows} rows at batch size {batch_size} are "
+            f"{hp['max_steps']} steps; ",
+            "learning_rate": f"{multiplier} x the default learning rate is {hp['learning_rate']:g}; ",
+        }.get(str(first["loc"][-1]) if first["loc"] else "", "")
+        raise ApiError(f"{param}: {derived}{first['msg']}", field=param) from None
+    if method_type == "supervised":
+        method = Method(
+            type="supervised",
+            supervised=SupervisedMethod(
+                hyperparameters=SupervisedMethodHyperparameters.model_validate(resolved)
+            ),
+        )
+    else:
+        method = Method(
+            type="dpo", dpo=DpoMethod(hyperparameters=DpoMethodHyperparameters.model_validate(resolved))
+        )
+    return spec, method
+
+
+# --- run -> job, event, checkpoint ---------------------------------------------------------------------
+
+
+def job_status(status: str, *, pause_requested: bool, cancel_requested: bool) -> str:
+    """rlrun's status by OpenAI's name; a running run asked to pause is ``pausing`` (as OpenAI says)."""
+    if status == "running" and pause_requested and not cancel_requested:
+        return "pausing"
+    return status
+
+
+def method_from_spec(spec: dict[str, Any]) -> Method:
+    """The method of a run made outside this surface: budgeted in steps, so ``n_epochs`` is ``auto``."""
+    hp = spec.get("hyperparameters", {})
+    if spec["algorithm"] == "sft":
+        default_lr = float(SftSpecHyperparameters.model_fields["learning_rate"].default)
+    else:
+        default_lr = float(DpoSpecHyperparameters.model_fields["learning_rate"].default)
+    lr = float(hp.get("learning_rate", default_lr))
+    common: dict[str, Any] = {
+        "n_epochs": "auto",
+        "batch_size": hp.get("batch_size", 8),
+        # 12 significant digits: undoes the float noise of multiplier * default_lr / default_lr
+        "learning_rate_multiplier": float(f"{lr / default_lr:.12g}"),
+    }
+    if spec["algorithm"] == "sft":
+        return Method(
+            type="supervised",
+            supervised=SupervisedMethod(hyperparameters=SupervisedMethodHyperparameters(**common)),
+        )
+    beta = hp.get("beta", DpoSpecHyperparameters.model_fields["beta"].default)
+    return Method(type="dpo", dpo=DpoMethod(hyperparameters=DpoMethodHyperparameters(**common, beta=beta)))
+
+
+def job_object(run: Run, method: Method | None = None) -> FineTuningJob:
+    """OpenAI's job object for a run; ``method`` is the one recorded at creation (None: derive it)."""
+    spec = run.spec
+    method = method or method_from_spec(spec)
+    config = method.supervised if method.type == "supervised" else method.dpo
+    given = config.hyperparameters if config is not None and config.hyperparameters else None
+    validation = spec.get("validation_dataset_id")
+    return FineTuningJob(
+        id=job_id(run.id),
+        created_at=unix(run.created_at),
+        finished_at=unix(run.finished_at) if run.finished_at is not None else None,
+        model=spec["model"],
+        fine_tuned_model=f"run:{run.id}" if run.status == "succeeded" else None,
+        organization_id=str(run.project_id),
+        result_files=[],
+        status=job_status(
+            run.status, pause_requested=run.pause_requested, cancel_requested=run.cancel_requested
+        ),
+        error=JobError(code="run_failed", message=run.error or "the run failed")
+        if run.status == "failed"
+        else None,
+        hyperparameters=JobHyperparameters(
+            n_epochs=given.n_epochs if given else None,
+            batch_size=given.batch_size if given else None,
+            learning_rate_multiplier=given.learning_rate_multiplier if given else None,
+        ),
+        method=method,
+        seed=int(spec.get("hyperparameters", {}).get("seed", 0)),
+        training_file=file_id(uuid.UUID(spec["dataset_id"])),
+        validation_file=file_id(uuid.UUID(validation)) if validation else None,
+        metadata=run.user_metadata,
+        user_provided_suffix=spec.get("name"),
+    )
+
+
+def event_level(kind: str, message: str) -> str:
+    if kind == "warning":
+        return "warn"
+    if kind == "error" or (kind == "status" and message == "failed"):
+        return "error"
+    return "info"
+
+
+def event_message(kind: str, message: str, data: dict[str, Any] | None) -> str:
+    """Status changes read as sentences (OpenAI's job events do); other events keep rlrun's message."""
+    if kind != "status":
+        return message
+    data = data or {}
+    why = f" ({data['reason']})" if data.get("reason") else ""
+    sentences = {
+        "queued": f"Job queued{why}",
+        "running": f"Job started (attempt {data.get('attempt', 1)})",
+        "paused": f"Job paused{why}" if why else f"Job paused at step {data.get('step', 0)}",
+        "succeeded": "The job has successfully completed",
+        "failed": f"The job failed: {data.get('error') or 'see the run'}",
+        "cancelled": f"The job was cancelled{why}",
+    }
+    return sentences.get(message, message)
+
+
+def event_object(event: Event) -> JobEvent:
+    return JobEvent(
+        id=event_id(event.id),
+        created_at=unix(event.created_at),
+        level=event_level(event.kind, event.message),
+        message=event_message(event.kind, event.message, event.data),
+        data={"kind": event.kind, **(event.data or {})},
+    )
+
+
+def checkpoint_metrics(step: int, metrics: dict[str, Any]) -> CheckpointMetrics:
+    """OpenAI's checkpoint metrics from rlrun's: training values from the step (or, at the final step,
+    ``final/*`` over the whole training set), validation values from the latest ``eval/*``."""
+
+    def first(*keys: str) -> float | None:
+        return next((float(metrics[k]) for k in keys if k in metrics), None)
+
+    return CheckpointMetrics(
+        step=float(step),
+        train_loss=first("loss", "final/loss"),
+        train_mean_token_accuracy=first("token_accuracy", "final/token_accuracy"),
+        valid_loss=first("eval/loss"),
+        valid_mean_token_accuracy=first("eval/token_accuracy"),
+    )
+
+
+def checkpoint_object(ckpt: Checkpoint) -> JobCheckpoint:
+    return JobCheckpoint(
+        id=checkpoint_id(ckpt.run_id, ckpt.step),
+        created_at=unix(ckpt.created_at),
+        fine_tuned_model_checkpoint=f"run:{ckpt.run_id}@{ckpt.step}",
+        fine_tuning_job_id=job_id(ckpt.run_id),
+        metrics=checkpoint_metrics(ckpt.step, ckpt.metrics),
+        step_number=ckpt.step,
+    )
+
+
+# --- DB ------------------------------------------------------------------------------------------------
+
+
+def get_file(*, session: Session, file: str, project_id: uuid.UUID, param: str) -> Dataset:
+    """The dataset behind a ``file-...`` id in the project (an sft or preference one), or FileNotFound."""
+    dataset_id = parse_file_id(file)
+    try:
+        if dataset_id is None:
+            raise DatasetNotFound(file)
+        dataset = get_dataset(session=session, dataset_id=dataset_id, project_id=project_id)
+        if dataset.kind not in FILE_KINDS:
+            raise DatasetNotFound(file)
+    except DatasetNotFound:
+        raise FileNotFound(f"No such File object: {file}", field=param) from None
+    return dataset
+
+
+def get_job(*, session: Session, job: str, project_id: uuid.UUID, param: str) -> Run:
+    """The run behind a ``ftjob-...`` id in the project (an sft or dpo run), or JobNotFound."""
+    run_id = parse_job_id(job)
+    try:
+        if run_id is None:
+            raise RunNotFound(job)
+        run = get_run(session=session, run_id=run_id, project_id=project_id)
+        if run.algorithm not in JOB_ALGORITHMS:
+            raise RunNotFound(job)
+    except RunNotFound:
+        raise JobNotFound(f"No such fine-tuning job: {job}", field=param) from None
+    return run
+
+
+def job_methods(*, session: Session, run_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, Method]:
+    """The methods recorded when these jobs were created (runs made elsewhere have none)."""
+    stmt = select(Event).where(Event.run_id.in_(run_ids), Event.kind == CREATED_EVENT).order_by(Event.id)
+    out: dict[uuid.UUID, Method] = {}
+    for event in session.scalars(stmt):
+        if event.data and event.run_id not in out:
+            out[event.run_id] = Method.model_validate(event.data["method"])
+    return out
+
+
+def create_job(
+    *,
+    session: Session,
+    body: FineTuningJobCreate,
+    project_id: uuid.UUID,
+    seed: int,
+    roots: Sequence[Path],
+    max_in_flight: int,
+) -> tuple[Run, Method]:
+    """Store the run for a job request (flush only) through ``submit_run``: the same dataset, model
+    reference, project and runs-in-flight checks as ``POST /v1/runs``, errors named by OpenAI parameter."""
+    training = get_file(
+        session=session, file=body.training_file, project_id=project_id, param="training_file"
+    )
+    validation = (
+        get_file(session=session, file=body.validation_file, project_id=project_id, param="validation_file")
+        if body.validation_file is not None
+        else None
+    )
+    spec, method = plan_job(body, training=training, validation=validation, seed=seed)
+    try:
+        run = submit_run(
+            session=session, spec=spec, roots=roots, project_id=project_id, max_in_flight=max_in_flight
+        )
+    except ApiError as exc:
+        exc.field = OPENAI_PARAMS.get(exc.field or "", exc.field)
+        raise
+    run.user_metadata = body.metadata
+    add_event(
+        session,
+        run.id,
+        CREATED_EVENT,
+        f"Created fine-tuning job: {job_id(run.id)}",
+        {"method": method.model_dump(mode="json", exclude_none=True)},
+    )
+    session.flush()
+    return run, method
+
+
+def file_user(*, session: Session, dataset: Dataset) -> str | None:
+    """What keeps a dataset from being deleted: a run that trains or validates on it, or a running
+    pipeline whose later stage will (specs hold dataset ids as text: one LIKE per table finds them)."""
+    text = str(dataset.id)
+    run = session.scalars(
+        select(Run.id)
+        .where(
+            Run.project_id == dataset.project_id,
+            or_(Run.dataset_id == dataset.id, cast(Run.spec, Text).contains(text)),
+        )
+        .limit(1)
+    ).first()
+    if run is not None:
+        return f"run {run} ({job_id(run)})"
+    pipeline = session.scalars(
+        select(Pipeline.id)
+        .where(
+            Pipeline.project_id == dataset.project_id,
+            Pipeline.status == "running",
+            cast(Pipeline.stages, Text).contains(text),
+        )
+        .limit(1)
+    ).first()
+    return f"pipeline {pipeline}" if pipeline is not None else None

@@ -1,0 +1,178 @@
+"""The webhook dispatcher: announces ended runs and delivers due messages (a thread in ``rlrun serve``).
+
+Each pass:
+1. :func:`announce_ended_runs` queues one delivery per matching webhook for every run that ended;
+2. due deliveries are claimed (their ``next_attempt_at`` pushed past this attempt's timeout, so another
+   process skips them), then POSTed outside any transaction, signed per attempt (Standard Webhooks), to
+   the address the allow-list check just approved; redirects are not followed;
+3. each outcome is logged on the delivery: 2xx succeeds, anything else retries with exponential backoff
+   until ``webhook_max_attempts`` (the bounded time is the sum of those waits).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import httpx
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.models import Webhook, WebhookDelivery, utcnow
+from api.services.webhooks import announce_ended_runs, record_attempt
+from api.settings import Settings
+from api.webhook_signing import signed_headers
+from api.webhook_urls import Resolver, UrlPolicy, WebhookUrlRefused, check_webhook_url, pinned_target, resolve
+
+log = logging.getLogger("rlrun.webhooks")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status_code: int | None
+    error: str | None
+    duration_ms: float
+
+
+Sender = Callable[[str, str, dict[str, str], str], Outcome]  # url, body, headers, server name
+
+
+def http_sender(timeout: float) -> Sender:
+    """POST with httpx to an already-pinned URL; the TLS server name is the webhook's host."""
+
+    def send(url: str, body: str, headers: dict[str, str], server_name: str) -> Outcome:
+        start = time.perf_counter()
+        try:
+            with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client:
+                response = client.post(
+                    url, content=body.encode(), headers=headers, extensions={"sni_hostname": server_name}
+                )
+            ms = (time.perf_counter() - start) * 1000
+            ok = 200 <= response.status_code < 300
+            error = None if ok else f"HTTP {response.status_code}: {response.text[:200]}"
+            return Outcome(response.status_code, error, ms)
+        except httpx.HTTPError as exc:
+            ms = (time.perf_counter() - start) * 1000
+            return Outcome(None, f"{type(exc).__name__}: {exc}"[:300], ms)
+
+    return send
+
+
+@dataclass(frozen=True)
+class _Claimed:
+    delivery_id: uuid.UUID
+    url: str
+    secret: str
+    message_id: str
+    body: str
+
+
+def _claim_due(session_factory: sessionmaker[Session], settings: Settings, limit: int) -> list[_Claimed]:
+    now = utcnow()
+    lease_until = now + timedelta(seconds=settings.webhook_timeout_seconds + 30)
+    claimed: list[_Claimed] = []
+    with session_factory.begin() as session:
+        rows = session.execute(
+            select(WebhookDelivery, Webhook)
+            .join(Webhook, Webhook.id == WebhookDelivery.webhook_id)
+            .where(WebhookDelivery.status == "pending", WebhookDelivery.next_attempt_at <= now)
+            .order_by(WebhookDelivery.next_attempt_at)
+            .limit(limit)
+            .with_for_update(skip_locked=True, of=WebhookDelivery)
+        ).all()
+        for delivery, hook in rows:
+            taken = session.execute(
+                update(WebhookDelivery)
+                .where(
+                    WebhookDelivery.id == delivery.id,
+                    WebhookDelivery.next_attempt_at == delivery.next_attempt_at,
+                )
+                .values(next_attempt_at=lease_until)
+                .execution_options(synchronize_session=False)
+            )
+            if taken.rowcount == 1:  # type: ignore[attr-defined]
+                claim = _Claimed(delivery.id, hook.url, hook.secret, delivery.message_id, delivery.body)
+                claimed.append(claim)
+    return claimed
+
+
+def _attempt(claim: _Claimed, policy: UrlPolicy, resolver: Resolver, send: Sender) -> Outcome:
+    try:
+        address = check_webhook_url(claim.url, policy, resolver)
+    except WebhookUrlRefused as exc:
+        return Outcome(None, f"refused by the allow-list: {exc.message}", 0.0)
+    target = pinned_target(claim.url, address)
+    headers = signed_headers(claim.secret, claim.message_id, int(time.time()), claim.body)
+    headers["host"] = target.host_header
+    headers["user-agent"] = "rlrun-webhooks/1"
+    return send(target.url, claim.body, headers, target.server_name)
+
+
+def deliver_due(
+    session_factory: sessionmaker[Session],
+    settings: Settings,
+    *,
+    send: Sender | None = None,
+    resolver: Resolver = resolve,
+    limit: int = 50,
+) -> int:
+    """Attempt every due delivery once; how many attempts were made."""
+    send = send or http_sender(settings.webhook_timeout_seconds)
+    policy = UrlPolicy.from_settings(settings)
+    claims = _claim_due(session_factory, settings, limit)
+    for claim in claims:
+        outcome = _attempt(claim, policy, resolver, send)
+        with session_factory.begin() as session:
+            delivery = session.get(WebhookDelivery, claim.delivery_id)
+            if delivery is None or delivery.status != "pending":  # its webhook was deleted meanwhile
+                continue
+            record_attempt(
+                delivery,
+                at=utcnow(),
+                status_code=outcome.status_code,
+                error=outcome.error,
+                duration_ms=outcome.duration_ms,
+                max_attempts=settings.webhook_max_attempts,
+                backoff=settings.webhook_backoff_seconds,
+                max_backoff=settings.webhook_max_backoff_seconds,
+            )
+            log.info(
+                "webhook delivery %s attempt %d: %s",
+                claim.message_id,
+                len(delivery.attempts),
+                outcome.error or outcome.status_code,
+            )
+    return len(claims)
+
+
+def dispatch_once(session_factory: sessionmaker[Session], settings: Settings, **kwargs: Any) -> int:
+    """Announce ended runs, then deliver what is due."""
+    with session_factory.begin() as session:
+        announce_ended_runs(session)
+    return deliver_due(session_factory, settings, **kwargs)
+
+
+class WebhookDispatcher(threading.Thread):
+    """Runs :func:`dispatch_once` every ``webhook_poll_seconds`` until stopped."""
+
+    def __init__(self, session_factory: sessionmaker[Session], settings: Settings):
+        super().__init__(name="rlrun-webhooks", daemon=True)
+        self.session_factory = session_factory
+        self.settings = settings
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.settings.webhook_poll_seconds):
+            try:
+                dispatch_once(self.session_factory, self.settings)
+            except Exception:  # noqa: BLE001 - a DB hiccup must not kill the loop
+                log.exception("webhook pass failed")
+
+    def stop(self) -> None:
+        self.stopped.set()

@@ -1,0 +1,360 @@
+"""A typed Python client for the rlrun REST API.
+
+Responses are parsed into the server's own pydantic models (``api.schemas``), so the client cannot drift
+from the API it talks to::
+
+    from rlrun import Client
+
+    with Client() as rl:  # RLRUN_URL (default http://127.0.0.1:8000), RLRUN_API_KEY
+        ds = rl.datasets.upload("pairs.jsonl", kind="preference")
+        run = rl.runs.create({"algorithm": "dpo", "model": "tiny:llama-0.4m", "dataset_id": str(ds.id)})
+        run = rl.runs.wait(run.id, timeout=600)
+
+Every non-2xx answer raises :class:`ApiError` (status, code, message, field from the API's error body);
+a server that cannot be reached raises :class:`ConnectionFailed`.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import secrets
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from api.errors import ErrorBody
+from api.schemas import (
+    CheckpointRead,
+    DatasetKind,
+    DatasetRead,
+    DatasetRowRead,
+    EventRead,
+    MetricRead,
+    Page,
+    PipelineRead,
+    RunRead,
+    SampleRead,
+)
+from rlrun.errors import ApiError, ConnectionFailed, RlrunError, WaitTimeout
+from rlrun.wire import CHUNK, MultipartFile, Progress, StreamEvent, parse_sse
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+FINISHED = ("succeeded", "failed", "cancelled")  # = api.models.FINISHED_STATUSES (a test keeps them equal)
+
+Id = str | uuid.UUID
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+_CHECKPOINTS = TypeAdapter(list[CheckpointRead])
+_KEYS = TypeAdapter(list[str])
+
+
+def _error_from(resp: httpx.Response) -> ApiError:
+    try:
+        info = ErrorBody.model_validate_json(resp.content).error
+    except ValidationError:  # not our shape (a proxy's page, a crash before the app): keep it short
+        text = resp.text.strip().splitlines()[0][:200] if resp.text.strip() else resp.reason_phrase
+        return ApiError(resp.status_code, "http_error", f"HTTP {resp.status_code}: {text}")
+    return ApiError(resp.status_code, info.code, info.message, info.field, info.details)
+
+
+def _params(**values: Any) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+class _Namespace:
+    def __init__(self, client: Client):
+        self._client = client
+
+
+class Datasets(_Namespace):
+    """``/v1/datasets``."""
+
+    def upload(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        kind: DatasetKind = "preference",
+        name: str | None = None,
+        progress: Progress | None = None,
+        chunk_size: int = CHUNK,
+    ) -> DatasetRead:
+        """Upload a JSONL file, streamed (bounded memory) with a known Content-Length; ``name`` defaults
+        to the file's name. ``progress(bytes_sent, total)`` reports the file's bytes. The server
+        validates every line and stores all rows or none (422 with line-numbered ``details``)."""
+        file = Path(path)
+        fields = {"kind": kind} | ({"name": name} if name is not None else {})  # server default: file name
+        with file.open("rb") as fh:
+            body = MultipartFile(
+                fields=fields,
+                file_field="file",
+                filename=file.name,
+                file_size=os.fstat(fh.fileno()).st_size,
+                boundary=f"rlrun-{secrets.token_hex(16)}",
+            )
+            resp = self._client.request(
+                "POST",
+                "/v1/datasets",
+                content=body.chunks(fh, progress, chunk_size),
+                headers={"Content-Type": body.content_type, "Content-Length": str(body.length)},
+            )
+        return _parse(DatasetRead, resp)
+
+    def create(
+        self, name: str, rows: builtins.list[dict[str, Any]], *, kind: DatasetKind = "preference"
+    ) -> DatasetRead:
+        """A small dataset as one JSON body."""
+        resp = self._client.request("POST", "/v1/datasets", json={"name": name, "kind": kind, "rows": rows})
+        return _parse(DatasetRead, resp)
+
+    def list(self, *, limit: int | None = None, after: str | None = None) -> Page[DatasetRead]:
+        """One page, newest first; pass ``next_cursor`` as ``after`` for the next."""
+        resp = self._client.request("GET", "/v1/datasets", params=_params(limit=limit, after=after))
+        return _parse(Page[DatasetRead], resp)
+
+    def get(self, dataset_id: Id) -> DatasetRead:
+        return _parse(DatasetRead, self._client.request("GET", f"/v1/datasets/{dataset_id}"))
+
+    def rows(
+        self, dataset_id: Id, *, limit: int | None = None, after: str | None = None
+    ) -> Page[DatasetRowRead]:
+        """Normalised rows in upload order."""
+        resp = self._client.request(
+            "GET", f"/v1/datasets/{dataset_id}/rows", params=_params(limit=limit, after=after)
+        )
+        return _parse(Page[DatasetRowRead], resp)
+
+
+class Runs(_Namespace):
+    """``/v1/runs`` and a run's metrics, events, checkpoints, samples and stream."""
+
+    def create(self, spec: Mapping[str, Any] | BaseModel, *, idempotency_key: str | None = None) -> RunRead:
+        """Submit a run spec. With ``idempotency_key``, a retry returns the same run (409 if the key was
+        used for a different spec)."""
+        body = spec.model_dump(mode="json") if isinstance(spec, BaseModel) else dict(spec)
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return _parse(RunRead, self._client.request("POST", "/v1/runs", json=body, headers=headers))
+
+    def list(
+        self, *, status: str | None = None, limit: int | None = None, after: str | None = None
+    ) -> Page[RunRead]:
+        """One page, newest first, optionally only runs in ``status``."""
+        resp = self._client.request(
+            "GET", "/v1/runs", params=_params(status=status, limit=limit, after=after)
+        )
+        return _parse(Page[RunRead], resp)
+
+    def iter(self, *, status: str | None = None, page_size: int = 100) -> Iterator[RunRead]:
+        """Every run (newest first), fetching pages as it goes."""
+        after: str | None = None
+        while True:
+            page = self.list(status=status, limit=page_size, after=after)
+            yield from page.data
+            if not page.has_more:
+                return
+            after = page.next_cursor
+
+    def get(self, run_id: Id) -> RunRead:
+        return _parse(RunRead, self._client.request("GET", f"/v1/runs/{run_id}"))
+
+    def cancel(self, run_id: Id) -> RunRead:
+        """Queued: cancelled at once; running: within one step (``cancel_requested``); ended: 409."""
+        return _parse(RunRead, self._client.request("POST", f"/v1/runs/{run_id}/cancel"))
+
+    def pause(self, run_id: Id) -> RunRead:
+        return _parse(RunRead, self._client.request("POST", f"/v1/runs/{run_id}/pause"))
+
+    def resume(self, run_id: Id) -> RunRead:
+        return _parse(RunRead, self._client.request("POST", f"/v1/runs/{run_id}/resume"))
+
+    def wait(self, run_id: Id, timeout: float | None = None, *, interval: float = 0.5) -> RunRead:
+        """Poll until the run has ended (succeeded, failed or cancelled) and return it.
+
+        Raises :class:`WaitTimeout` after ``timeout`` seconds (``None``: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            run = self.get(run_id)
+            if run.status in FINISHED:
+                return run
+            if deadline is not None and time.monotonic() + interval > deadline:
+                raise WaitTimeout(f"run {run_id} is still {run.status} after {timeout} s")
+            time.sleep(interval)
+
+    def metrics(
+        self,
+        run_id: Id,
+        *,
+        keys: builtins.list[str] | None = None,
+        max_points: int | None = None,
+        min_step: int | None = None,
+        max_step: int | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> Page[MetricRead]:
+        """Values ordered by step then key; with ``max_points`` (>= 4), a downsampled series per key
+        (first, last and each bucket's extremes kept) in one page."""
+        params = _params(
+            key=keys, max_points=max_points, min_step=min_step, max_step=max_step, limit=limit, after=after
+        )
+        resp = self._client.request("GET", f"/v1/runs/{run_id}/metrics", params=params)
+        return _parse(Page[MetricRead], resp)
+
+    def metric_keys(self, run_id: Id) -> builtins.list[str]:
+        """The keys the run has logged, sorted."""
+        resp = self._client.request("GET", f"/v1/runs/{run_id}/metric-keys")
+        return _parse_adapter(_KEYS, resp)
+
+    def events(self, run_id: Id, *, limit: int | None = None, after: str | None = None) -> Page[EventRead]:
+        resp = self._client.request(
+            "GET", f"/v1/runs/{run_id}/events", params=_params(limit=limit, after=after)
+        )
+        return _parse(Page[EventRead], resp)
+
+    def checkpoints(self, run_id: Id) -> builtins.list[CheckpointRead]:
+        return _parse_adapter(_CHECKPOINTS, self._client.request("GET", f"/v1/runs/{run_id}/checkpoints"))
+
+    def samples(
+        self, run_id: Id, *, step: int | None = None, limit: int | None = None, after: str | None = None
+    ) -> Page[SampleRead]:
+        """Online RL: stored completions with their rewards."""
+        resp = self._client.request(
+            "GET", f"/v1/runs/{run_id}/samples", params=_params(step=step, limit=limit, after=after)
+        )
+        return _parse(Page[SampleRead], resp)
+
+    def stream(
+        self, run_id: Id, *, last_event_id: str | None = None, poll_seconds: float | None = None
+    ) -> Iterator[StreamEvent]:
+        """The run's Server-Sent Events as they land, ending after the ``end`` event."""
+        headers = {"Last-Event-ID": last_event_id} if last_event_id else None
+        params = _params(poll_seconds=poll_seconds)
+        with self._client.stream("GET", f"/v1/runs/{run_id}/stream", params=params, headers=headers) as resp:
+            try:
+                for message in parse_sse(resp.iter_lines()):
+                    yield message
+                    if message.event == "end":
+                        return
+            except httpx.TransportError as exc:  # the connection broke mid-stream
+                raise self._client._connection_failed(exc) from exc
+
+
+class Pipelines(_Namespace):
+    """``/v1/pipelines``: chained runs."""
+
+    def create(self, body: Mapping[str, Any] | BaseModel) -> PipelineRead:
+        payload = body.model_dump(mode="json") if isinstance(body, BaseModel) else dict(body)
+        return _parse(PipelineRead, self._client.request("POST", "/v1/pipelines", json=payload))
+
+    def get(self, pipeline_id: Id) -> PipelineRead:
+        return _parse(PipelineRead, self._client.request("GET", f"/v1/pipelines/{pipeline_id}"))
+
+    def cancel(self, pipeline_id: Id) -> PipelineRead:
+        return _parse(PipelineRead, self._client.request("POST", f"/v1/pipelines/{pipeline_id}/cancel"))
+
+
+class Client:
+    """The rlrun API over HTTP: ``datasets``, ``runs`` and ``pipelines`` namespaces.
+
+    ``base_url`` defaults to ``$RLRUN_URL`` (else http://127.0.0.1:8000) and ``api_key`` to
+    ``$RLRUN_API_KEY``, sent as ``Authorization: Bearer``. Use it as a context manager, or ``close()``.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout = 30.0,
+        *,
+        transport: httpx.BaseTransport | None = None,
+    ):
+        self.base_url = (base_url or os.environ.get("RLRUN_URL") or DEFAULT_URL).rstrip("/")
+        key = api_key if api_key is not None else os.environ.get("RLRUN_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
+        )
+        self.datasets = Datasets(self)
+        self.runs = Runs(self)
+        self.pipelines = Pipelines(self)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request; raises :class:`ApiError` on a non-2xx answer, :class:`ConnectionFailed` when the
+        server cannot be reached."""
+        try:
+            resp = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise self._connection_failed(exc) from exc
+        if resp.is_error:
+            raise _error_from(resp)
+        return resp
+
+    def stream(self, method: str, path: str, **kwargs: Any) -> _Stream:
+        """A streamed response (context manager) with the same error handling as :meth:`request`."""
+        return _Stream(self, method, path, kwargs)
+
+    def _connection_failed(self, exc: httpx.TransportError) -> ConnectionFailed:
+        if isinstance(exc, httpx.TimeoutException):
+            return ConnectionFailed(f"the rlrun server at {self.base_url} did not answer in time ({exc})")
+        reason = str(exc) or type(exc).__name__
+        return ConnectionFailed(f"cannot reach the rlrun server at {self.base_url}: {reason}")
+
+
+class _Stream:
+    def __init__(self, client: Client, method: str, path: str, kwargs: dict[str, Any]):
+        self._client, self._method, self._path, self._kwargs = client, method, path, kwargs
+        self._resp: httpx.Response | None = None
+
+    def __enter__(self) -> httpx.Response:
+        http = self._client._http
+        try:
+            resp = http.send(http.build_request(self._method, self._path, **self._kwargs), stream=True)
+        except httpx.TransportError as exc:
+            raise self._client._connection_failed(exc) from exc
+        if resp.is_error:
+            try:
+                resp.read()
+            finally:
+                resp.close()
+            raise _error_from(resp)
+        self._resp = resp
+        return resp
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._resp is not None:
+            self._resp.close()
+
+
+def _parse(model: type[M], resp: httpx.Response) -> M:
+    try:
+        return model.model_validate_json(resp.content)
+    except ValidationError as exc:
+        raise _unexpected(resp, exc) from exc
+
+
+def _parse_adapter(adapter: TypeAdapter[T], resp: httpx.Response) -> T:
+    try:
+        return adapter.validate_json(resp.content)
+    except ValidationError as exc:
+        raise _unexpected(resp, exc) from exc
+
+
+def _unexpected(resp: httpx.Response, exc: ValidationError) -> RlrunError:
+    """A 2xx answer that is not what this client's schemas say: a server of another version."""
+    return RlrunError(f"unexpected answer from {resp.request.url}: {exc.error_count()} invalid field(s)")

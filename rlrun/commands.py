@@ -1,0 +1,381 @@
+"""The user's CLI over the REST API: ``rlrun datasets ...`` and ``rlrun runs ...``, built on
+:class:`rlrun.Client`.
+
+Every command takes ``--url`` (default ``$RLRUN_URL`` or http://127.0.0.1:8000) and ``--api-key``
+(default ``$RLRUN_API_KEY``). Errors print ``error: <message> (field: <field>)`` on stderr and exit 1,
+never a traceback. The client is imported when a command runs, so ``rlrun serve`` and ``rlrun worker``
+do not pay for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from rlrun.terminal import (
+    WatchState,
+    format_value,
+    human_bytes,
+    key_metrics,
+    percent,
+    progress_line,
+    redraw,
+    status_line,
+    watch_frame,
+)
+
+if TYPE_CHECKING:
+    from api.schemas import DatasetRead, RunRead
+    from rlrun.client import Client
+    from rlrun.errors import ApiError
+
+Handler = Callable[[argparse.Namespace, "Client"], int]
+SPARK_WIDTH = 32
+KEY_LIMIT = 6
+
+
+class CliError(Exception):
+    """A problem on this side (a spec file that does not parse): printed as ``error: <message>``."""
+
+
+def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``datasets`` and ``runs`` on the ``rlrun`` parser's subcommands."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--url", default=None, help="server URL (default: $RLRUN_URL or http://127.0.0.1:8000)"
+    )
+    common.add_argument("--api-key", default=None, help="API key (default: $RLRUN_API_KEY)")
+
+    datasets = sub.add_parser("datasets", help="upload and list datasets (on a running server)")
+    ds_sub = datasets.add_subparsers(dest="datasets_command", required=True)
+    upload = ds_sub.add_parser("upload", parents=[common], help="upload a JSONL file (streamed)")
+    upload.add_argument("file", help="JSONL file, one row a line")
+    upload.add_argument("--kind", default="preference", help="preference (default), sft, ranking or prompts")
+    upload.add_argument("--name", default=None, help="default: the file name")
+    upload.add_argument("-q", "--quiet", action="store_true", help="print only the dataset id")
+    upload.set_defaults(func=_command(cmd_datasets_upload))
+    ds_list = ds_sub.add_parser("list", parents=[common], help="datasets, newest first")
+    ds_list.add_argument("--limit", type=int, default=20)
+    ds_list.add_argument("--json", action="store_true", help="the API's JSON page")
+    ds_list.set_defaults(func=_command(cmd_datasets_list))
+
+    runs = sub.add_parser("runs", help="create, list, watch and cancel runs (on a running server)")
+    runs_sub = runs.add_subparsers(dest="runs_command", required=True)
+    create = runs_sub.add_parser("create", parents=[common], help="submit a run spec; prints the run id")
+    create.add_argument("-f", "--file", required=True, help="run spec, YAML or JSON ('-': stdin)")
+    create.add_argument(
+        "--idempotency-key", default=None, help="a retry with the same key returns the same run"
+    )
+    create.add_argument("--watch", action="store_true", help="then watch it until it ends")
+    create.add_argument("--interval", type=float, default=1.0, help="seconds between polls with --watch")
+    create.set_defaults(func=_command(cmd_runs_create))
+    runs_list = runs_sub.add_parser("list", parents=[common], help="runs, newest first")
+    runs_list.add_argument("--status", default=None, help="only runs in this status")
+    runs_list.add_argument("--limit", type=int, default=20)
+    runs_list.add_argument("--all", action="store_true", help="every run (all pages)")
+    runs_list.add_argument("--json", action="store_true", help="the API's JSON")
+    runs_list.set_defaults(func=_command(cmd_runs_list))
+    get = runs_sub.add_parser("get", parents=[common], help="one run: status, progress, key metrics")
+    get.add_argument("run_id")
+    get.add_argument("--json", action="store_true", help="the API's JSON")
+    get.set_defaults(func=_command(cmd_runs_get))
+    watch = runs_sub.add_parser(
+        "watch", parents=[common], help="live status and key metrics; exit 0 if the run succeeds"
+    )
+    watch.add_argument("run_id")
+    watch.add_argument("--interval", type=float, default=1.0, help="seconds between polls")
+    watch.set_defaults(func=_command(cmd_runs_watch))
+    cancel = runs_sub.add_parser("cancel", parents=[common], help="cancel a queued or running run")
+    cancel.add_argument("run_id")
+    cancel.set_defaults(func=_command(cmd_runs_cancel))
+
+
+def _command(handler: Handler) -> Callable[[argparse.Namespace], int]:
+    """``handler(args, client)`` with a client for ``--url``/``--api-key`` and every expected failure
+    turned into one ``error:`` line and exit status 1."""
+
+    def run(args: argparse.Namespace) -> int:
+        # `rlrun` logs at INFO for the server commands; here that would print every HTTP request.
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.WARNING)
+        try:
+            return _run(handler, args)
+        finally:
+            root.setLevel(level)  # called in-process (tests, scripts): leave logging as it was
+
+    return run
+
+
+def _run(handler: Handler, args: argparse.Namespace) -> int:
+    from rlrun.client import Client
+    from rlrun.errors import ApiError, RlrunError
+
+    try:
+        with Client(args.url, args.api_key) as client:
+            return handler(args, client)
+    except ApiError as exc:
+        _print_api_error(exc)
+    except RlrunError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+    except OSError as exc:  # a missing or unreadable file
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"error: {where}{exc.strerror or exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 1
+
+
+def _print_api_error(exc: ApiError) -> None:
+    field = f" (field: {exc.field})" if exc.field else ""
+    print(f"error: {exc.message}{field}", file=sys.stderr)
+    details = exc.details if len(exc.details) > 1 or any(d.line for d in exc.details) else []
+    for d in details:
+        where = "".join((f"line {d.line}: " if d.line else "", f"{d.field}: " if d.field else ""))
+        print(f"  {where}{d.message}", file=sys.stderr)
+
+
+# datasets
+
+
+def cmd_datasets_upload(args: argparse.Namespace, client: Client) -> int:
+    """Upload with a progress bar on stderr; print the dataset id, then its stats."""
+    path = Path(args.file)
+    report = upload_progress(path.name, sys.stderr)
+    dataset = client.datasets.upload(path, kind=args.kind, name=args.name, progress=report)
+    print(dataset.id)
+    if not args.quiet:
+        print(_dataset_summary(dataset))
+    return 0
+
+
+def upload_progress(label: str, out: TextIO) -> Callable[[int, int], None]:
+    """Redraw one line on a terminal; elsewhere print a line at 0, 25, 50, 75 and 100 %."""
+    tty = out.isatty()
+    printed: set[int] = set()
+
+    def report(sent: int, total: int) -> None:
+        if tty:  # back to the line's start, draw, clear what a longer previous line left
+            out.write("\r" + progress_line(label, sent, total) + "\x1b[K")
+            if sent >= total:
+                out.write("\n")
+        else:
+            quarter = percent(sent, total) // 25
+            if quarter in printed:
+                return
+            printed.add(quarter)
+            out.write(progress_line(label, sent, total) + "\n")
+        out.flush()
+
+    return report
+
+
+def _dataset_summary(ds: DatasetRead) -> str:
+    stats = ds.stats
+    lines = [
+        f"name     {ds.name}",
+        f"kind     {ds.kind}",
+        f"rows     {ds.row_count} ({stats.exact_duplicates} exact duplicates)",
+        f"size     {human_bytes(ds.size_bytes)}",
+        "formats  " + ", ".join(f"{k} {v}" for k, v in stats.source_formats.items()),
+    ]
+    if stats.lengths:
+        lengths = "; ".join(f"{k} mean {v.mean:.1f} max {v.max}" for k, v in stats.lengths.items())
+        lines.append(f"lengths  {lengths} (characters)")
+    if stats.flags:
+        lines.append("flags    " + ", ".join(f"{k} {v}" for k, v in stats.flags.items()))
+    return "\n".join(lines)
+
+
+def cmd_datasets_list(args: argparse.Namespace, client: Client) -> int:
+    page = client.datasets.list(limit=args.limit)
+    if args.json:
+        print(page.model_dump_json(indent=2))
+        return 0
+    print(f"{'ID':36}  {'KIND':10}  {'ROWS':>8}  {'CREATED':16}  NAME")
+    for ds in page.data:
+        print(f"{ds.id}  {ds.kind:10}  {ds.row_count:>8}  {ds.created_at:%Y-%m-%d %H:%M}  {ds.name}")
+    if page.has_more:
+        print(f"(more: --limit {args.limit * 2})", file=sys.stderr)
+    return 0
+
+
+# runs
+
+
+def load_spec(path: str, stdin: TextIO | None = None) -> dict[str, Any]:
+    """A run spec from a YAML or JSON file (``.json``: JSON; otherwise YAML, which reads JSON too)."""
+    import yaml
+
+    text = (stdin or sys.stdin).read() if path == "-" else Path(path).read_text()
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise CliError(f"{path}: invalid YAML{where}: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise CliError(f"{path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{path}: a run spec is a mapping (algorithm, model, dataset_id, ...)")
+    return data
+
+
+def cmd_runs_create(args: argparse.Namespace, client: Client) -> int:
+    run = client.runs.create(load_spec(args.file), idempotency_key=args.idempotency_key)
+    print(run.id, flush=True)
+    if args.watch:
+        return watch_run(client, str(run.id), interval=args.interval)
+    return 0
+
+
+def cmd_runs_list(args: argparse.Namespace, client: Client) -> int:
+    if args.all:
+        runs, more = list(client.runs.iter(status=args.status)), False
+    else:
+        page = client.runs.list(status=args.status, limit=args.limit)
+        runs, more = page.data, page.has_more
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
+        return 0
+    print(f"{'ID':36}  {'STATUS':9}  {'ALGORITHM':18}  {'STEP':>13}  {'CREATED':16}  NAME")
+    for r in runs:
+        step = (
+            f"{r.progress.step}/{r.progress.total_steps}" if r.progress.total_steps else str(r.progress.step)
+        )
+        created = f"{r.created_at:%Y-%m-%d %H:%M}"
+        print(f"{r.id}  {r.status:9}  {r.algorithm:18}  {step:>13}  {created}  {r.name or ''}".rstrip())
+    if more:
+        print(f"(more: --limit {args.limit * 2} or --all)", file=sys.stderr)
+    return 0
+
+
+def cmd_runs_get(args: argparse.Namespace, client: Client) -> int:
+    run = client.runs.get(args.run_id)
+    if args.json:
+        print(run.model_dump_json(indent=2))
+        return 0
+    keys = client.runs.metric_keys(run.id)
+    shown = key_metrics(keys, KEY_LIMIT) + [k for k in keys if k.startswith("final/")]
+    last = {k: v[-1] for k, v in _series(client, str(run.id), shown, max_points=4).items() if v}
+    print(run_summary(run, last))
+    return 0
+
+
+def run_summary(run: RunRead, last_metrics: dict[str, float]) -> str:
+    """``runs get``: one ``label  value`` line per fact, then the last value of each key metric."""
+    progress = run.progress
+    rows = [
+        ("id", str(run.id)),
+        ("name", run.name or "-"),
+        ("algorithm", run.algorithm),
+        ("model", run.spec.model),
+        ("dataset", str(run.dataset_id or "-")),
+        (
+            "status",
+            run.status + (" (cancel requested)" if run.cancel_requested and run.status == "running" else ""),
+        ),
+        (
+            "progress",
+            f"{progress.step}/{progress.total_steps}" if progress.total_steps else str(progress.step),
+        ),
+        ("attempt", str(run.attempt)),
+    ]
+    if run.pipeline_id:
+        rows.append(("pipeline", f"{run.pipeline_id} (stage {run.stage})"))
+    for label, at in (
+        ("created", run.created_at),
+        ("started", run.started_at),
+        ("finished", run.finished_at),
+    ):
+        rows.append((label, f"{at:%Y-%m-%d %H:%M:%S %Z}".strip() if at else "-"))
+    if run.output_path:
+        rows.append(("output", run.output_path))
+    if run.error:
+        rows.append(("error", run.error))
+    lines = [f"{label:<10}{value}" for label, value in rows]
+    if last_metrics:
+        width = max(len(k) for k in last_metrics)
+        lines.append("metrics   (last values)")
+        lines += [f"  {k:<{width}}  {format_value(v)}" for k, v in last_metrics.items()]
+    return "\n".join(lines)
+
+
+def cmd_runs_cancel(args: argparse.Namespace, client: Client) -> int:
+    run = client.runs.cancel(args.run_id)
+    if run.status == "cancelled":
+        print(f"run {run.id} cancelled")
+    else:
+        print(f"run {run.id}: cancel requested ({run.status}); it stops within one step")
+    return 0
+
+
+def cmd_runs_watch(args: argparse.Namespace, client: Client) -> int:
+    return watch_run(client, args.run_id, interval=args.interval)
+
+
+def _series(client: Client, run_id: str, keys: list[str], max_points: int) -> dict[str, list[float]]:
+    """Each key's values in step order (chart mode: at most ``max_points`` per key), in ``keys`` order."""
+    if not keys:
+        return {}
+    points = client.runs.metrics(run_id, keys=keys, max_points=max_points).data
+    by_key: dict[str, list[tuple[int, float]]] = {k: [] for k in keys}
+    for m in points:
+        by_key.setdefault(m.key, []).append((m.step, m.value))
+    return {k: [v for _, v in sorted(pts)] for k, pts in by_key.items() if pts}
+
+
+def watch_run(client: Client, run_id: str, *, interval: float = 1.0, out: TextIO | None = None) -> int:
+    """Poll the run and its key metrics until it ends. On a terminal the frame is redrawn in place;
+    otherwise one line is printed per change and the full frame at the end. Exit status: 0 if the run
+    succeeded, 1 if it failed or was cancelled (its error on stderr)."""
+    from rlrun.client import FINISHED
+
+    out = out or sys.stdout
+    tty = out.isatty()
+    drawn, last_line = 0, ""
+    while True:
+        run = client.runs.get(run_id)  # status first: once it has ended, the metrics read next are complete
+        keys = key_metrics(client.runs.metric_keys(run_id), KEY_LIMIT)
+        state = WatchState(
+            run_id=str(run.id),
+            status=run.status,
+            step=run.progress.step,
+            total_steps=run.progress.total_steps,
+            algorithm=run.algorithm,
+            model=run.spec.model,
+            name=run.name,
+            error=run.error,
+            series=_series(client, run_id, keys, max_points=2 * SPARK_WIDTH),
+        )
+        width = shutil.get_terminal_size((120, 24)).columns
+        if tty:
+            frame = watch_frame(state, width=width, spark_width=SPARK_WIDTH)
+            out.write(redraw(frame, drawn))
+            drawn = frame.count("\n") + 1
+        elif (line := status_line(state)) != last_line:
+            out.write(line + "\n")
+            last_line = line
+        out.flush()
+        if run.status in FINISHED:
+            break
+        time.sleep(interval)
+    if not tty:
+        out.write(watch_frame(state, width=width, spark_width=SPARK_WIDTH) + "\n")
+    if run.status == "succeeded":
+        return 0
+    reason = f": {run.error}" if run.error else ""
+    print(f"error: run {run.id} {run.status}{reason}", file=sys.stderr)
+    return 1

@@ -1,0 +1,136 @@
+"""The official `openai` SDK against `rlrun serve` (API + worker, SQLite + SQL broker): a DPO and a
+supervised fine-tuning job from upload to checkpoints, and the SDK's typed errors."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.fine_tuning import FineTuningJob
+
+from api.demo import addition_pairs
+from tests.factories import jsonl
+from tests.integration.flow import embedded_server
+from tests.openai.helpers import chat_lines, dpo_line
+
+pytestmark = [pytest.mark.slow]
+
+FINISHED = ("succeeded", "failed", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    with embedded_server(tmp_path_factory.mktemp("openai-sdk")) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def sdk(served: httpx.Client) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{str(served.base_url).rstrip('/')}/v1", api_key="x", max_retries=0)
+
+
+def wait(sdk: openai.OpenAI, job_id: str, timeout: float = 180) -> FineTuningJob:
+    deadline = time.monotonic() + timeout
+    while (job := sdk.fine_tuning.jobs.retrieve(job_id)).status not in FINISHED:
+        assert time.monotonic() < deadline, job
+        time.sleep(0.3)
+    return job
+
+
+def run_id(job_id: str) -> uuid.UUID:
+    return uuid.UUID(hex=job_id.removeprefix("ftjob-"))
+
+
+def test_a_dpo_job_from_upload_to_checkpoints(sdk: openai.OpenAI, served: httpx.Client) -> None:
+    rows = [dpo_line(p["prompt"], p["chosen"], p["rejected"]) for p in addition_pairs(100)]
+    data = jsonl(rows)
+    file = sdk.files.create(file=("pairs.jsonl", data), purpose="fine-tune")
+    assert file.id.startswith("file-") and file.bytes == len(data) and file.status == "processed"
+    assert sdk.files.retrieve(file.id) == file and file.id in [f.id for f in sdk.files.list()]
+
+    hp: dict[str, Any] = {"n_epochs": 1, "batch_size": 8, "beta": 0.1, "learning_rate_multiplier": 1000}
+    job = sdk.fine_tuning.jobs.create(
+        model="tiny:llama-0.4m",
+        training_file=file.id,
+        method={"type": "dpo", "dpo": {"hyperparameters": hp}},
+        suffix="adder",
+        seed=7,
+        metadata={"team": "evals"},
+    )
+    assert job.status == "queued" and job.method is not None and job.method.type == "dpo"
+    done = wait(sdk, job.id)
+    assert done.status == "succeeded", done
+    rid = run_id(job.id)
+    assert done.fine_tuned_model == f"run:{rid}" and done.finished_at is not None
+    assert (done.seed, done.metadata, done.training_file) == (7, {"team": "evals"}, file.id)
+    steps = -(-1 * 100 // 8)  # ceil(n_epochs * rows / batch_size) = 13
+    run = served.get(f"/v1/runs/{rid}").json()  # the same run through rlrun's own API
+    assert run["progress"] == {"step": steps, "total_steps": steps} and run["name"] == "adder"
+    assert run["spec"]["hyperparameters"]["learning_rate"] == pytest.approx(1e-3)
+
+    checkpoints = sdk.fine_tuning.jobs.checkpoints.list(job.id).data
+    final = checkpoints[0]
+    assert final.step_number == steps and final.fine_tuned_model_checkpoint == f"run:{rid}@{steps}"
+    assert final.metrics.step == steps and final.metrics.train_loss is not None
+
+    events = sdk.fine_tuning.jobs.list_events(job.id, limit=100).data
+    messages = [e.message for e in events]
+    assert messages[0] == "The job has successfully completed"  # newest first
+    assert {"Job queued", "Job started (attempt 1)", f"Created fine-tuning job: {job.id}"} <= set(messages)
+    assert all(e.level in ("info", "warn") for e in events)
+    assert f"checkpoint at step {steps}" in messages
+
+    paged = [j.id for j in sdk.fine_tuning.jobs.list(limit=1)]  # the SDK follows `after` page by page
+    assert job.id in paged and len(paged) == len(set(paged))
+
+
+def test_a_supervised_job_and_the_checkpoint_it_leaves(sdk: openai.OpenAI) -> None:
+    file = sdk.files.create(file=("chat.jsonl", jsonl(chat_lines(24))), purpose="fine-tune")
+    job = sdk.fine_tuning.jobs.create(
+        model="tiny:llama-0.4m",
+        training_file=file.id,
+        method={"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 1, "batch_size": 8}}},
+    )
+    done = wait(sdk, job.id)
+    assert done.status == "succeeded", done
+    assert done.hyperparameters.n_epochs == 1 and done.hyperparameters.batch_size == 8
+    (final, *_) = sdk.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert final.step_number == 3  # ceil(24 / 8)
+    assert final.metrics.train_loss is not None and final.metrics.train_mean_token_accuracy is not None
+    with pytest.raises(openai.ConflictError) as ended:
+        sdk.fine_tuning.jobs.cancel(job.id)
+    assert ended.value.code == "invalid_transition" and "succeeded" in ended.value.message
+    with pytest.raises(openai.ConflictError) as in_use:
+        sdk.files.delete(file.id)
+    assert in_use.value.code == "file_in_use"
+
+
+def test_sdk_errors_are_typed_and_name_the_parameter(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as unknown_job:
+        sdk.fine_tuning.jobs.retrieve(f"ftjob-{uuid.uuid4().hex}")
+    assert unknown_job.value.param == "fine_tuning_job_id"
+    assert unknown_job.value.type == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError) as unknown_file:
+        sdk.fine_tuning.jobs.create(model="tiny:llama-0.4m", training_file="file-nope")
+    assert unknown_file.value.param == "training_file" and "file-nope" in unknown_file.value.message
+    with pytest.raises(openai.BadRequestError) as purpose:
+        sdk.files.create(file=("x.jsonl", jsonl(chat_lines(2))), purpose="assistants")
+    assert purpose.value.param == "purpose"
+    chat = sdk.files.create(file=("c.jsonl", jsonl(chat_lines(4))), purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError) as wrong_kind:
+        sdk.fine_tuning.jobs.create(model="tiny:llama-0.4m", training_file=chat.id, method={"type": "dpo"})
+    assert wrong_kind.value.param == "training_file" and "preferred_output" in wrong_kind.value.message
+    with pytest.raises(openai.BadRequestError) as rft:
+        sdk.fine_tuning.jobs.create(
+            model="tiny:llama-0.4m", training_file=chat.id, method={"type": "reinforcement"}
+        )
+    assert rft.value.param == "method.type"
+    bad = jsonl(chat_lines(2)) + b'{"messages": []}\n'
+    with pytest.raises(openai.BadRequestError) as malformed:
+        sdk.files.create(file=("bad.jsonl", bad), purpose="fine-tune")
+    assert malformed.value.param == "file" and "line 3" in malformed.value.message
