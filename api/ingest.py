@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 HH_ASSISTANT = "\n\nAssistant:"
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -327,3 +327,14 @@ class DatasetStatsBuilder:
             },
             "flags": dict(self.flags),
         }
+
+
+def upload_lines(fileobj: IO[bytes], max_line_bytes: int) -> Iterator[bytes]:
+    """Lines of the spooled upload, never more than ``max_line_bytes + 1`` bytes of one line in memory:
+    the rest of an over-long line is read and dropped (the ingest reports it by its length)."""
+    fileobj.seek(0)
+    while line := fileobj.readline(max_line_bytes + 1):
+        if len(line) > max_line_bytes and not line.endswith(b"\n"):
+            while (rest := fileobj.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+        yield line

@@ -6,7 +6,7 @@ import json
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
-from typing import IO, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
@@ -16,6 +16,7 @@ from starlette.datastructures import UploadFile
 
 from api.deps import DatasetDep, ProjectDep, SessionDep, SettingsDep
 from api.errors import ErrorBody, InvalidRequest, PayloadTooLarge, UnsupportedMediaType, validation_details
+from api.ingest import upload_lines
 from api.models import Dataset, DatasetRow
 from api.pagination import decode_cursor, encode_cursor
 from api.schemas import DatasetCreateJson, DatasetRead, DatasetRowRead, Page
@@ -53,17 +54,6 @@ _UPLOAD_BODY: dict[str, Any] = {
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 413, 415, 422)}
 
 
-def _lines(fileobj: IO[bytes], max_line_bytes: int) -> Iterator[bytes]:
-    """Lines of the spooled upload, never more than ``max_line_bytes + 1`` bytes of one line in memory:
-    the rest of an over-long line is read and dropped (the ingest reports it by its length)."""
-    fileobj.seek(0)
-    while line := fileobj.readline(max_line_bytes + 1):
-        if len(line) > max_line_bytes and not line.endswith(b"\n"):
-            while (rest := fileobj.readline(1 << 20)) and not rest.endswith(b"\n"):
-                pass
-        yield line
-
-
 @router.post(
     "",
     status_code=201,
@@ -88,7 +78,7 @@ async def create_dataset(
             raise InvalidRequest("file: a JSONL file part named 'file' is required", field="file")
         name = str(form.get("name") or upload.filename or "dataset")
         kind = str(form.get("kind") or "preference")
-        lines: Iterator[bytes] = _lines(upload.file, settings.max_line_bytes)
+        lines: Iterator[bytes] = upload_lines(upload.file, settings.max_line_bytes)
     elif content_type.startswith("application/json"):
         try:
             body = DatasetCreateJson.model_validate_json(await request.body())

@@ -12,6 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
+from api import openai_mapping as mapping
 from api.deps import ProjectDep, SessionDep, SettingsDep
 from api.errors import (
     ApiError,
@@ -21,8 +22,8 @@ from api.errors import (
     PayloadTooLarge,
     UnsupportedMediaType,
 )
+from api.ingest import upload_lines
 from api.models import Dataset
-from api.routers.datasets import _lines  # the bounded-memory line reader of every upload
 from api.schemas_openai import FileDeleted, FileList, FileObject
 from api.services import openai_compat as compat
 from api.services.datasets import ingest_dataset
@@ -57,7 +58,7 @@ FileIdPath = Annotated[str, Path(description="`file-...`")]
 
 
 def _first_line(fileobj: IO[bytes], max_line_bytes: int) -> bytes:
-    lines: Iterator[bytes] = _lines(fileobj, max_line_bytes)
+    lines: Iterator[bytes] = upload_lines(fileobj, max_line_bytes)
     return next((line for line in lines if line.strip()), b"")
 
 
@@ -82,14 +83,14 @@ async def create_file(
     upload = form.get("file")
     if not isinstance(upload, UploadFile):
         raise ApiError("a JSONL file part named 'file' is required", field="file")
-    kind = compat.detect_kind(_first_line(upload.file, settings.max_line_bytes))
+    kind = mapping.detect_kind(_first_line(upload.file, settings.max_line_bytes))
     try:
         dataset = await run_in_threadpool(
             ingest_dataset,
             session=session,
             name=(upload.filename or "file.jsonl")[:200],
             kind=kind,
-            lines=_lines(upload.file, settings.max_line_bytes),
+            lines=upload_lines(upload.file, settings.max_line_bytes),
             max_bytes=settings.max_upload_bytes,
             max_line_bytes=settings.max_line_bytes,
             max_rows=settings.max_dataset_rows,
@@ -101,7 +102,7 @@ async def create_file(
             raise DatasetInvalid(f"{exc.message} (read as {kind} data)", field="file") from None
         raise
     await run_in_threadpool(session.commit)
-    return compat.file_object(dataset)
+    return mapping.file_object(dataset)
 
 
 @router.get("", response_model=FileList, responses=_ERRORS)
@@ -118,7 +119,7 @@ def list_files(
     key = (Dataset.created_at.desc(), Dataset.id.desc()) if desc else (Dataset.created_at, Dataset.id)
     stmt = (
         select(Dataset)
-        .where(Dataset.project_id == project_id, Dataset.kind.in_(compat.FILE_KINDS))
+        .where(Dataset.project_id == project_id, Dataset.kind.in_(mapping.FILE_KINDS))
         .order_by(*key)
         .limit(limit + 1)
     )
@@ -131,7 +132,7 @@ def list_files(
         )
         stmt = stmt.where(or_(before, and_(Dataset.created_at == anchor.created_at, same)))
     rows = list(session.scalars(stmt)) if purpose in (None, "fine-tune") else []
-    data = [compat.file_object(d) for d in rows[:limit]]
+    data = [mapping.file_object(d) for d in rows[:limit]]
     return FileList(
         data=data,
         first_id=data[0].id if data else None,
@@ -143,7 +144,7 @@ def list_files(
 @router.get("/{file_id}", response_model=FileObject, responses=_ERRORS)
 def retrieve_file(file_id: FileIdPath, session: SessionDep, project_id: ProjectDep) -> FileObject:
     """One file."""
-    return compat.file_object(
+    return mapping.file_object(
         compat.get_file(session=session, file=file_id, project_id=project_id, param="file_id")
     )
 
@@ -162,4 +163,4 @@ def delete_file(file_id: FileIdPath, session: SessionDep, project_id: ProjectDep
     except IntegrityError:  # a run was submitted on it since the check (runs.dataset_id is RESTRICT)
         session.rollback()
         raise FileInUse(f"{file_id} is used by a run and cannot be deleted", field="file_id") from None
-    return FileDeleted(id=compat.file_id(dataset_id), deleted=True)
+    return FileDeleted(id=mapping.file_id(dataset_id), deleted=True)

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
+from api import openai_mapping as mapping
 from api.deps import EnqueueDep, ProjectDep, SessionDep, SettingsDep
 from api.errors import ApiError, InvalidTransition, OpenAIErrorBody
 from api.models import Checkpoint, Event, Run
@@ -46,7 +47,7 @@ JobDep = Annotated[Run, Depends(load_job)]
 
 
 def _job(session: Session, run: Run) -> FineTuningJob:
-    return compat.job_object(run, compat.job_methods(session=session, run_ids=[run.id]).get(run.id))
+    return mapping.job_object(run, compat.job_methods(session=session, run_ids=[run.id]).get(run.id))
 
 
 def _enqueue(enqueue: EnqueueDep, session: Session, run: Run) -> None:
@@ -77,7 +78,7 @@ def create_job(
     )
     session.commit()
     _enqueue(enqueue, session, run)
-    return compat.job_object(run, method)
+    return mapping.job_object(run, method)
 
 
 @router.get("", response_model=JobList, responses=_ERRORS)
@@ -93,7 +94,7 @@ def list_jobs(
         raise ApiError("filtering jobs by metadata is not supported by rlrun", field="metadata")
     stmt = (
         select(Run)
-        .where(Run.project_id == project_id, Run.algorithm.in_(compat.JOB_ALGORITHMS))
+        .where(Run.project_id == project_id, Run.algorithm.in_(mapping.JOB_ALGORITHMS))
         .order_by(Run.created_at.desc(), Run.id.desc())
         .limit(limit + 1)
     )
@@ -108,7 +109,7 @@ def list_jobs(
     rows = list(session.scalars(stmt))
     page = rows[:limit]
     methods = compat.job_methods(session=session, run_ids=[r.id for r in page])
-    return JobList(data=[compat.job_object(r, methods.get(r.id)) for r in page], has_more=len(rows) > limit)
+    return JobList(data=[mapping.job_object(r, methods.get(r.id)) for r in page], has_more=len(rows) > limit)
 
 
 @router.get("/{fine_tuning_job_id}", response_model=FineTuningJob, responses=_ERRORS)
@@ -170,12 +171,12 @@ def list_job_events(
     """The job's events, newest first: status changes, checkpoints, warnings, the failure reason."""
     stmt = select(Event).where(Event.run_id == run.id).order_by(Event.id.desc()).limit(limit + 1)
     if after is not None:
-        last = compat.parse_event_id(after)
+        last = mapping.parse_event_id(after)
         if last is None:
             raise ApiError(f"after: {after!r} is not an event id (ftevent-...)", field="after")
         stmt = stmt.where(Event.id < last)
     rows = list(session.scalars(stmt))
-    return JobEventList(data=[compat.event_object(e) for e in rows[:limit]], has_more=len(rows) > limit)
+    return JobEventList(data=[mapping.event_object(e) for e in rows[:limit]], has_more=len(rows) > limit)
 
 
 @router.get("/{fine_tuning_job_id}/checkpoints", response_model=JobCheckpointList, responses=_ERRORS)
@@ -190,12 +191,12 @@ def list_job_checkpoints(
         .limit(limit + 1)
     )
     if after is not None:
-        step = compat.parse_checkpoint_step(after)
+        step = mapping.parse_checkpoint_step(after)
         if step is None:
             raise ApiError(f"after: {after!r} is not a checkpoint id (ftckpt-...)", field="after")
         stmt = stmt.where(Checkpoint.step < step)
     rows = list(session.scalars(stmt))
-    data = [compat.checkpoint_object(c) for c in rows[:limit]]
+    data = [mapping.checkpoint_object(c) for c in rows[:limit]]
     return JobCheckpointList(
         data=data,
         first_id=data[0].id if data else None,

@@ -13,39 +13,18 @@ from sqlalchemy.exc import IntegrityError
 
 from api.deps import EnqueueDep, ProjectDep, RunDep, SessionDep, SettingsDep
 from api.errors import ErrorBody, InvalidRequest
-from api.models import Run, RunSample
+from api.models import RunSample
 from api.pagination import decode_cursor, encode_cursor
-from api.schemas import EventRead, MetricRead, Page, Progress, RunRead, SampleRead
+from api.schemas import EventRead, MetricRead, Page, RunRead, SampleRead
 from api.services import runs as service
 from api.services.pipelines import advance
+from api.services.runs import run_read as to_read
 from trainer.specs import RunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 log = logging.getLogger("rlrun.api")
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 422)}
 Status = Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
-
-
-def to_read(run: Run) -> RunRead:
-    return RunRead(
-        id=run.id,
-        name=run.spec.get("name"),
-        algorithm=run.algorithm,
-        status=run.status,
-        spec=run.spec,
-        dataset_id=run.dataset_id,
-        attempt=run.attempt,
-        progress=Progress(step=run.step, total_steps=run.total_steps),
-        cancel_requested=run.cancel_requested,
-        pause_requested=run.pause_requested,
-        error=run.error,
-        output_path=run.output_path,
-        pipeline_id=run.pipeline_id,
-        stage=run.stage,
-        created_at=run.created_at,
-        started_at=run.started_at,
-        finished_at=run.finished_at,
-    )
 
 
 @router.post("", status_code=201, response_model=RunRead, responses=_ERRORS)

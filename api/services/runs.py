@@ -25,7 +25,7 @@ from api.errors import (
     TooManyRuns,
 )
 from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Checkpoint, Event, Metric, Run, utcnow
-from api.schemas import MetricRead
+from api.schemas import MetricRead, Progress, RunRead
 from api.services.datasets import get_dataset
 from trainer.model_refs import check_loadable
 from trainer.specs import AnyRunSpec, parse_run_ref, parse_run_ref_step, parse_stage_ref
@@ -312,3 +312,26 @@ def resume_run(*, session: Session, run: Run) -> Run:
     session.flush()
     log.info("run %s resumed", run.id)
     return run
+
+
+def run_read(run: Run) -> RunRead:
+    """The API's run object (what GET /v1/runs/{id} and webhooks send)."""
+    return RunRead(
+        id=run.id,
+        name=run.spec.get("name"),
+        algorithm=run.algorithm,
+        status=run.status,
+        spec=run.spec,
+        dataset_id=run.dataset_id,
+        attempt=run.attempt,
+        progress=Progress(step=run.step, total_steps=run.total_steps),
+        cancel_requested=run.cancel_requested,
+        pause_requested=run.pause_requested,
+        error=run.error,
+        output_path=run.output_path,
+        pipeline_id=run.pipeline_id,
+        stage=run.stage,
+        created_at=run.created_at,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+    )

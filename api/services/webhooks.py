@@ -21,6 +21,7 @@ from api.errors import ApiError, InvalidRequest, NotFound
 from api.models import FINISHED_STATUSES, Run, Webhook, WebhookDelivery, utcnow
 from api.pagination import decode_cursor, encode_cursor
 from api.schemas import RunRead, WebhookCreate
+from api.services.runs import run_read
 from api.webhook_signing import new_secret
 from api.webhook_urls import Resolver, UrlPolicy, check_webhook_url, resolve
 
@@ -110,8 +111,6 @@ def event_body(run_read: RunRead, event_type: str) -> str:
 
 def announce_ended_runs(session: Session, *, now: datetime | None = None, limit: int = 100) -> int:
     """Queue deliveries for runs that ended since the last pass; how many runs were announced."""
-    from api.routers.runs import to_read  # the API's own run object, exactly as GET /v1/runs/{id} shows it
-
     now = now or utcnow()
     runs = session.scalars(
         select(Run)
@@ -132,7 +131,7 @@ def announce_ended_runs(session: Session, *, now: datetime | None = None, limit:
         hooks = [h for h in project_hooks if event_type in h.event_types]
         if not hooks:
             continue
-        body = event_body(to_read(run), event_type)
+        body = event_body(run_read(run), event_type)
         for hook in hooks:
             delivery_id = uuid.uuid4()
             session.add(

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from openai.types.fine_tuning import FineTuningJob as SdkJob
 
+from api import openai_mapping as mapping
 from api.errors import ApiError
 from api.models import DEFAULT_PROJECT_ID, Dataset, Run
 from api.schemas_openai import FineTuningJobCreate
-from api.services import openai_compat as compat
 from tests.openai.helpers import chat_line, dpo_line
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
@@ -25,30 +25,30 @@ def dataset(kind: str, rows: int) -> Dataset:
 
 def request(training: Dataset, **over: Any) -> FineTuningJobCreate:
     return FineTuningJobCreate.model_validate(
-        {"model": "tiny:llama-0.4m", "training_file": compat.file_id(training.id), **over}
+        {"model": "tiny:llama-0.4m", "training_file": mapping.file_id(training.id), **over}
     )
 
 
 def refusal(body: FineTuningJobCreate, training: Dataset, validation: Dataset | None = None) -> ApiError:
     with pytest.raises(ApiError) as info:
-        compat.plan_job(body, training=training, validation=validation, seed=0)
+        mapping.plan_job(body, training=training, validation=validation, seed=0)
     return info.value
 
 
 def test_ids_round_trip_and_foreign_ids_do_not_parse() -> None:
     rid = uuid.uuid4()
-    assert compat.parse_file_id(compat.file_id(rid)) == rid
-    assert compat.parse_job_id(compat.job_id(rid)) == rid
-    assert compat.job_id(rid) == f"ftjob-{rid.hex}" and compat.file_id(rid) == f"file-{rid.hex}"
-    assert compat.parse_event_id(compat.event_id(42)) == 42
-    assert compat.parse_checkpoint_step(compat.checkpoint_id(rid, 300)) == 300
+    assert mapping.parse_file_id(mapping.file_id(rid)) == rid
+    assert mapping.parse_job_id(mapping.job_id(rid)) == rid
+    assert mapping.job_id(rid) == f"ftjob-{rid.hex}" and mapping.file_id(rid) == f"file-{rid.hex}"
+    assert mapping.parse_event_id(mapping.event_id(42)) == 42
+    assert mapping.parse_checkpoint_step(mapping.checkpoint_id(rid, 300)) == 300
     for bad in ("", "file-", "file-xyz", f"ftjob-{rid.hex}", str(rid)):
-        assert compat.parse_file_id(bad) is None, bad
-    assert compat.parse_job_id(f"file-{rid.hex}") is None
-    assert compat.parse_event_id("ftevent-x") is None and compat.parse_event_id("12") is None
-    assert compat.parse_event_id("ftevent-\u00b2") is None  # a digit to str.isdigit, not to int()
-    assert compat.parse_event_id("ftevent-" + "9" * 40) is None  # no DB integer holds it
-    assert compat.parse_checkpoint_step("ftckpt-abc") is None
+        assert mapping.parse_file_id(bad) is None, bad
+    assert mapping.parse_job_id(f"file-{rid.hex}") is None
+    assert mapping.parse_event_id("ftevent-x") is None and mapping.parse_event_id("12") is None
+    assert mapping.parse_event_id("ftevent-\u00b2") is None  # a digit to str.isdigit, not to int()
+    assert mapping.parse_event_id("ftevent-" + "9" * 40) is None  # no DB integer holds it
+    assert mapping.parse_checkpoint_step("ftckpt-abc") is None
 
 
 @pytest.mark.parametrize(
@@ -61,19 +61,19 @@ def test_ids_round_trip_and_foreign_ids_do_not_parse() -> None:
     ],
 )
 def test_the_kind_of_a_file_is_read_from_its_first_line(line: dict[str, Any], kind: str) -> None:
-    assert compat.detect_kind(json.dumps(line).encode() + b"\n") == kind
+    assert mapping.detect_kind(json.dumps(line).encode() + b"\n") == kind
 
 
 def test_an_unreadable_first_line_reads_as_sft_so_ingest_names_it() -> None:
-    assert compat.detect_kind(b"{not json") == "sft"
-    assert compat.detect_kind(b"") == "sft"
+    assert mapping.detect_kind(b"{not json") == "sft"
+    assert mapping.detect_kind(b"") == "sft"
 
 
 def test_n_epochs_batch_size_and_multiplier_become_steps_and_learning_rate() -> None:
     training = dataset("preference", rows=100)
     hp = {"n_epochs": 3, "batch_size": 7, "learning_rate_multiplier": 20, "beta": 0.25}
     body = request(training, method={"type": "dpo", "dpo": {"hyperparameters": hp}}, suffix="adder")
-    spec, method = compat.plan_job(body, training=training, validation=None, seed=11)
+    spec, method = mapping.plan_job(body, training=training, validation=None, seed=11)
     assert spec.algorithm == "dpo" and spec.name == "adder" and spec.dataset_id == training.id
     # ceil(3 * 100 / 7) = ceil(42.86) = 43; DPO's default learning rate is 1e-6
     assert spec.hyperparameters.max_steps == 43
@@ -87,20 +87,20 @@ def test_auto_resolves_to_three_epochs_the_default_batch_capped_at_the_rows() ->
     small, big = dataset("sft", rows=5), dataset("sft", rows=20)
     auto = {"n_epochs": "auto", "batch_size": "auto", "learning_rate_multiplier": "auto"}
     body = request(small, method={"type": "supervised", "supervised": {"hyperparameters": auto}})
-    spec, method = compat.plan_job(body, training=small, validation=None, seed=0)
+    spec, method = mapping.plan_job(body, training=small, validation=None, seed=0)
     # 5 rows: batch min(8, 5) = 5, 3 epochs -> ceil(15 / 5) = 3 steps; SFT's default learning rate 2e-5
     assert (spec.hyperparameters.max_steps, spec.hyperparameters.batch_size) == (3, 5)
     assert spec.hyperparameters.learning_rate == pytest.approx(2e-5)
     assert method.supervised is not None and method.supervised.hyperparameters is not None
     assert method.supervised.hyperparameters.n_epochs == 3
-    spec, _ = compat.plan_job(request(big), training=big, validation=None, seed=0)  # no method: supervised
+    spec, _ = mapping.plan_job(request(big), training=big, validation=None, seed=0)  # no method: supervised
     assert spec.algorithm == "sft" and spec.hyperparameters.max_steps == 8  # ceil(60 / 8)
 
 
 def test_legacy_top_level_hyperparameters_are_supervised() -> None:
     training = dataset("sft", rows=16)
     body = request(training, hyperparameters={"n_epochs": 2, "batch_size": 4})
-    spec, method = compat.plan_job(body, training=training, validation=dataset("sft", 4), seed=0)
+    spec, method = mapping.plan_job(body, training=training, validation=dataset("sft", 4), seed=0)
     assert spec.algorithm == "sft" and spec.hyperparameters.max_steps == 8 and method.type == "supervised"
     assert spec.validation_dataset_id is not None
     both = request(
@@ -115,7 +115,7 @@ def test_refusals_name_the_openai_parameter() -> None:
     sft, pref = dataset("sft", 10), dataset("preference", 10)
     dpo_on_sft = refusal(request(sft, method={"type": "dpo"}), sft)
     assert dpo_on_sft.field == "training_file"
-    assert "preferred_output" in dpo_on_sft.message and compat.file_id(sft.id) in dpo_on_sft.message
+    assert "preferred_output" in dpo_on_sft.message and mapping.file_id(sft.id) in dpo_on_sft.message
     assert refusal(request(pref), pref).field == "training_file"  # supervised is the default method
     assert refusal(request(pref, method={"type": "dpo"}), pref, validation=sft).field == "validation_file"
     assert refusal(request(sft, method={"type": "reinforcement"}), sft).field == "method.type"
@@ -180,7 +180,7 @@ def run_row(status: str = "queued", **over: Any) -> Run:
 
 def test_a_run_reads_as_an_sdk_valid_job_object() -> None:
     run = run_row("succeeded", finished_at=NOW)
-    job = compat.job_object(run).model_dump(mode="json")
+    job = mapping.job_object(run).model_dump(mode="json")
     SdkJob.model_validate(job)  # the official SDK's model of the object, strictly
     assert job["id"] == f"ftjob-{run.id.hex}" and job["object"] == "fine_tuning.job"
     assert job["fine_tuned_model"] == f"run:{run.id}"
@@ -196,39 +196,40 @@ def test_a_run_reads_as_an_sdk_valid_job_object() -> None:
 
 def test_status_names_and_the_failure_object() -> None:
     names = {
-        s: compat.job_object(run_row(s)).status
+        s: mapping.job_object(run_row(s)).status
         for s in ("queued", "running", "paused", "succeeded", "failed", "cancelled")
     }
     assert names == {s: s for s in names}
-    assert compat.job_object(run_row("running", pause_requested=True)).status == "pausing"
+    assert mapping.job_object(run_row("running", pause_requested=True)).status == "pausing"
     assert (
-        compat.job_object(run_row("running", pause_requested=True, cancel_requested=True)).status == "running"
+        mapping.job_object(run_row("running", pause_requested=True, cancel_requested=True)).status
+        == "running"
     )
-    failed = compat.job_object(run_row("failed", error="non-finite loss at step 3")).error
+    failed = mapping.job_object(run_row("failed", error="non-finite loss at step 3")).error
     assert failed is not None and failed.message == "non-finite loss at step 3" and failed.param is None
-    assert compat.job_object(run_row("running")).fine_tuned_model is None
+    assert mapping.job_object(run_row("running")).fine_tuned_model is None
 
 
 def test_event_levels_and_status_sentences() -> None:
-    assert compat.event_level("warning", "broker down") == "warn"
-    assert compat.event_level("status", "failed") == "error"
-    assert compat.event_level("status", "succeeded") == "info"
-    assert compat.event_level("checkpoint", "checkpoint at step 3") == "info"
-    assert compat.event_message("status", "running", {"attempt": 2}) == "Job started (attempt 2)"
-    assert compat.event_message("status", "failed", {"error": "boom"}) == "The job failed: boom"
-    assert compat.event_message("status", "queued", {"reason": "resumed by the user"}) == (
+    assert mapping.event_level("warning", "broker down") == "warn"
+    assert mapping.event_level("status", "failed") == "error"
+    assert mapping.event_level("status", "succeeded") == "info"
+    assert mapping.event_level("checkpoint", "checkpoint at step 3") == "info"
+    assert mapping.event_message("status", "running", {"attempt": 2}) == "Job started (attempt 2)"
+    assert mapping.event_message("status", "failed", {"error": "boom"}) == "The job failed: boom"
+    assert mapping.event_message("status", "queued", {"reason": "resumed by the user"}) == (
         "Job queued (resumed by the user)"
     )
-    assert compat.event_message("info", "final model saved", None) == "final model saved"
+    assert mapping.event_message("info", "final model saved", None) == "final model saved"
 
 
 def test_checkpoint_metrics_take_the_step_values_or_the_final_ones() -> None:
-    mid = compat.checkpoint_metrics(5, {"loss": 0.5, "token_accuracy": 0.75, "eval/loss": 0.625, "lr": 1.0})
+    mid = mapping.checkpoint_metrics(5, {"loss": 0.5, "token_accuracy": 0.75, "eval/loss": 0.625, "lr": 1.0})
     assert mid.model_dump(exclude_none=True) == {
         "step": 5.0,
         "train_loss": 0.5,
         "train_mean_token_accuracy": 0.75,
         "valid_loss": 0.625,
     }
-    final = compat.checkpoint_metrics(13, {"final/loss": 0.25, "final/rewards/accuracy": 0.9})
+    final = mapping.checkpoint_metrics(13, {"final/loss": 0.25, "final/rewards/accuracy": 0.9})
     assert final.model_dump(exclude_none=True) == {"step": 13.0, "train_loss": 0.25}
