@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -25,6 +24,7 @@ from api.schemas import DatasetRead, RunRead
 from rlrun import Client
 from rlrun.commands import watch_run
 from rlrun.terminal import progress_line
+from tests.client.helpers import dpo
 from tests.factories import jsonl
 from tests.integration.flow import embedded_server
 
@@ -77,22 +77,6 @@ def api_key(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
 def rl(served: Served) -> Iterator[Client]:
     with Client(served.url, api_key=served.key) as client:
         yield client
-
-
-@pytest.fixture(scope="module")
-def pairs(rl: Client, tmp_path_factory: pytest.TempPathFactory) -> DatasetRead:
-    path = tmp_path_factory.mktemp("data") / "pairs.jsonl"
-    path.write_bytes(jsonl(addition_pairs(64)))
-    return rl.datasets.upload(path)
-
-
-def dpo(dataset_id: object, steps: int, **hp: Any) -> dict[str, Any]:
-    return {
-        "algorithm": "dpo",
-        "model": "tiny:llama-0.4m",
-        "dataset_id": str(dataset_id),
-        "hyperparameters": {"learning_rate": 1e-3, "max_steps": steps, "batch_size": 8, **hp},
-    }
 
 
 @pytest.fixture(scope="module")

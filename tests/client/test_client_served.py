@@ -9,13 +9,13 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from api.demo import addition_pairs
 from api.schemas import CheckpointRead, DatasetRead, EventRead, MetricRead, PipelineRead, RunRead
 from rlrun import ApiError, Client, WaitTimeout
+from tests.client.helpers import dpo
 from tests.factories import jsonl
 from tests.integration.flow import embedded_server
 
@@ -36,25 +36,8 @@ def rl(served: str) -> Iterator[Client]:
 
 
 @pytest.fixture(scope="module")
-def pairs(rl: Client, tmp_path_factory: pytest.TempPathFactory) -> DatasetRead:
-    path = tmp_path_factory.mktemp("data") / "pairs.jsonl"
-    path.write_bytes(jsonl(addition_pairs(64)))
-    return rl.datasets.upload(path)
-
-
-def dpo(dataset: DatasetRead, steps: int, **hp: Any) -> dict[str, Any]:
-    """The spec of flow.submit_dpo."""
-    return {
-        "algorithm": "dpo",
-        "model": "tiny:llama-0.4m",
-        "dataset_id": str(dataset.id),
-        "hyperparameters": {"learning_rate": 1e-3, "max_steps": steps, "batch_size": 8, **hp},
-    }
-
-
-@pytest.fixture(scope="module")
 def dpo_run(rl: Client, pairs: DatasetRead) -> RunRead:
-    run = rl.runs.create(dpo(pairs, 10), idempotency_key="dpo-10")
+    run = rl.runs.create(dpo(pairs.id, 10), idempotency_key="dpo-10")
     return rl.runs.wait(run.id, timeout=120, interval=0.2)
 
 
@@ -104,15 +87,15 @@ def test_a_dpo_run_end_to_end_with_typed_answers(rl: Client, dpo_run: RunRead) -
 
 
 def test_idempotency_key_returns_the_same_run(rl: Client, pairs: DatasetRead, dpo_run: RunRead) -> None:
-    assert rl.runs.create(dpo(pairs, 10), idempotency_key="dpo-10").id == dpo_run.id
+    assert rl.runs.create(dpo(pairs.id, 10), idempotency_key="dpo-10").id == dpo_run.id
     with pytest.raises(ApiError) as info:
-        rl.runs.create(dpo(pairs, 11), idempotency_key="dpo-10")
+        rl.runs.create(dpo(pairs.id, 11), idempotency_key="dpo-10")
     assert (info.value.status, info.value.code) == (409, "idempotency_conflict")
 
 
 def test_errors_carry_the_api_code_message_and_field(rl: Client, pairs: DatasetRead) -> None:
     with pytest.raises(ApiError) as info:
-        rl.runs.create(dpo(pairs, 10, learning_rate=-1e-3))
+        rl.runs.create(dpo(pairs.id, 10, learning_rate=-1e-3))
     err = info.value
     assert (err.status, err.code, err.field) == (422, "validation_error", "hyperparameters.learning_rate")
     assert "greater than 0" in err.message
@@ -122,7 +105,7 @@ def test_errors_carry_the_api_code_message_and_field(rl: Client, pairs: DatasetR
 
 
 def test_cancel_runs_and_list_every_page(rl: Client, pairs: DatasetRead) -> None:
-    a, b = (rl.runs.create(dpo(pairs, LONG)) for _ in range(2))
+    a, b = (rl.runs.create(dpo(pairs.id, LONG)) for _ in range(2))
     with pytest.raises(WaitTimeout):
         rl.runs.wait(a.id, timeout=0.2, interval=0.1)
     for run in (a, b):
@@ -145,7 +128,7 @@ def until(rl: Client, run_id: uuid.UUID, status: str, timeout: float = 60) -> Ru
 
 
 def test_pause_resume_then_cancel(rl: Client, pairs: DatasetRead) -> None:
-    run = rl.runs.create(dpo(pairs, LONG))
+    run = rl.runs.create(dpo(pairs.id, LONG))
     paused = rl.runs.pause(run.id)
     assert paused.status == "paused" or paused.pause_requested
     until(rl, run.id, "paused")
@@ -171,7 +154,7 @@ def test_stream_yields_the_runs_events_metrics_and_end(rl: Client, dpo_run: RunR
 
 
 def test_pipeline_create_get_cancel(rl: Client, pairs: DatasetRead) -> None:
-    created = rl.pipelines.create({"name": "one", "stages": [{"name": "dpo", "spec": dpo(pairs, LONG)}]})
+    created = rl.pipelines.create({"name": "one", "stages": [{"name": "dpo", "spec": dpo(pairs.id, LONG)}]})
     assert isinstance(created, PipelineRead)
     assert created.status == "running" and created.stages[0].run_id is not None
     assert rl.pipelines.get(created.id).id == created.id
