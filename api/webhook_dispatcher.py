@@ -3,8 +3,9 @@
 Each pass:
 1. :func:`announce_ended_runs` queues one delivery per matching webhook for every run that ended;
 2. due deliveries are claimed (their ``next_attempt_at`` pushed past this attempt's timeout, so another
-   process skips them), then POSTed outside any transaction, signed per attempt (Standard Webhooks), to
-   the address the allow-list check just approved; redirects are not followed;
+   process skips them), then POSTed outside any transaction, up to ``PARALLEL_ATTEMPTS`` at a time,
+   signed per attempt (Standard Webhooks), to the address the allow-list check just approved;
+   redirects are not followed;
 3. each outcome is logged on the delivery: 2xx succeeds, anything else retries with exponential backoff
    until ``webhook_max_attempts`` (the bounded time is the sum of those waits).
 """
@@ -16,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -31,6 +33,7 @@ from api.webhook_signing import signed_headers
 from api.webhook_urls import Resolver, UrlPolicy, WebhookUrlRefused, check_webhook_url, pinned_target, resolve
 
 log = logging.getLogger("rlrun.webhooks")
+PARALLEL_ATTEMPTS = 8
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,12 @@ def deliver_due(
     send = send or http_sender(settings.webhook_timeout_seconds)
     policy = UrlPolicy.from_settings(settings)
     claims = _claim_due(session_factory, settings, limit)
-    for claim in claims:
-        outcome = _attempt(claim, policy, resolver, send)
+    if not claims:
+        return 0
+    # In parallel, so one slow receiver (up to its timeout) does not hold up everyone else's messages.
+    with ThreadPoolExecutor(max_workers=min(PARALLEL_ATTEMPTS, len(claims))) as pool:
+        outcomes = list(pool.map(lambda claim: _attempt(claim, policy, resolver, send), claims))
+    for claim, outcome in zip(claims, outcomes, strict=True):
         with session_factory.begin() as session:
             delivery = session.get(WebhookDelivery, claim.delivery_id)
             if delivery is None or delivery.status != "pending":  # its webhook was deleted meanwhile

@@ -20,6 +20,7 @@ class Received:
 class Receiver:
     url: str
     statuses: list[int] = field(default_factory=list)  # answers in order; 200 once used up
+    barrier: threading.Barrier | None = None  # if set, each request waits there first (500 if broken)
     requests: list[Received] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -29,8 +30,10 @@ class Receiver:
 
 
 @contextmanager
-def webhook_receiver(statuses: list[int] | None = None, host: str = "127.0.0.1") -> Iterator[Receiver]:
-    state = Receiver(url="", statuses=list(statuses or []))
+def webhook_receiver(
+    statuses: list[int] | None = None, host: str = "127.0.0.1", barrier: threading.Barrier | None = None
+) -> Iterator[Receiver]:
+    state = Receiver(url="", statuses=list(statuses or []), barrier=barrier)
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
@@ -40,6 +43,11 @@ def webhook_receiver(statuses: list[int] | None = None, host: str = "127.0.0.1")
             with state.lock:
                 state.requests.append(Received(self.path, headers, body))
             status = state.next_status()
+            if state.barrier is not None:
+                try:
+                    state.barrier.wait()
+                except threading.BrokenBarrierError:
+                    status = 500
             self.send_response(status)
             self.send_header("content-length", "2")
             self.end_headers()

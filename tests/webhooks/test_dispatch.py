@@ -6,6 +6,7 @@ Real database (SQLite and PostgreSQL), real HTTP to a receiver on loopback, the 
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from datetime import timedelta
 
@@ -127,6 +128,20 @@ def test_delivery_gives_up_after_max_attempts(committing_factory: sessionmaker[S
         assert delivery.status == "failed" and len(delivery.attempts) == SETTINGS.webhook_max_attempts == 3
         assert delivery.next_attempt_at is None and delivery.finished_at is not None
         assert len(receiver.requests) == 3
+
+
+def test_attempts_run_in_parallel(committing_factory: sessionmaker[Session]) -> None:
+    """Both requests must be in flight at once to pass the receiver's barrier; one after the other, the
+    first would wait there until the barrier breaks and be answered 500."""
+    project = new_project(committing_factory)
+    with webhook_receiver(barrier=threading.Barrier(2, timeout=5)) as receiver:
+        first, _ = add_webhook(committing_factory, project, receiver.url)
+        second, _ = add_webhook(committing_factory, project, receiver.url + "/2")
+        end_run(committing_factory, project)
+        dispatch_once(committing_factory, SETTINGS)
+        for hook in (first, second):
+            (delivery,) = deliveries(committing_factory, hook)
+            assert delivery.status == "succeeded", delivery.attempts
 
 
 def test_unreachable_receiver_is_logged_as_an_error(committing_factory: sessionmaker[Session]) -> None:
