@@ -1,6 +1,8 @@
 "use strict";
 /* rlrun dashboard: a dependency-free single-page app over the /v1 API (no build step).
    Routes: #/runs, #/runs/<id>, #/compare?runs=<id>,<id>&key=<metric>, #/datasets, #/datasets/<id>.
+   With RLRUN_AUTH=on a 401 brings up the API key form (index.html); the key is kept in sessionStorage
+   and sent as `Authorization: Bearer` on every call, the live stream included (class FetchEventSource).
    Charts are inline SVG (class Chart). Test hooks: data-testid on pages, tables and each chart's <svg>
    ("chart-<first key>", "compare-chart"); each series is a <polyline data-series=... data-points=N>. */
 
@@ -122,17 +124,21 @@ class ApiError extends Error {
   }
 }
 async function api(path, options = {}) {
+  const key = apiKey();
+  const headers = { Accept: "application/json", ...authHeader(key), ...options.headers };
   let resp;
   try {
-    resp = await fetch(path, { headers: { Accept: "application/json" }, ...options });
+    resp = await fetch(path, { ...options, headers });
   } catch (err) {
     throw new ApiError(0, { error: { code: "network", message: `cannot reach the API (${err.message})` } });
   }
-  const text = await resp.text();
-  let body = null;
-  try { body = text ? JSON.parse(text) : null; } catch { body = null; }
-  if (!resp.ok) throw new ApiError(resp.status, body);
+  const body = await readJson(resp);
+  if (!resp.ok) throw refused(new ApiError(resp.status, body), key);
   return body;
+}
+async function readJson(resp) {
+  const text = await resp.text();
+  try { return text ? JSON.parse(text) : null; } catch { return null; }
 }
 function qs(params) {
   const p = new URLSearchParams();
@@ -152,9 +158,235 @@ async function pool(items, limit, fn) {
   return out;
 }
 
+/* ---------- API key (RLRUN_AUTH=on) ---------- */
+
+// Kept in sessionStorage, not localStorage, so that it is gone when the tab closes. It travels only in
+// the Authorization header, never in a URL: URLs end up in server logs and the browser's history.
+const KEY_ITEM = "rlrun.apiKey";
+
+function apiKey() { return sessionStorage.getItem(KEY_ITEM) || ""; }
+function authHeader(key) { return key ? { Authorization: `Bearer ${key}` } : {}; }
+
+/** The error, after asking for a key if the server refused the one this request sent (or its absence).
+    A refusal of a key that has been replaced since the request left changes nothing. */
+function refused(err, sentKey) {
+  if (err.status === 401 && sentKey === apiKey()) askForKey(sentKey ? err.message : "");
+  return err;
+}
+
+/** Stop the page and show the key form; `message` says why the key sent was refused ("" if none was). */
+function askForKey(message) {
+  sessionStorage.removeItem(KEY_ITEM);
+  stopPage();
+  hideBanner();
+  renderKeyStatus();
+  fill(document.getElementById("app"), h("p", { class: "empty", "data-testid": "needs-key" },
+    "This server needs an API key: enter one above."));
+  showKeyError(message);
+  const form = document.getElementById("key-form");
+  if (form.hidden) {
+    form.hidden = false;
+    document.getElementById("key-input").focus();
+  }
+}
+function showKeyError(message) {
+  const el = document.getElementById("key-error");
+  el.textContent = message;
+  el.hidden = !message;
+}
+function useKey(e) {
+  e.preventDefault();
+  const input = document.getElementById("key-input");
+  const key = input.value.trim();
+  // a header value must be printable ASCII: fetch() would fail with a confusing "network" error
+  if (!/^[\x21-\x7e]+$/.test(key)) {
+    showKeyError("An API key is one word of printable characters (rlrun_…).");
+    return;
+  }
+  sessionStorage.setItem(KEY_ITEM, key);
+  input.value = "";
+  document.getElementById("key-form").hidden = true;
+  renderKeyStatus();
+  route(); // a wrong key answers 401, which brings the form back with the API's message
+}
+function forgetKey() {
+  sessionStorage.removeItem(KEY_ITEM);
+  renderKeyStatus();
+  route(); // with auth on, the page's first call answers 401 and brings the form back
+}
+/** The topbar's "key rlrun_<prefix>" (the prefix is the key's public part) and its "forget key" button. */
+function renderKeyStatus() {
+  const key = apiKey();
+  document.getElementById("key-status").hidden = !key;
+  document.getElementById("key-prefix").textContent = key.split("_").slice(0, 2).join("_");
+}
+
+/** A download link that works with a key: a plain link cannot send the Authorization header, so with a key
+    the file is fetched into memory and saved from a blob: URL. Without one the browser follows the link. */
+async function downloadWithKey(e) {
+  const key = apiKey();
+  if (!key) return;
+  e.preventDefault();
+  const link = e.currentTarget;
+  try {
+    const resp = await fetch(link.href, { headers: authHeader(key) });
+    if (!resp.ok) throw refused(new ApiError(resp.status, await readJson(resp)), key);
+    const url = URL.createObjectURL(await resp.blob());
+    h("a", { href: url, download: link.getAttribute("download") }).click();
+    setTimeout(() => URL.revokeObjectURL(url), 60000);
+  } catch (err) { showError(err); }
+}
+
+/* ---------- server-sent events over fetch ---------- */
+
+/** The text/event-stream format, read as EventSource reads it (HTML standard, "Interpreting an event
+    stream"): lines end in CRLF, LF or CR; "field: value" (one space after the colon dropped); data lines
+    joined with "\n"; a blank line dispatches; lines starting with ":" are comments. */
+class SseParser {
+  constructor(onMessage) {
+    this.onMessage = onMessage; // ({type, data, lastEventId})
+    this.rest = ""; // the unfinished last line
+    this.data = "";
+    this.type = "";
+    this.idBuffer = "";
+    this.lastEventId = ""; // set when a message is dispatched; sent as Last-Event-ID on reconnecting
+    this.retry = null; // ms, if the server sent "retry:"
+  }
+
+  /** Decoded text; a CR at its end stays pending until the next chunk shows whether an LF follows. */
+  push(text) {
+    const lines = (this.rest + text).split(/\r\n|\n|\r(?!$)/);
+    this.rest = lines.pop();
+    for (const line of lines) this.line(line);
+  }
+
+  /** The connection ended: a final CR ends its line; a message without its blank line is dropped, its id
+      too (the next connection starts from the last id dispatched, as in Chromium's EventSource). */
+  end() {
+    if (this.rest.endsWith("\r")) this.line(this.rest.slice(0, -1));
+    this.rest = "";
+    this.data = "";
+    this.type = "";
+    this.idBuffer = this.lastEventId;
+  }
+
+  line(line) {
+    if (line === "") return this.dispatch();
+    if (line.startsWith(":")) return;
+    const colon = line.indexOf(":");
+    const field = colon < 0 ? line : line.slice(0, colon);
+    let value = colon < 0 ? "" : line.slice(colon + 1);
+    if (value.startsWith(" ")) value = value.slice(1);
+    if (field === "event") this.type = value;
+    else if (field === "data") this.data += `${value}\n`;
+    else if (field === "id" && !value.includes("\0")) this.idBuffer = value;
+    else if (field === "retry" && /^\d+$/.test(value)) this.retry = Number(value);
+  }
+
+  dispatch() {
+    const { data, type } = this;
+    this.lastEventId = this.idBuffer; // even for a message without data, as EventSource does
+    this.data = "";
+    this.type = "";
+    if (data) this.onMessage({ type: type || "message", data: data.slice(0, -1), lastEventId: this.lastEventId });
+  }
+}
+
+/** EventSource's interface (addEventListener, onopen, onerror, readyState, close) over fetch(), because
+    EventSource cannot send the Authorization header. After a dropped connection it reconnects with
+    Last-Event-ID, waiting 1 s, 2 s, 4 s … up to 30 s; a refusal (a 4xx answer) closes it for good. */
+class FetchEventSource {
+  static CONNECTING = 0;
+  static OPEN = 1;
+  static CLOSED = 2;
+
+  constructor(url) {
+    this.url = url;
+    this.readyState = FetchEventSource.CONNECTING;
+    this.onopen = null;
+    this.onerror = null;
+    this.listeners = new Map(); // type -> [handler]
+    this.parser = new SseParser((msg) => this.emit(msg));
+    this.drops = 0; // in a row, for the backoff
+    this.abort = new AbortController();
+    this.timer = setTimeout(() => this.connect(), 0); // once the caller has added its listeners
+  }
+
+  addEventListener(type, fn) {
+    if (!this.listeners.has(type)) this.listeners.set(type, []);
+    this.listeners.get(type).push(fn);
+  }
+
+  close() {
+    this.readyState = FetchEventSource.CLOSED;
+    clearTimeout(this.timer);
+    this.abort.abort();
+  }
+
+  emit(msg) {
+    for (const fn of this.listeners.get(msg.type) || []) {
+      if (this.readyState === FetchEventSource.CLOSED) return; // a handler closed it ("end")
+      // reported like any uncaught error, without dropping the connection (as EventSource does)
+      try { fn(msg); } catch (err) { setTimeout(() => { throw err; }); }
+    }
+  }
+
+  async connect() {
+    const key = apiKey();
+    const headers = { Accept: "text/event-stream", ...authHeader(key) };
+    if (this.parser.lastEventId) headers["Last-Event-ID"] = this.parser.lastEventId;
+    let resp;
+    try {
+      resp = await fetch(this.url, { headers, cache: "no-store", signal: this.abort.signal });
+    } catch {
+      return this.dropped();
+    }
+    if (resp.status >= 500 || resp.status === 429) return this.dropped(); // a restarting server or proxy
+    if (!resp.ok || !isEventStream(resp)) return this.refuse(resp, key);
+    this.readyState = FetchEventSource.OPEN;
+    this.drops = 0;
+    if (this.onopen) this.onopen();
+    try { await this.read(resp.body); } catch { /* dropped, or aborted by close() */ }
+    this.dropped();
+  }
+
+  async read(body) {
+    const reader = body.getReader();
+    const decoder = new TextDecoder();
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) return;
+      this.parser.push(decoder.decode(value, { stream: true }));
+    }
+  }
+
+  /** The connection failed or ended before the server's last message: reconnect, after the last id. */
+  dropped() {
+    this.parser.end();
+    if (this.readyState === FetchEventSource.CLOSED) return;
+    this.readyState = FetchEventSource.CONNECTING;
+    if (this.onerror) this.onerror();
+    const delay = Math.min(30000, (this.parser.retry ?? 1000) * 2 ** this.drops++);
+    this.timer = setTimeout(() => this.connect(), delay);
+  }
+
+  /** An answer that is not a stream: final, as for EventSource; a 401 asks for a key. */
+  async refuse(resp, key) {
+    const body = await readJson(resp).catch(() => null);
+    if (this.readyState === FetchEventSource.CLOSED) return;
+    this.close();
+    const err = refused(new ApiError(resp.status, body), key);
+    if (this.onerror) this.onerror(err);
+  }
+}
+function isEventStream(resp) {
+  return (resp.headers.get("Content-Type") || "").split(";")[0].trim().toLowerCase() === "text/event-stream";
+}
+
 /* ---------- error banner ---------- */
 
 function showError(err) {
+  if (err.status === 401) return; // the API key form says it (askForKey)
   const banner = document.getElementById("banner");
   const code = err instanceof ApiError ? `${err.code}${err.field ? ` (${err.field})` : ""}: ` : "";
   fill(banner, h("span", {}, code + (err.message || String(err))),
@@ -383,11 +615,13 @@ function parseHash() {
   return { parts: path.split("/").filter(Boolean).map(decodeURIComponent), params: new URLSearchParams(query) };
 }
 
+function stopPage() {
+  if (!currentPage) return;
+  currentPage.alive = false;
+  for (const f of currentPage.cleanups.splice(0)) { try { f(); } catch { /* ignore */ } }
+}
 async function route() {
-  if (currentPage) {
-    currentPage.alive = false;
-    for (const f of currentPage.cleanups) { try { f(); } catch { /* ignore */ } }
-  }
+  stopPage();
   const ctx = { alive: true, cleanups: [], charts: new Set() };
   currentPage = ctx;
   hideBanner();
@@ -418,6 +652,9 @@ window.addEventListener("resize", () => {
   resizeTimer = setTimeout(() => currentPage && currentPage.charts.forEach((c) => c.el.isConnected && c.render()), 150);
 });
 window.addEventListener("hashchange", route);
+document.getElementById("key-form").addEventListener("submit", useKey);
+document.getElementById("forget-key").addEventListener("click", forgetKey);
+renderKeyStatus();
 route();
 
 /* ---------- runs list ---------- */
@@ -724,7 +961,7 @@ async function runPage(ctx, main, runId) {
         h("td", { class: "small" }, shownKeys(c.metrics).map((k) => h("div", {}, `${k} `, h("b", {}, fmtNum(c.metrics[k]))))),
         h("td", { class: "mono small" }, c.model_ref),
         h("td", {}, h("a", { href: `${base}/checkpoints/${c.step}/download`, download: `${shortId(run.id)}-step-${c.step}.tar`,
-          "data-testid": "checkpoint-download" }, "download")))))));
+          "data-testid": "checkpoint-download", onclick: downloadWithKey }, "download")))))));
   }
 
   let samples = [];
@@ -770,12 +1007,12 @@ async function runPage(ctx, main, runId) {
   if (!FINISHED.has(run.status)) startLive();
 
   function startLive() {
-    const es = new EventSource(`${base}/stream`);
+    const es = new FetchEventSource(`${base}/stream`);
     ctx.cleanups.push(() => es.close());
     let ckptTimer = null;
     const setLive = (state) => { if (liveState !== state) { liveState = state; renderHeader(); } };
     es.onopen = () => setLive("live");
-    es.onerror = () => { if (ctx.alive && liveState) setLive(es.readyState === EventSource.CLOSED ? "" : "reconnecting"); };
+    es.onerror = () => { if (ctx.alive && liveState) setLive(es.readyState === FetchEventSource.CLOSED ? "" : "reconnecting"); };
     es.addEventListener("metrics", (msg) => {
       let maxStep = run.progress.step;
       for (const p of JSON.parse(msg.data)) {
