@@ -8,6 +8,7 @@ No handler ever puts a stack trace in a response; unexpected exceptions are logg
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trainer.specs import ALGORITHMS
 
@@ -62,7 +64,14 @@ def is_openai_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in OPENAI_PREFIXES)
 
 
-def openai_error_response(status: int, message: str, *, param: str | None, code: str | None) -> JSONResponse:
+def openai_error_response(
+    status: int,
+    message: str,
+    *,
+    param: str | None,
+    code: str | None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """OpenAI's error body. OpenAI answers invalid parameters with 400, so a 422 becomes 400 here. A 4xx
     carries ``x-should-retry: false``: the SDK otherwise retries 409 and 429 with backoff, and these
     answers (a finished job, the runs-in-flight limit) do not change within its retry window."""
@@ -73,7 +82,7 @@ def openai_error_response(status: int, message: str, *, param: str | None, code:
         param=param,
         code=code,
     )
-    headers = {"x-should-retry": "false"} if 400 <= status < 500 else None
+    headers = {**(headers or {}), **({"x-should-retry": "false"} if 400 <= status < 500 else {})}
     return JSONResponse(status_code=status, content=OpenAIErrorBody(error=info).model_dump(), headers=headers)
 
 
@@ -137,6 +146,13 @@ class DatasetInvalid(ApiError):
     code = "dataset_invalid"
 
 
+class DatasetRowUnreadable(ApiError):
+    """A stored row the API cannot serialise (stored before uploads were limited to MAX_ROW_DEPTH)."""
+
+    status = 409
+    code = "dataset_row_unreadable"
+
+
 class FileNotFound(NotFound):
     code = "file_not_found"
 
@@ -190,12 +206,59 @@ def validation_details(errors: Any) -> list[ErrorDetail]:
     return [ErrorDetail(message=str(e.get("msg", "invalid")), field=_error_field(e)) for e in errors]
 
 
-def _respond(status: int, body: dict[str, Any]) -> JSONResponse:
-    return JSONResponse(status_code=status, content=body)
+def _respond(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=body, headers=headers)
+
+
+def _internal_error(path: str) -> JSONResponse:
+    if is_openai_path(path):
+        return openai_error_response(500, "internal server error", param=None, code="internal_error")
+    body = ErrorBody(error=ErrorInfo(code="internal_error", message="internal server error"))
+    return _respond(500, body.model_dump(exclude_none=True))
+
+
+class UnexpectedErrors:
+    """ASGI middleware: an unexpected exception before the response started is logged and answered 500
+    here, inside Starlette's ServerErrorMiddleware. That one would answer too but then re-raise, and the
+    server closes the client's keep-alive connection on a re-raised error."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            await _internal_error(str(scope.get("path", "")))(scope, receive, send)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method the API documents at this path: a 405's ``Allow`` (RFC 9110 15.5.6). Starlette's own
+    lists only the first route that matched the path (``/v1/runs`` has a GET and a POST route)."""
+    path = request.url.path
+    methods: set[str] = set()
+    for template, operations in request.app.openapi().get("paths", {}).items():
+        if re.fullmatch(re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(template)), path):
+            methods |= {m.upper() for m in operations}
+    return sorted(methods)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """Render every error, expected or not, in the one shape (OpenAI's on the OpenAI-compatible paths)."""
+    from sqlalchemy.exc import DataError  # here, not at the top: the client imports this module
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -217,15 +280,31 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
         code = codes.get(exc.status_code, "http_error")
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(allowed_methods(request))
         if is_openai_path(request.url.path):
-            return openai_error_response(exc.status_code, str(exc.detail), param=None, code=code)
+            return openai_error_response(
+                exc.status_code, str(exc.detail), param=None, code=code, headers=headers
+            )
         body = ErrorBody(error=ErrorInfo(code=code, message=str(exc.detail)))
-        return _respond(exc.status_code, body.model_dump(exclude_none=True))
+        return _respond(exc.status_code, body.model_dump(exclude_none=True), headers)
+
+    @app.exception_handler(DataError)
+    async def _data(request: Request, exc: DataError) -> JSONResponse:
+        # The last line of defence: inputs are bounded and NUL-free at validation, so this means a check
+        # is missing; answer the client's mistake as one, not as a server error.
+        log.warning("database refused a value on %s %s: %s", request.method, request.url.path, exc.orig)
+        err = InvalidRequest(
+            "a value is out of range or holds a character the database cannot store (such as U+0000)"
+        )
+        if is_openai_path(request.url.path):
+            return openai_error_response(err.status, err.message, param=None, code=err.code)
+        return _respond(err.status, err.body())
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-        if is_openai_path(request.url.path):
-            return openai_error_response(500, "internal server error", param=None, code="internal_error")
-        body = ErrorBody(error=ErrorInfo(code="internal_error", message="internal server error"))
-        return _respond(500, body.model_dump(exclude_none=True))
+        return _internal_error(request.url.path)
+
+    app.add_middleware(UnexpectedErrors)

@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 HH_ASSISTANT = "\n\nAssistant:"
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# Deepest nesting of objects and lists in one line, the line's own object counting 1. Real rows need about
+# 4 (a chat preference row: row -> prompt list -> message); pydantic refuses to serialise past ~250 (GET
+# /rows would fail) and the JSON parser's recursion is bounded by the stack, so deeper lines are refused.
+MAX_ROW_DEPTH = 32
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
+_MAX_FIELD_CHARS = 200  # a field path echoed back in an error is cut to this
 
 
 class LineError(ValueError):
@@ -27,23 +35,76 @@ class LineError(ValueError):
         self.field = field
 
 
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be stored on every backend, or None: PostgreSQL refuses NUL in text and in JSONB
+    (so both backends refuse it, rather than SQLite storing what PostgreSQL cannot), and a lone surrogate
+    (``"\\ud800"`` is valid JSON, not valid Unicode) cannot be encoded as UTF-8 at all."""
+    if "\x00" in text:
+        return "contains a NUL character (U+0000), which cannot be stored"
+    if not text.isascii() and (found := _SURROGATE.search(text)) is not None:
+        return f"contains a lone surrogate (U+{ord(found.group()):04X}), which is not valid Unicode"
+    return None
+
+
+def _field(path: str) -> str:
+    return path if len(path) <= _MAX_FIELD_CHARS else path[: _MAX_FIELD_CHARS - 1] + "…"
+
+
+def check_tree(obj: dict[str, Any]) -> None:
+    """Raise ``LineError`` naming the field if a parsed line nests deeper than ``MAX_ROW_DEPTH``, holds a
+    string (value or key) that ``text_problem`` refuses, or a number that is not finite (Python's parser
+    accepts ``NaN`` and ``Infinity``; JSON and PostgreSQL do not). Iterative: no input exhausts the stack."""
+    stack: list[tuple[Any, int, str]] = [(obj, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            if (problem := text_problem(value)) is not None:
+                raise LineError(f"'{_field(path)}' {problem}", _field(path))
+            continue
+        if isinstance(value, float) and not math.isfinite(value):  # NaN, Infinity, 1e400: PostgreSQL refuses
+            raise LineError(f"'{_field(path)}' must be a finite number, got {value}", _field(path))
+        if isinstance(value, dict):
+            items: Iterator[tuple[Any, Any]] = iter(value.items())
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            continue
+        if depth > MAX_ROW_DEPTH:
+            top = re.split(r"[.\[]", path, maxsplit=1)[0]  # name the top-level field, not a 30-part path
+            raise LineError(f"'{_field(top)}' is nested more than {MAX_ROW_DEPTH} levels deep", _field(top))
+        children = []
+        for key, item in items:
+            if isinstance(key, str):
+                if (problem := text_problem(key)) is not None:
+                    where = f"a key in '{_field(path)}'" if path else "a key"
+                    raise LineError(f"{where} {problem}", _field(path) or None)
+                child = f"{path}.{key}" if path else key
+            else:
+                child = f"{path}[{key}]"
+            children.append((item, depth + 1, child))
+        stack.extend(reversed(children))  # so the first bad field in the line is the one reported
+
+
 def parse_json_line(raw: bytes) -> dict[str, Any]:
-    """One JSONL line as an object; refuses non-UTF-8 bytes, NUL characters, bad or too deeply nested JSON
-    and non-objects."""
+    """One JSONL line as an object; refuses non-UTF-8 bytes, bad JSON, non-objects, and what ``check_tree``
+    refuses (NUL, lone surrogates, NaN, nesting deeper than ``MAX_ROW_DEPTH``), naming the field."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise LineError(f"not valid UTF-8 (byte {exc.start})") from None
-    if "\x00" in text or "\\u0000" in text.lower():  # PostgreSQL JSONB cannot store NUL in text
+    if "\x00" in text:  # a raw NUL byte is never valid JSON: say what it is, in no particular field
         raise LineError("NUL characters are not allowed")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise LineError(f"invalid JSON: {exc.msg} at column {exc.colno}") from None
     except RecursionError:
-        raise LineError("invalid JSON: nested too deeply") from None
+        raise LineError(f"invalid JSON: nested too deeply (more than {MAX_ROW_DEPTH} levels)") from None
+    except ValueError:  # the one other failure: an integer longer than Python converts (4300 digits)
+        raise LineError("invalid JSON: a number has too many digits") from None
     if not isinstance(obj, dict):
         raise LineError(f"expected a JSON object, got {type(obj).__name__}")
+    check_tree(obj)
     return obj
 
 

@@ -122,7 +122,14 @@ class Run(Base):
         Uuid, ForeignKey("datasets.id", ondelete="RESTRICT"), nullable=True
     )
     idempotency_key: Mapped[str | None] = mapped_column(String(200), unique=True, nullable=True)
-    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    attempt: Mapped[int] = mapped_column(Integer, default=0, doc="Claims by a worker, resumes included.")
+    lost_workers: Mapped[int] = mapped_column(
+        Integer,
+        default=0,
+        server_default=text("0"),
+        doc="Workers lost while they held the run (leases the reconciler found expired); "
+        "`max_attempts` bounds this, so pausing and resuming never use up the budget.",
+    )
     worker_id: Mapped[str | None] = mapped_column(String(200), nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     enqueued_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)

@@ -5,9 +5,16 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from typing import Any
+from typing import Annotated, Any
+
+from fastapi import Query
 
 from api.errors import InvalidRequest
+
+# A cursor is never empty: the schema says so, so an empty `after=` is refused by the schema too.
+AfterCursor = Annotated[
+    str | None, Query(min_length=1, description="`next_cursor` of the previous page (omit for the first).")
+]
 
 
 def encode_cursor(*key: Any) -> str:
@@ -23,5 +30,8 @@ def decode_cursor(cursor: str, arity: int) -> list[Any]:
     except (binascii.Error, ValueError, UnicodeDecodeError):
         raise InvalidRequest("after: not a cursor returned by this API", field="after") from None
     if not isinstance(key, list) or len(key) != arity:
+        raise InvalidRequest("after: not a cursor returned by this API", field="after")
+    # Ids and steps are 32-bit columns: a forged larger number would fail in the database, not here.
+    if any(isinstance(v, int) and not -(2**31) <= v < 2**31 for v in key):
         raise InvalidRequest("after: not a cursor returned by this API", field="after")
     return key

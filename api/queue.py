@@ -2,13 +2,19 @@
 
 The API never imports ``trainer.worker`` (no torch in the API process); it sends ``rlrun.train_run``
 by name. The broker carries only run ids; the database decides who runs what (DESIGN).
+
+A send that fails, a ping that fails and a Redis that restarted (its ``run_id`` changed; Redis here keeps
+nothing on disk) are *faults*: each may have lost run ids, including ones sent before it. They are noted
+process-wide (:data:`BROKER_HEALTH`), and the reconciler in the same process re-sends every queued run on
+its first pass once the broker answers again, rather than waiting ``resend_after_seconds``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from celery import Celery
 
@@ -20,6 +26,48 @@ log = logging.getLogger("rlrun.queue")
 
 class Enqueue(Protocol):
     def __call__(self, run_id: uuid.UUID, queue: str | None = None) -> None: ...
+
+
+@runtime_checkable
+class Pingable(Protocol):
+    def ping(self) -> None:
+        """Reach the broker once, or raise."""
+
+
+class BrokerHealth:
+    """Faults seen since every queued run was last re-sent (thread-safe; one per process by default)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._faults = 0  # noted so far: a count, so settling never forgets a fault noted meanwhile
+        self._settled = 0  # how many of them a complete re-send covered
+        self._server_id: str | None = None
+
+    def fault(self) -> None:
+        with self._lock:
+            self._faults += 1
+
+    def pending(self) -> int | None:
+        """When a fault is not yet covered by a complete re-send: the count to :meth:`settle` afterwards."""
+        with self._lock:
+            return self._faults if self._faults > self._settled else None
+
+    def settle(self, upto: int) -> None:
+        """Every queued run was re-sent after the first ``upto`` faults: forget those, not later ones."""
+        with self._lock:
+            self._settled = max(self._settled, upto)
+
+    def seen_server(self, server_id: str | None) -> None:
+        """The broker answered as ``server_id``; a different one than before restarted empty: a fault."""
+        if server_id is None:
+            return
+        with self._lock:
+            if self._server_id is not None and server_id != self._server_id:
+                self._faults += 1
+            self._server_id = server_id
+
+
+BROKER_HEALTH = BrokerHealth()
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -48,15 +96,36 @@ def make_celery(settings: Settings) -> Celery:
 
 
 class CeleryEnqueue:
-    """Sends run ids to the broker by task name."""
+    """Sends run ids to the broker by task name; notes faults in ``health``."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, health: BrokerHealth = BROKER_HEALTH):
         self._settings = settings
+        self._health = health
         self._app: Celery | None = None
+
+    def _celery(self) -> Celery:
+        if self._app is None:
+            self._app = make_celery(self._settings)
+        return self._app
 
     def __call__(self, run_id: uuid.UUID, queue: str | None = None) -> None:
         """Send ``run_id`` to ``queue`` (the run spec's), or the server's default queue."""
-        if self._app is None:
-            self._app = make_celery(self._settings)
-        self._app.send_task(TASK_NAME, args=[str(run_id)], queue=queue or self._settings.queue)
+        try:
+            self._celery().send_task(TASK_NAME, args=[str(run_id)], queue=queue or self._settings.queue)
+        except Exception:
+            self._health.fault()
+            raise
         log.info("run %s enqueued", run_id)
+
+    def ping(self) -> None:
+        """Connect to the broker once, without retries (raises if it is down); note a restarted Redis."""
+        try:
+            with self._celery().connection_for_write() as conn:
+                conn.ensure_connection(max_retries=0)
+                server_id = None
+                if conn.transport.driver_type == "redis":
+                    server_id = str(conn.default_channel.client.info("server")["run_id"])
+        except Exception:
+            self._health.fault()
+            raise
+        self._health.seen_server(server_id)

@@ -1,13 +1,16 @@
 """The reconciler: makes the database, the workers and the broker agree again after a fault.
 
-The database is the source of truth (DESIGN); the broker only carries run ids. Each pass, in one short
-transaction:
-1. a ``running`` run whose lease expired lost its worker (killed, OOM, machine gone): it goes back to
-   ``queued`` with an event, and the next worker to claim it resumes from its last checkpoint (claiming
-   increments ``attempt``); after ``max_attempts`` it ends ``failed`` with the reason; if a cancel was
-   requested it ends ``cancelled``;
+The database is the source of truth (DESIGN); the broker only carries run ids. Each pass first pings the
+broker (when the enqueue can), then, in one short transaction:
+1. a ``running`` run whose lease expired lost its worker (killed, OOM, machine gone): ``lost_workers``
+   goes up by one and it goes back to ``queued`` with an event, and the next worker to claim it resumes
+   from its last checkpoint; once it has lost ``max_attempts`` workers it ends ``failed`` with the reason;
+   if a cancel was requested it ends ``cancelled``. ``attempt`` (every claim, resumes after a pause
+   included) is not the budget: pausing and resuming never fails a run;
 2. a ``queued`` run whose id was last sent more than ``resend_after_seconds`` ago is sent again (a lost
-   message, a flushed or restarted Redis). A duplicate message is harmless: the claim is atomic.
+   message). After a broker fault (a failed send or ping, a restarted Redis: see ``api.queue``) every
+   queued run is sent again on the first pass that reaches the broker, since the broker may have lost
+   them all. While the ping fails nothing is sent. A duplicate message is harmless: the claim is atomic.
 Then, after the commit, it sends the ids and advances the pipelines of runs it ended.
 """
 
@@ -16,14 +19,15 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select
+from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.models import Run, utcnow
-from api.queue import Enqueue
+from api.queue import BROKER_HEALTH, BrokerHealth, Enqueue, Pingable
 from api.services.pipelines import advance
 from api.services.runs import add_event
 
@@ -36,6 +40,19 @@ class ReconcileReport:
     failed: list[uuid.UUID] = field(default_factory=list)
     cancelled: list[uuid.UUID] = field(default_factory=list)
     sent: list[uuid.UUID] = field(default_factory=list)
+    broker_down: bool = False  # the ping failed: nothing was sent
+
+
+def _broker_up(ping: Callable[[], None] | None, health: BrokerHealth) -> bool:
+    if ping is None:
+        return True  # nothing to ask: a failing send notes the fault instead
+    try:
+        ping()
+    except Exception as exc:  # noqa: BLE001 - an unreachable broker is an expected state here
+        health.fault()
+        log.warning("broker unreachable (%s); nothing is sent until it answers", exc)
+        return False
+    return True
 
 
 def reconcile_once(
@@ -45,10 +62,17 @@ def reconcile_once(
     max_attempts: int,
     resend_after_seconds: float,
     now: datetime | None = None,
+    ping: Callable[[], None] | None = None,
+    health: BrokerHealth = BROKER_HEALTH,
 ) -> ReconcileReport:
-    """One pass (see the module docstring). Idempotent; safe to run from several processes."""
+    """One pass (see the module docstring). Idempotent; safe to run from several processes.
+
+    ``ping`` reaches the broker once or raises; ``health`` holds the faults this process has seen.
+    """
     now = now or utcnow()
-    report = ReconcileReport()
+    report = ReconcileReport(broker_down=not _broker_up(ping, health))
+    # Read after the ping, so a fault it just found (a restarted Redis) is covered by this pass.
+    resend_all = None if report.broker_down else health.pending()
     ended_in_pipelines: list[uuid.UUID] = []
     queues: dict[uuid.UUID, str | None] = {}
     with session_factory.begin() as session:
@@ -62,13 +86,14 @@ def reconcile_once(
                 f"worker {run.worker_id} lost (lease expired at {run.lease_expires_at:%Y-%m-%d %H:%M:%S} UTC)"
             )
             run.worker_id, run.lease_expires_at = None, None
+            run.lost_workers += 1
             if run.cancel_requested:
                 run.status, run.finished_at = "cancelled", now
                 add_event(session, run.id, "status", "cancelled", {"reason": lost})
                 report.cancelled.append(run.id)
-            elif run.attempt >= max_attempts:
+            elif run.lost_workers >= max_attempts:
                 run.status, run.finished_at = "failed", now
-                run.error = f"{lost}; gave up after {run.attempt} attempts"
+                run.error = f"{lost}; gave up after losing {run.lost_workers} workers"
                 add_event(session, run.id, "status", "failed", {"error": run.error})
                 report.failed.append(run.id)
             else:
@@ -84,31 +109,38 @@ def reconcile_once(
             if run.pipeline_id is not None and run.status in ("failed", "cancelled"):
                 ended_in_pipelines.append(run.pipeline_id)
             log.warning("run %s: %s -> %s", run.id, lost, run.status)
-        stale = now - timedelta(seconds=resend_after_seconds)
-        queued = session.scalars(
-            select(Run)
-            .where(Run.status == "queued", or_(Run.enqueued_at.is_(None), Run.enqueued_at < stale))
-            .with_for_update(skip_locked=True)
-        ).all()
-        for run in queued:
-            run.enqueued_at = now
-            report.sent.append(run.id)
-            queues[run.id] = run.spec.get("queue")
+        if not report.broker_down:
+            due = Run.status == "queued"
+            if resend_all is None:  # the usual pass: only ids whose message may have been lost
+                stale = now - timedelta(seconds=resend_after_seconds)
+                due = and_(due, or_(Run.enqueued_at.is_(None), Run.enqueued_at < stale))
+            for run in session.scalars(select(Run).where(due).with_for_update(skip_locked=True)):
+                run.enqueued_at = now
+                report.sent.append(run.id)
+                queues[run.id] = run.spec.get("queue")
     for pipeline_id in ended_in_pipelines:
         with session_factory.begin() as session:
             for run_id in advance(session=session, pipeline_id=pipeline_id):
-                report.sent.append(run_id)
-                queues[run_id] = session.get(Run, run_id).spec.get("queue")  # type: ignore[union-attr]
+                if not report.broker_down:  # else queued unsent: a later pass sends it
+                    report.sent.append(run_id)
+                    queues[run_id] = session.get(Run, run_id).spec.get("queue")  # type: ignore[union-attr]
+    all_sent = True
     for run_id in report.sent:
         try:
             enqueue(run_id, queue=queues.get(run_id))
-        except Exception as exc:  # noqa: BLE001 - the next pass tries again
+        except Exception as exc:  # noqa: BLE001 - a fault: the next pass that reaches the broker re-sends
+            all_sent = False
+            health.fault()
             log.warning("run %s: re-send failed: %s", run_id, exc)
+    if resend_all is not None and all_sent:
+        health.settle(resend_all)
+        log.info("broker reachable again: re-sent every queued run (%d)", len(report.sent))
     return report
 
 
 class ReconcilerThread(threading.Thread):
-    """Runs ``reconcile_once`` every ``interval`` seconds until stopped (inside ``rlrun serve``)."""
+    """Runs ``reconcile_once`` every ``interval`` seconds until stopped (inside ``rlrun serve``); pings
+    the broker each pass when ``enqueue`` can (``CeleryEnqueue``)."""
 
     def __init__(
         self,
@@ -121,7 +153,11 @@ class ReconcilerThread(threading.Thread):
     ):
         super().__init__(name="rlrun-reconciler", daemon=True)
         self.args = (session_factory, enqueue)
-        self.kwargs = {"max_attempts": max_attempts, "resend_after_seconds": resend_after_seconds}
+        self.kwargs = {
+            "max_attempts": max_attempts,
+            "resend_after_seconds": resend_after_seconds,
+            "ping": enqueue.ping if isinstance(enqueue, Pingable) else None,
+        }
         self.interval = interval
         self.stopped = threading.Event()
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from trainer.specs import RunSpec
+from trainer.specs import RunSpec, refuse_nul
 
 T = TypeVar("T")
+# Text the API stores: U+0000 is refused (422) on every backend, since PostgreSQL cannot store it.
+NulFreeStr = Annotated[str, AfterValidator(refuse_nul)]
 DatasetKind = Literal["preference", "sft", "ranking", "prompts"]
 
 
@@ -69,7 +71,7 @@ class DatasetCreateJson(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200)
+    name: NulFreeStr = Field(min_length=1, max_length=200)
     kind: DatasetKind = "preference"
     rows: list[dict[str, Any]] = Field(description="Lines as objects, in any accepted format for `kind`.")
 
@@ -84,11 +86,19 @@ class RunRead(_Read):
     name: str | None
     algorithm: str
     status: Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
-    spec: RunSpec
+    spec: dict[str, Any] = Field(
+        description="The run spec as stored at submit, presets applied (the RunSpec it was validated as). "
+        "Returned as stored, not re-validated: a run submitted under an earlier version stays readable."
+    )
     pipeline_id: uuid.UUID | None = Field(default=None, description="The pipeline this run is a stage of.")
     stage: str | None = Field(default=None, description="Its stage name in that pipeline.")
     dataset_id: uuid.UUID | None
-    attempt: int
+    attempt: int = Field(description="Claims by a worker so far (a resume after a pause counts too).")
+    lost_workers: int = Field(
+        default=0,
+        description="Workers lost while running it (killed, OOM, machine gone); at RLRUN_MAX_ATTEMPTS it "
+        "ends failed. Pausing and resuming never count.",
+    )
     progress: Progress
     cancel_requested: bool
     pause_requested: bool
@@ -173,7 +183,7 @@ class PipelineCreate(BaseModel):
         },
     )
 
-    name: str | None = Field(default=None, max_length=200)
+    name: NulFreeStr | None = Field(default=None, max_length=200)
     stages: list[StageIn] = Field(min_length=1, max_length=20)
 
 
@@ -216,8 +226,8 @@ class WebhookCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str = Field(min_length=1, max_length=2000, examples=["https://hooks.example.com/rlrun"])
-    description: str | None = Field(default=None, max_length=200)
+    url: NulFreeStr = Field(min_length=1, max_length=2000, examples=["https://hooks.example.com/rlrun"])
+    description: NulFreeStr | None = Field(default=None, max_length=200)
     event_types: list[WebhookEventType] = Field(
         default_factory=_all_event_types,
         min_length=1,

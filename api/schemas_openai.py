@@ -11,6 +11,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
 
+from api.schemas import NulFreeStr
+
+MetadataKey = Annotated[NulFreeStr, Field(max_length=64)]
+MetadataValue = Annotated[NulFreeStr, Field(max_length=512)]
+
 
 def _auto_or(
     kind: type[int] | type[float], low: float, high: float, *, above: bool = False
@@ -147,12 +152,12 @@ class FineTuningJobCreate(_In):
         default=None,
         description="Deprecated by OpenAI in favour of `method`: the supervised hyperparameters.",
     )
-    suffix: str | None = Field(
+    suffix: NulFreeStr | None = Field(
         default=None, min_length=1, max_length=64, description="Becomes the run's name."
     )
     seed: int | None = Field(default=None, ge=0, le=2**31 - 1, description="Default: a random seed.")
-    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = (
-        Field(default=None, max_length=16, description="Up to 16 string pairs, stored with the run.")
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(
+        default=None, max_length=16, description="Up to 16 string pairs, stored with the run."
     )
     integrations: list[dict[str, Any]] | None = Field(default=None, description="Not supported by rlrun.")
 

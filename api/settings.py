@@ -37,7 +37,14 @@ class Settings(BaseSettings):
     )
     model_roots: list[Path] = Field(
         default_factory=list,
-        description="Folders local model paths may point into (besides <home>/models, artifacts, cache).",
+        description="Folders local model paths and model names may point into (besides <home>/models and "
+        "the tiny-preset cache). Run outputs are not among them: name those `run:<id>`, which checks the "
+        "caller's project.",
+    )
+    allow_hub: bool = Field(
+        default=False,
+        description="Let runs name hub ids (`org/name`) that are not a folder under the model roots; the "
+        "worker downloads them. Off: a name must be a preset, a folder under a model root or a run.",
     )
     trust_remote_code: bool = Field(
         default=False,
@@ -50,6 +57,12 @@ class Settings(BaseSettings):
     )
     max_runs_in_flight: int = Field(
         default=1000, ge=1, description="Queued, running or paused runs one project may have (429 above)."
+    )
+    max_streams_per_client: int = Field(
+        default=32,
+        ge=1,
+        description="Live event streams (SSE) one API key may hold open at once (one client address when "
+        "auth is off); 429 above.",
     )
     queue: str = Field(default="rlrun", description="Celery queue that runs are sent to.")
     port: int = Field(default=8000, description="Port of `rlrun serve`.")
@@ -123,12 +136,8 @@ class Settings(BaseSettings):
 
     @property
     def resolved_model_roots(self) -> list[Path]:
-        return [
-            *self.model_roots,
-            (self.home / "models").resolve(),
-            self.resolved_artifacts_dir,
-            self.resolved_cache_dir,
-        ]
+        # Not the artifacts folder: it holds every project's run outputs (reach those as run:<id>).
+        return [*self.model_roots, (self.home / "models").resolve(), self.resolved_cache_dir]
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -5,23 +5,26 @@ Each pass:
 2. due deliveries are claimed (their ``next_attempt_at`` pushed past this attempt's timeout, so another
    process skips them), then POSTed outside any transaction, up to ``PARALLEL_ATTEMPTS`` at a time,
    signed per attempt (Standard Webhooks), to the address the allow-list check just approved;
-   redirects are not followed;
+   redirects are not followed, and the connection itself refuses any address the allow-list would not
+   accept, checking both the address it is given and the peer of the socket it opened;
 3. each outcome is logged on the delivery: 2xx succeeds, anything else retries with exponential backoff
    until ``webhook_max_attempts`` (the bounded time is the sum of those waits).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import httpcore
 import httpx
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -30,7 +33,15 @@ from api.models import Webhook, WebhookDelivery, utcnow
 from api.services.webhooks import announce_ended_runs, record_attempt
 from api.settings import Settings
 from api.webhook_signing import signed_headers
-from api.webhook_urls import Resolver, UrlPolicy, WebhookUrlRefused, check_webhook_url, pinned_target, resolve
+from api.webhook_urls import (
+    Resolver,
+    UrlPolicy,
+    WebhookUrlRefused,
+    address_refusal,
+    check_webhook_url,
+    pinned_target,
+    resolve,
+)
 
 log = logging.getLogger("rlrun.webhooks")
 PARALLEL_ATTEMPTS = 8
@@ -46,13 +57,64 @@ class Outcome:
 Sender = Callable[[str, str, dict[str, str], str], Outcome]  # url, body, headers, server name
 
 
-def http_sender(timeout: float) -> Sender:
-    """POST with httpx to an already-pinned URL; the TLS server name is the webhook's host."""
+def _refuse_unless_allowed(address: str, policy: UrlPolicy) -> None:
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:  # a host name here means the URL was not pinned to a checked address
+        raise httpcore.ConnectError(f"refused at connect: {address!r} is not a checked address") from None
+    reason = address_refusal(ip, policy)
+    if reason is not None:
+        raise httpcore.ConnectError(f"refused at connect: {address}: {reason}")
+
+
+class CheckedBackend(httpcore.SyncBackend):
+    """TCP connections only to IP addresses the allow-list accepts: the address asked for is checked
+    before connecting and the socket's peer after, so nothing reaches an address that skipped the check
+    (an unpinned URL, a name resolved again)."""
+
+    def __init__(self, policy: UrlPolicy):
+        self._policy = policy
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.NetworkStream:
+        _refuse_unless_allowed(host, self._policy)
+        stream = super().connect_tcp(host, port, timeout, local_address, socket_options)
+        try:
+            _refuse_unless_allowed(str(stream.get_extra_info("socket").getpeername()[0]), self._policy)
+        except httpcore.ConnectError:
+            stream.close()
+            raise
+        return stream
+
+
+def checked_transport(policy: UrlPolicy) -> httpx.HTTPTransport:
+    """httpx's transport (no proxies from the environment) whose connections go through
+    :class:`CheckedBackend`."""
+    transport = httpx.HTTPTransport(trust_env=False)
+    # httpx takes no network backend, so swap its pool for one with ours (same TLS settings; its pool
+    # limits do not matter: a client sends one request).
+    transport._pool = httpcore.ConnectionPool(
+        ssl_context=httpx.create_ssl_context(trust_env=False), network_backend=CheckedBackend(policy)
+    )
+    return transport
+
+
+def http_sender(timeout: float, policy: UrlPolicy) -> Sender:
+    """POST with httpx to an already-pinned URL; the TLS server name is the webhook's host. The connection
+    is checked against ``policy`` again as it is made (:class:`CheckedBackend`)."""
 
     def send(url: str, body: str, headers: dict[str, str], server_name: str) -> Outcome:
         start = time.perf_counter()
         try:
-            with httpx.Client(timeout=timeout, follow_redirects=False, trust_env=False) as client:
+            with httpx.Client(
+                transport=checked_transport(policy), timeout=timeout, follow_redirects=False, trust_env=False
+            ) as client:
                 response = client.post(
                     url, content=body.encode(), headers=headers, extensions={"sni_hostname": server_name}
                 )
@@ -68,7 +130,9 @@ def http_sender(timeout: float) -> Sender:
 
 
 @dataclass(frozen=True)
-class _Claimed:
+class ClaimedDelivery:
+    """A due delivery this process took, with what one attempt needs."""
+
     delivery_id: uuid.UUID
     url: str
     secret: str
@@ -76,10 +140,12 @@ class _Claimed:
     body: str
 
 
-def _claim_due(session_factory: sessionmaker[Session], settings: Settings, limit: int) -> list[_Claimed]:
+def _claim_due(
+    session_factory: sessionmaker[Session], settings: Settings, limit: int
+) -> list[ClaimedDelivery]:
     now = utcnow()
     lease_until = now + timedelta(seconds=settings.webhook_timeout_seconds + 30)
-    claimed: list[_Claimed] = []
+    claimed: list[ClaimedDelivery] = []
     with session_factory.begin() as session:
         rows = session.execute(
             select(WebhookDelivery, Webhook)
@@ -100,12 +166,15 @@ def _claim_due(session_factory: sessionmaker[Session], settings: Settings, limit
                 .execution_options(synchronize_session=False)
             )
             if taken.rowcount == 1:  # type: ignore[attr-defined]
-                claim = _Claimed(delivery.id, hook.url, hook.secret, delivery.message_id, delivery.body)
+                claim = ClaimedDelivery(
+                    delivery.id, hook.url, hook.secret, delivery.message_id, delivery.body
+                )
                 claimed.append(claim)
     return claimed
 
 
-def _attempt(claim: _Claimed, policy: UrlPolicy, resolver: Resolver, send: Sender) -> Outcome:
+def attempt_delivery(claim: ClaimedDelivery, policy: UrlPolicy, resolver: Resolver, send: Sender) -> Outcome:
+    """Check the URL now (DNS may have changed since registration), then send to the address it approved."""
     try:
         address = check_webhook_url(claim.url, policy, resolver)
     except WebhookUrlRefused as exc:
@@ -126,14 +195,14 @@ def deliver_due(
     limit: int = 50,
 ) -> int:
     """Attempt every due delivery once; how many attempts were made."""
-    send = send or http_sender(settings.webhook_timeout_seconds)
     policy = UrlPolicy.from_settings(settings)
+    send = send or http_sender(settings.webhook_timeout_seconds, policy)
     claims = _claim_due(session_factory, settings, limit)
     if not claims:
         return 0
     # In parallel, so one slow receiver (up to its timeout) does not hold up everyone else's messages.
     with ThreadPoolExecutor(max_workers=min(PARALLEL_ATTEMPTS, len(claims))) as pool:
-        outcomes = list(pool.map(lambda claim: _attempt(claim, policy, resolver, send), claims))
+        outcomes = list(pool.map(lambda claim: attempt_delivery(claim, policy, resolver, send), claims))
     for claim, outcome in zip(claims, outcomes, strict=True):
         with session_factory.begin() as session:
             delivery = session.get(WebhookDelivery, claim.delivery_id)

@@ -6,11 +6,15 @@ A project must not be able to make the server call its own internal addresses (c
 1. its scheme is http or https, it names a host and carries no credentials;
 2. if ``webhook_allowed_hosts`` is set, its host is one of them (``*.example.com`` matches subdomains);
 3. every address its host resolves to is public (``ipaddress.is_global``), or loopback with
-   ``webhook_allow_loopback``, or inside one of ``webhook_allowed_networks``.
+   ``webhook_allow_loopback``, or inside one of ``webhook_allowed_networks``. An IPv6 address that
+   carries an IPv4 address reaches that one too (:func:`reached_ipv4`: IPv4-mapped, -compatible and
+   -translated forms, NAT64, 6to4, Teredo): each carried IPv4 address is checked as IPv4, and the IPv6
+   address itself as well (except a mapped one, which *is* its IPv4 address). So ``[::127.0.0.1]`` is
+   checked as 127.0.0.1, and ``[64:ff9b::a9fe:a9fe]`` as 169.254.169.254 and as itself.
 
 The check runs at registration and again before every attempt; the attempt then connects to the very
-address that was checked (:func:`pinned_url`), so a DNS answer that changes in between (rebinding) is
-not followed to an internal address.
+address that was checked (:func:`pinned_target`), so a DNS answer that changes in between (rebinding) is
+not followed to an internal address, and the dispatcher checks the address once more as it connects.
 """
 
 from __future__ import annotations
@@ -68,17 +72,54 @@ def _host_allowed(host: str, allowed: Sequence[str]) -> bool:
     return False
 
 
-def _address_refusal(ip: IpAddress, policy: UrlPolicy) -> str | None:
-    """Why this address may not be called, or None."""
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+# IPv6 forms that carry an IPv4 address in their last 32 bits (the mapped form is ipaddress's ipv4_mapped).
+_IPV4_COMPATIBLE = ipaddress.IPv6Network("::/96")  # ::a.b.c.d, deprecated (RFC 4291 2.5.5.1)
+_IPV4_TRANSLATED = ipaddress.IPv6Network("::ffff:0:0:0/96")  # ::ffff:0:a.b.c.d, SIIT (RFC 2765)
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known NAT64 prefix (RFC 6052)
+# Never public, whatever this Python's ipaddress tables say: a site's own NAT64 (RFC 8215, where the IPv4
+# address may sit at several offsets) and the deprecated site-local range.
+_NOT_PUBLIC_V6 = (ipaddress.IPv6Network("64:ff9b:1::/48"), ipaddress.IPv6Network("fec0::/10"))
+
+
+def reached_ipv4(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """The IPv4 addresses a connection to ``ip`` may reach: the one an IPv4-mapped, -compatible or
+    -translated address stands for, the one behind a NAT64 or 6to4 address, and a Teredo address's server
+    and client. Empty for a plain IPv6 address (``::`` and ``::1`` are IPv6's own)."""
+    last32 = ipaddress.IPv4Address(int(ip) & 0xFFFF_FFFF)
+    found: list[ipaddress.IPv4Address] = []
+    if ip.ipv4_mapped is not None:
+        found.append(ip.ipv4_mapped)
+    if (ip in _IPV4_COMPATIBLE and int(ip) > 1) or ip in _IPV4_TRANSLATED or ip in _NAT64:
+        found.append(last32)
+    if ip.sixtofour is not None:
+        found.append(ip.sixtofour)
+    if ip.teredo is not None:
+        found.extend(ip.teredo)
+    return found
+
+
+def _one_refusal(ip: IpAddress, policy: UrlPolicy) -> str | None:
     if ip.is_loopback:
         return None if policy.allow_loopback else "loopback addresses are not allowed on this server"
     if any(ip.version == net.version and ip in net for net in policy.allowed_networks):
         return None
-    if not ip.is_global or ip.is_multicast:
+    v6_never = isinstance(ip, ipaddress.IPv6Address) and any(ip in net for net in _NOT_PUBLIC_V6)
+    if not ip.is_global or ip.is_multicast or v6_never:
         return f"{ip} is not a public address"
     return None
+
+
+def address_refusal(ip: IpAddress, policy: UrlPolicy) -> str | None:
+    """Why this address may not be called, or None (see the module docstring)."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        ip = ipaddress.IPv6Address(int(ip))  # drop a %zone: it does not change where the address leads
+        for v4 in reached_ipv4(ip):
+            reason = _one_refusal(v4, policy)
+            if reason is not None:
+                return f"{ip} reaches {v4}: {reason}"
+        if ip.ipv4_mapped is not None:
+            return None  # the IPv4 host itself, checked just above
+    return _one_refusal(ip, policy)
 
 
 def _parts(url: str) -> SplitResult:
@@ -118,7 +159,7 @@ def check_webhook_url(url: str, policy: UrlPolicy, resolver: Resolver = resolve)
     if not addresses:
         raise WebhookUrlRefused(f"host {host!r} resolves to no address")
     for address in addresses:
-        reason = _address_refusal(ipaddress.ip_address(address.split("%", 1)[0]), policy)
+        reason = address_refusal(ipaddress.ip_address(address), policy)
         if reason is not None:
             raise WebhookUrlRefused(f"host {host!r} resolves to {address}: {reason}")
     return addresses[0]

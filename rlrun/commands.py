@@ -281,7 +281,7 @@ def run_summary(run: RunRead, last_metrics: dict[str, float]) -> str:
         ("id", str(run.id)),
         ("name", run.name or "-"),
         ("algorithm", run.algorithm),
-        ("model", run.spec.model),
+        ("model", str(run.spec.get("model", "-"))),
         ("dataset", str(run.dataset_id or "-")),
         (
             "status",
@@ -355,7 +355,7 @@ def watch_run(client: Client, run_id: str, *, interval: float = 1.0, out: TextIO
             step=run.progress.step,
             total_steps=run.progress.total_steps,
             algorithm=run.algorithm,
-            model=run.spec.model,
+            model=str(run.spec.get("model", "-")),
             name=run.name,
             error=run.error,
             series=_series(client, run_id, keys, max_points=2 * SPARK_WIDTH),

@@ -24,7 +24,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from trainer.model_refs import check_loadable
+from trainer.model_refs import is_local_path, resolve_name
 from trainer.specs import TINY_PRESETS, parse_run_ref
 
 PRESET_SEED = 0  # a preset is a fixed starting point: the same weights on every machine and run
@@ -115,16 +115,27 @@ RunOutputLookup = Callable[[str], Path]  # "run:<id>[@<step>]" -> the folder of 
 
 
 def resolve_model(
-    ref: str, *, cache_dir: Path, run_output: RunOutputLookup, roots: Sequence[Path] | None = None
+    ref: str,
+    *,
+    cache_dir: Path,
+    run_output: RunOutputLookup,
+    roots: Sequence[Path] | None = None,
+    allow_hub: bool = False,
 ) -> str:
-    """A path or hub id that ``from_pretrained`` can load, for any accepted model reference."""
+    """A folder (or, with ``allow_hub``, a hub id) that ``from_pretrained`` can load, for any accepted
+    model reference. Plain names resolve inside the model roots (trainer/model_refs.py), never relative
+    to the working directory: ``from_pretrained("org/name")`` would load a folder of that name there."""
     if ref.startswith("tiny:"):
         return str(tiny_model_dir(ref.removeprefix("tiny:"), cache_dir))
     if parse_run_ref(ref) is not None:
         return str(run_output(ref))
-    if roots is not None:
-        check_loadable(ref, roots)  # again at load time: the spec may predate a change of roots
-    return ref  # a local folder or a hub id
+    # Checked again at load time: the spec may predate a change of roots.
+    target = resolve_name(ref, roots or [], allow_hub=allow_hub, presets=TINY_PRESETS)
+    if target != ref or is_local_path(ref):
+        return target
+    from huggingface_hub import snapshot_download  # the hub, where allowed: into the HF cache, by id
+
+    return str(snapshot_download(repo_id=ref))
 
 
 def load_causal_lm(path: str) -> tuple[Any, Any]:

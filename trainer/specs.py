@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # Names of the algorithm registries in trainer/algorithms; a test checks they match the registry keys.
 PreferenceLossName = Literal["sigmoid", "cdpo", "robust", "ipo", "hinge"]
@@ -48,7 +57,8 @@ TINY_PRESETS: dict[str, dict[str, int]] = {
     },
 }
 
-_RUN_REF = re.compile(r"^run:(?P<id>[0-9a-fA-F-]{32,36})(@(?P<step>\d+))?$")
+_RUN_REF = re.compile(r"^run:(?P<id>[0-9a-fA-F-]{32,36})(@(?P<step>\d{1,10}))?$")
+MAX_STEP = 2**31 - 1  # steps are 32-bit integer columns (PostgreSQL INTEGER)
 _STAGE_REF = re.compile(r"^stage:(?P<name>[A-Za-z0-9_.-]{1,64})$")
 
 
@@ -82,6 +92,9 @@ def check_model_ref(ref: str) -> str:
     elif ref.startswith("run:"):
         if parse_run_ref(ref) is None:
             raise ValueError("a run reference is run:<run id> or run:<run id>@<checkpoint step>")
+        step = parse_run_ref_step(ref)
+        if step is not None and step > MAX_STEP:
+            raise ValueError(f"checkpoint step must be at most {MAX_STEP}")
     elif ref.startswith("stage:") and parse_stage_ref(ref) is None:
         raise ValueError("a stage reference is stage:<name> (letters, digits, _ . -)")
     return ref
@@ -98,6 +111,83 @@ MODEL_REF_DOC = (
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# Fields that point at something stored (a model or a dataset) carry this mark in their JSON schema, so
+# one walker (``spec_references``) finds them all: the API checks each against the caller's project and
+# a pipeline resolves ``stage:`` refs in each. A test walks the OpenAPI schema and fails on a reference
+# field without the mark.
+REFERENCE_MARK = "x-rlrun-reference"
+ReferenceKind = Literal["model", "dataset"]
+MODEL_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "model"}
+DATASET_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "dataset"}
+
+SpecPath = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One reference in a spec: where it is (``("rewards", 0, "model")``), what it points at, its value."""
+
+    path: SpecPath
+    kind: ReferenceKind
+    value: str
+
+    @property
+    def field(self) -> str:
+        """The path as errors name it: ``rewards[0].model``."""
+        out = ""
+        for part in self.path:
+            out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+        return out
+
+
+def _field_kind(model: type[BaseModel], name: str) -> ReferenceKind | None:
+    extra = model.model_fields[name].json_schema_extra
+    kind = extra.get(REFERENCE_MARK) if isinstance(extra, dict) else None
+    return kind if kind in ("model", "dataset") else None  # type: ignore[return-value]
+
+
+def spec_references(node: BaseModel, path: SpecPath = ()) -> list[Reference]:
+    """Every set reference field in ``node`` and the models nested in it, in field order."""
+    out: list[Reference] = []
+    for name in type(node).model_fields:
+        value = getattr(node, name)
+        kind = _field_kind(type(node), name)
+        if kind is not None and value is not None:
+            out.append(Reference((*path, name), kind, str(value)))
+        elif isinstance(value, BaseModel):
+            out += spec_references(value, (*path, name))
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, BaseModel):
+                    out += spec_references(item, (*path, name, i))
+    return out
+
+
+def set_at(data: dict[str, Any], path: SpecPath, value: Any) -> None:
+    """Set ``value`` at ``path`` inside a spec's JSON (in place)."""
+    node: Any = data
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = value
+
+
+def refuse_nul(value: Any, where: str = "") -> Any:
+    """``value`` unchanged, or ValueError if any string in it (keys included) holds U+0000.
+
+    PostgreSQL text and JSONB cannot store NUL; refusing it at the door keeps both backends alike."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"{where or 'text'} contains a NUL character (U+0000)")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            refuse_nul(k, where)
+            refuse_nul(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            refuse_nul(v, f"{where}[{i}]")
+    return value
 
 
 class TrainingHyperparameters(_Frozen):
@@ -192,10 +282,12 @@ class RewardModelHyperparameters(TrainingHyperparameters):
 class _RunSpecBase(_Frozen):
     spec_version: Literal[1] = Field(default=1, description="Version of this spec's schema.")
     name: str | None = Field(default=None, max_length=200, description="Free-form label.")
-    model: str = Field(description=MODEL_REF_DOC)
-    dataset_id: uuid.UUID = Field(description="Training dataset.")
+    model: str = Field(min_length=1, description=MODEL_REF_DOC, json_schema_extra=MODEL_REFERENCE)
+    dataset_id: uuid.UUID = Field(description="Training dataset.", json_schema_extra=DATASET_REFERENCE)
     validation_dataset_id: uuid.UUID | None = Field(
-        default=None, description="Validation dataset of the same kind (evaluated every `eval_every` steps)."
+        default=None,
+        description="Validation dataset of the same kind (evaluated every `eval_every` steps).",
+        json_schema_extra=DATASET_REFERENCE,
     )
     queue: str | None = Field(
         default=None,
@@ -215,6 +307,11 @@ class _RunSpecBase(_Frozen):
     def _check_model(cls, v: str) -> str:
         return check_model_ref(v)
 
+    @field_validator("name")
+    @classmethod
+    def _name_without_nul(cls, v: str | None) -> str | None:
+        return refuse_nul(v, "name")  # type: ignore[no-any-return]
+
     @model_validator(mode="after")
     def _one_validation_source(self) -> _RunSpecBase:
         if self.validation_dataset_id is not None and self.validation_fraction > 0:
@@ -223,8 +320,8 @@ class _RunSpecBase(_Frozen):
 
     @property
     def model_refs(self) -> dict[str, str]:
-        """Every model reference in the spec, by field name."""
-        return {"model": self.model}
+        """Every model reference in the spec, by field path (``rewards[0].model``)."""
+        return {r.field: r.value for r in spec_references(self) if r.kind == "model"}
 
     @property
     def total_steps(self) -> int:
@@ -235,8 +332,10 @@ class _RunSpecBase(_Frozen):
 class _ReferencedSpecBase(_RunSpecBase):
     reference_model: str | None = Field(
         default=None,
+        min_length=1,
         description="Frozen reference model (DPO's implicit reward, the RL KL term); default: the starting "
         "model. " + MODEL_REF_DOC,
+        json_schema_extra=MODEL_REFERENCE,
     )
 
     @field_validator("reference_model")
@@ -244,18 +343,18 @@ class _ReferencedSpecBase(_RunSpecBase):
     def _check_reference(cls, v: str | None) -> str | None:
         return None if v is None else check_model_ref(v)
 
-    @property
-    def model_refs(self) -> dict[str, str]:
-        refs = {"model": self.model}
-        if self.reference_model is not None:
-            refs["reference_model"] = self.reference_model
-        return refs
-
 
 def _fill_unset(hp: _Frozen, preset: dict[str, Any]) -> _Frozen:
-    """``hp`` with every field the user left None taken from the algorithm's preset."""
+    """``hp`` with every field the user left None taken from the algorithm's preset, validated again:
+    a preset can make a combination invalid (DAPO's dynamic sampling with one sample per prompt)."""
     unset = {k: v for k, v in preset.items() if getattr(hp, k) is None}
-    return hp.model_copy(update=unset) if unset else hp
+    if not unset:
+        return hp
+    try:
+        return type(hp).model_validate({**hp.model_dump(exclude_unset=True), **unset})
+    except ValidationError as exc:
+        messages = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+        raise ValueError(f"hyperparameters: {messages} (with this algorithm's preset)") from None
 
 
 class DpoSpec(_ReferencedSpecBase):
@@ -302,7 +401,10 @@ class RewardSpec(_Frozen):
         'for regex, {"cache_tokens": 16} for overlong_penalty, {"target_tokens": 32} for length_penalty.',
     )
     model: str | None = Field(
-        default=None, description="reward_model only: `run:<id>` of a reward-model run."
+        default=None,
+        min_length=1,
+        description="reward_model only: `run:<id>` of a reward-model run (`stage:<name>` in a pipeline).",
+        json_schema_extra=MODEL_REFERENCE,
     )
     normalize: bool = Field(
         default=True, description="reward_model only: standardise scores with the run's stored mean and std."
@@ -315,6 +417,11 @@ class RewardSpec(_Frozen):
         if self.model is not None:
             check_model_ref(self.model)
         return self
+
+    @field_validator("params")
+    @classmethod
+    def _params_without_nul(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return refuse_nul(v, "params")  # type: ignore[no-any-return]
 
 
 class OnlineRlHyperparameters(TrainingHyperparameters):
@@ -467,7 +574,10 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
 
 
 class _OnlineRlSpecBase(_ReferencedSpecBase):
-    dataset_id: uuid.UUID = Field(description="A dataset of kind `prompts` ({prompt, answer?, meta}).")
+    dataset_id: uuid.UUID = Field(
+        description="A dataset of kind `prompts` ({prompt, answer?, meta}).",
+        json_schema_extra=DATASET_REFERENCE,
+    )
     rewards: list[RewardSpec] = Field(min_length=1, max_length=16, description="Reward components, summed.")
     eval_rewards: list[RewardSpec] | None = Field(
         default=None,
@@ -475,14 +585,6 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
         "`eval/accuracy` every `eval_every` steps. Default: the training rewards.",
     )
     dataset_kinds: ClassVar[tuple[str, ...]] = ("prompts",)
-
-    @property
-    def model_refs(self) -> dict[str, str]:
-        refs = super().model_refs
-        for i, r in enumerate(self.rewards):
-            if r.model is not None:
-                refs[f"rewards[{i}].model"] = r.model
-        return refs
 
 
 class GroupRlSpec(_OnlineRlSpecBase):
@@ -578,8 +680,10 @@ class PpoSpec(_OnlineRlSpecBase):
     algorithm: PpoAlgorithm = Field(description="Preset: ppo or vc_ppo (fills the fields left unset).")
     critic_model: str | None = Field(
         default=None,
+        min_length=1,
         description="Critic initialisation: default the starting policy with a fresh value head; or a "
         "reward-model run (`run:<id>`), the InstructGPT recipe. " + MODEL_REF_DOC,
+        json_schema_extra=MODEL_REFERENCE,
     )
     hyperparameters: PpoHyperparameters = Field(default_factory=PpoHyperparameters)
 
@@ -596,13 +700,6 @@ class PpoSpec(_OnlineRlSpecBase):
             self, "hyperparameters", _fill_unset(self.hyperparameters, PPO_PRESETS[self.algorithm])
         )
         return self
-
-    @property
-    def model_refs(self) -> dict[str, str]:
-        refs = super().model_refs
-        if self.critic_model is not None:
-            refs["critic_model"] = self.critic_model
-        return refs
 
 
 AnyRunSpec = DpoSpec | SftSpec | RewardModelSpec | GroupRlSpec | PpoSpec

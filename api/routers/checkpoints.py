@@ -15,6 +15,7 @@ from api.deps import RunDep, SessionDep
 from api.errors import ErrorBody, NotFound
 from api.models import Checkpoint
 from api.schemas import CheckpointRead
+from trainer.specs import MAX_STEP
 
 router = APIRouter(prefix="/v1/runs/{run_id}/checkpoints", tags=["checkpoints"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 422)}
@@ -64,7 +65,7 @@ def tar_stream(folder: FsPath, arcname: str) -> Iterator[bytes]:
     response_class=StreamingResponse,
 )
 def download_checkpoint(
-    run: RunDep, session: SessionDep, step: Annotated[int, Path(ge=0)]
+    run: RunDep, session: SessionDep, step: Annotated[int, Path(ge=0, le=MAX_STEP)]
 ) -> StreamingResponse:
     """Stream one checkpoint folder (model, tokenizer, trainer state) as a tar archive."""
     ckpt = session.get(Checkpoint, (run.id, step))

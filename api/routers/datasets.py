@@ -8,17 +8,24 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 
+from api.body_limits import limit_body
 from api.deps import DatasetDep, ProjectDep, SessionDep, SettingsDep
-from api.errors import ErrorBody, InvalidRequest, PayloadTooLarge, UnsupportedMediaType, validation_details
-from api.ingest import upload_lines
+from api.errors import (
+    DatasetRowUnreadable,
+    ErrorBody,
+    InvalidRequest,
+    UnsupportedMediaType,
+    validation_details,
+)
+from api.ingest import MAX_ROW_DEPTH, upload_lines
 from api.models import Dataset, DatasetRow
-from api.pagination import decode_cursor, encode_cursor
+from api.pagination import AfterCursor, decode_cursor, encode_cursor
 from api.schemas import DatasetCreateJson, DatasetRead, DatasetRowRead, Page
 from api.services.datasets import ingest_dataset
 
@@ -65,16 +72,14 @@ async def create_dataset(
     request: Request, session: SessionDep, settings: SettingsDep, project_id: ProjectDep
 ) -> DatasetRead:
     """Upload a dataset: every line validated, all rows stored or none."""
-    declared = int(request.headers.get("content-length") or 0)
-    if declared > settings.max_upload_bytes + 64 * 1024:  # + room for multipart framing
-        raise PayloadTooLarge(
-            f"upload is larger than the limit of {settings.max_upload_bytes} bytes", field="file"
-        )
+    request = limit_body(request, settings.max_upload_bytes)
     content_type = request.headers.get("content-type", "")
+    form: FormData | None = None
     if content_type.startswith("multipart/form-data"):
         form = await request.form(max_files=1, max_fields=10)
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
+            await form.close()
             raise InvalidRequest("file: a JSONL file part named 'file' is required", field="file")
         name = str(form.get("name") or upload.filename or "dataset")
         kind = str(form.get("kind") or "preference")
@@ -84,9 +89,8 @@ async def create_dataset(
             body = DatasetCreateJson.model_validate_json(await request.body())
         except ValidationError as exc:
             details = validation_details(exc.errors())
-            raise InvalidRequest(
-                f"{details[0].field}: {details[0].message}", field=details[0].field, details=details
-            ) from None
+            where = details[0].field or "body"  # invalid JSON (a lone surrogate, say) is at no field
+            raise InvalidRequest(f"{where}: {details[0].message}", field=where, details=details) from None
         name, kind = body.name, body.kind
         lines = (json.dumps(row).encode() for row in body.rows)
     else:
@@ -106,6 +110,9 @@ async def create_dataset(
     except Exception:
         await run_in_threadpool(session.rollback)  # atomic: a refused upload leaves no dataset, no row
         raise
+    finally:
+        if form is not None:
+            await form.close()  # the spooled file
     await run_in_threadpool(session.commit)
     return DatasetRead.model_validate(dataset)
 
@@ -115,7 +122,7 @@ def list_datasets(
     session: SessionDep,
     project_id: ProjectDep,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-    after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
+    after: AfterCursor = None,
 ) -> Page[DatasetRead]:
     """List datasets, newest first."""
     stmt = (
@@ -151,8 +158,8 @@ def list_dataset_rows(
     dataset: DatasetDep,
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
-) -> Page[DatasetRowRead]:
+    after: AfterCursor = None,
+) -> Response:
     """Normalised rows in upload order."""
     stmt = (
         select(DatasetRow)
@@ -169,4 +176,22 @@ def list_dataset_rows(
     more = len(rows) > limit
     rows = rows[:limit]
     cursor = encode_cursor(rows[-1].index) if more else None
-    return Page(data=[DatasetRowRead.model_validate(r) for r in rows], has_more=more, next_cursor=cursor)
+    data = [DatasetRowRead.model_validate(r) for r in rows]
+    page = Page[DatasetRowRead](data=data, has_more=more, next_cursor=cursor)
+    try:  # serialised here, not by FastAPI after return, so that a row that cannot be is a 409, not a 500
+        return Response(page.model_dump_json(), media_type="application/json")
+    except (ValueError, RecursionError):
+        bad = next((r for r in page.data if not _serialisable(r)), page.data[0])
+        raise DatasetRowUnreadable(
+            f"row {bad.index} is nested too deeply to be returned (it was stored before uploads were "
+            f"limited to {MAX_ROW_DEPTH} levels); delete the dataset and upload it again",
+            field=f"row {bad.index}",
+        ) from None
+
+
+def _serialisable(row: DatasetRowRead) -> bool:
+    try:
+        row.model_dump_json()
+    except (ValueError, RecursionError):
+        return False
+    return True

@@ -13,20 +13,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from api import openai_mapping as mapping
+from api.body_limits import limit_body
 from api.deps import ProjectDep, SessionDep, SettingsDep
-from api.errors import (
-    ApiError,
-    DatasetInvalid,
-    FileInUse,
-    OpenAIErrorBody,
-    PayloadTooLarge,
-    UnsupportedMediaType,
-)
-from api.ingest import upload_lines
+from api.errors import ApiError, DatasetInvalid, FileInUse, OpenAIErrorBody, UnsupportedMediaType
+from api.ingest import text_problem, upload_lines
 from api.models import Dataset
 from api.schemas_openai import FileDeleted, FileList, FileObject
 from api.services import openai_compat as compat
-from api.services.datasets import ingest_dataset
+from api.services.datasets import MAX_NAME_CHARS, ingest_dataset
 
 router = APIRouter(prefix="/v1/files", tags=["openai"])
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -67,40 +61,40 @@ async def create_file(
     request: Request, session: SessionDep, settings: SettingsDep, project_id: ProjectDep
 ) -> FileObject:
     """Upload a fine-tuning file: every line validated, all rows stored as a dataset or none."""
-    if int(request.headers.get("content-length") or 0) > settings.max_upload_bytes + 64 * 1024:
-        raise PayloadTooLarge(
-            f"upload is larger than the limit of {settings.max_upload_bytes} bytes", field="file"
-        )
+    request = limit_body(request, settings.max_upload_bytes)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise UnsupportedMediaType("send multipart/form-data with `file` and `purpose` parts", field="file")
-    form = await request.form(max_files=1, max_fields=10)
-    purpose = form.get("purpose")
-    if purpose != "fine-tune":
-        raise ApiError(
-            f"purpose must be 'fine-tune' (rlrun keeps files for fine-tuning only), got {purpose!r}",
-            field="purpose",
-        )
-    upload = form.get("file")
-    if not isinstance(upload, UploadFile):
-        raise ApiError("a JSONL file part named 'file' is required", field="file")
-    kind = mapping.detect_kind(_first_line(upload.file, settings.max_line_bytes))
-    try:
-        dataset = await run_in_threadpool(
-            ingest_dataset,
-            session=session,
-            name=(upload.filename or "file.jsonl")[:200],
-            kind=kind,
-            lines=upload_lines(upload.file, settings.max_line_bytes),
-            max_bytes=settings.max_upload_bytes,
-            max_line_bytes=settings.max_line_bytes,
-            max_rows=settings.max_dataset_rows,
-            project_id=project_id,
-        )
-    except Exception as exc:
-        await run_in_threadpool(session.rollback)  # atomic: a refused upload leaves no dataset, no row
-        if isinstance(exc, DatasetInvalid):  # the message names the line; the parameter is the file
-            raise DatasetInvalid(f"{exc.message} (read as {kind} data)", field="file") from None
-        raise
+    async with request.form(max_files=1, max_fields=10) as form:  # closes the spooled file
+        purpose = form.get("purpose")
+        if purpose != "fine-tune":
+            raise ApiError(
+                f"purpose must be 'fine-tune' (rlrun keeps files for fine-tuning only), got {purpose!r}",
+                field="purpose",
+            )
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            raise ApiError("a JSONL file part named 'file' is required", field="file")
+        name = (upload.filename or "file.jsonl")[:MAX_NAME_CHARS]
+        if (problem := text_problem(name)) is not None:
+            raise ApiError(f"the file's name {problem}", field="file")
+        kind = mapping.detect_kind(_first_line(upload.file, settings.max_line_bytes))
+        try:
+            dataset = await run_in_threadpool(
+                ingest_dataset,
+                session=session,
+                name=name,
+                kind=kind,
+                lines=upload_lines(upload.file, settings.max_line_bytes),
+                max_bytes=settings.max_upload_bytes,
+                max_line_bytes=settings.max_line_bytes,
+                max_rows=settings.max_dataset_rows,
+                project_id=project_id,
+            )
+        except Exception as exc:
+            await run_in_threadpool(session.rollback)  # atomic: a refused upload leaves no dataset, no row
+            if isinstance(exc, DatasetInvalid):  # the message names the line; the parameter is the file
+                raise DatasetInvalid(f"{exc.message} (read as {kind} data)", field="file") from None
+            raise
     await run_in_threadpool(session.commit)
     return mapping.file_object(dataset)
 
@@ -109,7 +103,9 @@ async def create_file(
 def list_files(
     session: SessionDep,
     project_id: ProjectDep,
-    after: Annotated[str | None, Query(description="A file id: the page starts after it.")] = None,
+    after: Annotated[
+        str | None, Query(min_length=1, description="A file id: the page starts after it.")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
     order: Annotated[Literal["asc", "desc"], Query(description="By created_at.")] = "desc",
     purpose: Annotated[str | None, Query(description="Only `fine-tune` files exist.")] = None,

@@ -30,7 +30,9 @@ log = logging.getLogger("rlrun.api")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": OpenAIErrorBody} for code in (400, 401, 404, 409, 422, 429)
 }
-After = Annotated[str | None, Query(description="An id from the previous page: the page starts after it.")]
+After = Annotated[
+    str | None, Query(min_length=1, description="An id from the previous page: the page starts after it.")
+]
 
 
 def load_job(
@@ -74,6 +76,7 @@ def create_job(
         project_id=project_id,
         seed=body.seed if body.seed is not None else secrets.randbelow(2**31),  # OpenAI picks one too
         roots=settings.resolved_model_roots,
+        allow_hub=settings.allow_hub,
         max_in_flight=settings.max_runs_in_flight,
     )
     session.commit()

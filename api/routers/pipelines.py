@@ -65,7 +65,11 @@ def create_pipeline(
 ) -> PipelineRead:
     """Create a pipeline; stages whose inputs are ready start now, the rest as their inputs succeed."""
     pipeline = service.create_pipeline(
-        session=session, body=body, roots=settings.resolved_model_roots, project_id=project_id
+        session=session,
+        body=body,
+        roots=settings.resolved_model_roots,
+        allow_hub=settings.allow_hub,
+        project_id=project_id,
     )
     created = service.advance(session=session, pipeline_id=pipeline.id)
     session.commit()

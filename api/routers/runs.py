@@ -14,12 +14,12 @@ from sqlalchemy.exc import IntegrityError
 from api.deps import EnqueueDep, ProjectDep, RunDep, SessionDep, SettingsDep
 from api.errors import ErrorBody, InvalidRequest
 from api.models import RunSample
-from api.pagination import decode_cursor, encode_cursor
+from api.pagination import AfterCursor, decode_cursor, encode_cursor
 from api.schemas import EventRead, MetricRead, Page, RunRead, SampleRead
 from api.services import runs as service
 from api.services.pipelines import advance
 from api.services.runs import run_read as to_read
-from trainer.specs import RunSpec
+from trainer.specs import MAX_STEP, RunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 log = logging.getLogger("rlrun.api")
@@ -48,6 +48,7 @@ def create_run(
         spec=spec,
         idempotency_key=scoped_key,
         roots=settings.resolved_model_roots,
+        allow_hub=settings.allow_hub,
         project_id=project_id,
         max_in_flight=settings.max_runs_in_flight,
     )
@@ -73,7 +74,7 @@ def list_runs(
     session: SessionDep,
     project_id: ProjectDep,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
-    after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
+    after: AfterCursor = None,
     status: Annotated[Status | None, Query(description="Only runs in this status")] = None,
 ) -> Page[RunRead]:
     """List runs, newest first."""
@@ -132,10 +133,10 @@ def list_metrics(
     run: RunDep,
     session: SessionDep,
     key: Annotated[list[str] | None, Query(description="Only these keys (repeat the parameter)")] = None,
-    min_step: Annotated[int | None, Query(ge=0)] = None,
-    max_step: Annotated[int | None, Query(ge=0)] = None,
+    min_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
+    max_step: Annotated[int | None, Query(ge=0, le=MAX_STEP)] = None,
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
-    after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
+    after: AfterCursor = None,
     max_points: Annotated[
         int | None,
         Query(
@@ -191,7 +192,7 @@ def list_events(
     run: RunDep,
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
+    after: AfterCursor = None,
 ) -> Page[EventRead]:
     """The run's events in order: status changes, warnings, errors."""
     last = None
@@ -210,9 +211,11 @@ def list_events(
 def list_samples(
     run: RunDep,
     session: SessionDep,
-    step: Annotated[int | None, Query(ge=0, description="Only samples stored at this step")] = None,
+    step: Annotated[
+        int | None, Query(ge=0, le=MAX_STEP, description="Only samples stored at this step")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    after: Annotated[str | None, Query(description="Cursor from the previous page")] = None,
+    after: AfterCursor = None,
 ) -> Page[SampleRead]:
     """Completions stored during online RL with their rewards (every `sample_every` steps)."""
     stmt = select(RunSample).where(RunSample.run_id == run.id).order_by(RunSample.id).limit(limit + 1)

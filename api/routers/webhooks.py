@@ -11,6 +11,7 @@ from fastapi import APIRouter, Path, Query, Response
 from api.deps import ProjectDep, SessionDep, SettingsDep
 from api.errors import ErrorBody
 from api.models import Webhook, WebhookDelivery
+from api.pagination import AfterCursor
 from api.schemas import Page, WebhookCreate, WebhookCreated, WebhookDeliveryRead, WebhookRead
 from api.services import webhooks as service
 from api.webhook_urls import UrlPolicy
@@ -85,7 +86,7 @@ def list_deliveries(
     session: SessionDep,
     project_id: ProjectDep,
     webhook_id: WebhookId,
-    after: Annotated[str | None, Query(description="`next_cursor` of the previous page.")] = None,
+    after: AfterCursor = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> Page[WebhookDeliveryRead]:
     """The delivery log, newest first: each message with its status and every attempt (HTTP status or

@@ -10,11 +10,27 @@ from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from api.errors import DatasetInvalid, DatasetNotFound, ErrorDetail, InvalidRequest, PayloadTooLarge
-from api.ingest import NORMALIZERS, DatasetStatsBuilder, LineError, content_hash, parse_json_line
+from api.ingest import (
+    NORMALIZERS,
+    DatasetStatsBuilder,
+    LineError,
+    content_hash,
+    parse_json_line,
+    text_problem,
+)
 from api.models import DEFAULT_PROJECT_ID, Dataset, DatasetRow
 
 MAX_REPORTED_ERRORS = 20
 INSERT_BATCH = 500
+MAX_NAME_CHARS = 200  # datasets.name is VARCHAR(200): PostgreSQL refuses longer, SQLite would keep it
+
+
+def check_name(name: str) -> None:
+    """Refuse, as 422 naming ``name``, a dataset name that one backend would store and another refuse."""
+    if len(name) > MAX_NAME_CHARS:
+        raise InvalidRequest(f"name: at most {MAX_NAME_CHARS} characters, got {len(name)}", field="name")
+    if (problem := text_problem(name)) is not None:
+        raise InvalidRequest(f"name: {problem}", field="name")
 
 
 def ingest_dataset(
@@ -32,11 +48,14 @@ def ingest_dataset(
 
     Invariants: rows are inserted in batches as they are read (memory does not grow with the file);
     the first bad line stops inserting but validation goes on to report up to 20 errors; any error
-    raises before the caller commits, so the caller's rollback leaves no dataset and no row.
+    raises before the caller commits, so the caller's rollback leaves no dataset and no row. Nothing
+    stored can fail on one backend and pass on the other: the name and every line are checked first
+    (``check_name``, ``parse_json_line``: no NUL, no lone surrogate, at most ``MAX_ROW_DEPTH`` deep).
     """
     normalize = NORMALIZERS.get(kind)
     if normalize is None:
         raise InvalidRequest(f"kind must be one of {sorted(NORMALIZERS)}, got {kind!r}", field="kind")
+    check_name(name)
     dataset = Dataset(
         id=uuid.uuid4(), project_id=project_id, name=name, kind=kind, row_count=0, size_bytes=0, stats={}
     )

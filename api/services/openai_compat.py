@@ -78,6 +78,7 @@ def create_job(
     seed: int,
     roots: Sequence[Path],
     max_in_flight: int,
+    allow_hub: bool = False,
 ) -> tuple[Run, Method]:
     """Store the run for a job request (flush only) through ``submit_run``: the same dataset, model
     reference, project and runs-in-flight checks as ``POST /v1/runs``, errors named by OpenAI parameter."""
@@ -92,7 +93,12 @@ def create_job(
     spec, method = plan_job(body, training=training, validation=validation, seed=seed)
     try:
         run = submit_run(
-            session=session, spec=spec, roots=roots, project_id=project_id, max_in_flight=max_in_flight
+            session=session,
+            spec=spec,
+            roots=roots,
+            allow_hub=allow_hub,
+            project_id=project_id,
+            max_in_flight=max_in_flight,
         )
     except ApiError as exc:
         exc.field = OPENAI_PARAMS.get(exc.field or "", exc.field)

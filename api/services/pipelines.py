@@ -7,6 +7,7 @@ called after every change that can unblock or doom a stage: creation, a run endi
 
 from __future__ import annotations
 
+import copy
 import logging
 import uuid
 from collections.abc import Sequence
@@ -20,25 +21,25 @@ from sqlalchemy.orm import Session
 from api.errors import InvalidRequest, InvalidTransition, NotFound
 from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Pipeline, Run, utcnow
 from api.schemas import PipelineCreate
-from api.services.runs import add_event, cancel_run, check_model_ref_exists, submit_run, validate_submission
-from trainer.specs import RunSpec, parse_spec, parse_stage_ref
+from api.services.references import check_references
+from api.services.runs import add_event, cancel_run, submit_run
+from trainer.specs import RunSpec, parse_spec, parse_stage_ref, set_at, spec_references
 
 log = logging.getLogger("rlrun.pipelines")
-_MODEL_FIELDS = ("model", "reference_model")
 
 
 class PipelineNotFound(NotFound):
     code = "pipeline_not_found"
 
 
-def _stage_refs(spec: dict[str, Any]) -> dict[str, str]:
-    """field -> referenced stage name, for every ``stage:<name>`` model field of a stage spec."""
-    refs = {}
-    for field in _MODEL_FIELDS:
-        value = spec.get(field)
-        name = parse_stage_ref(value) if isinstance(value, str) else None
+def _stage_refs(spec_json: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
+    """(path, referenced stage name) for every ``stage:<name>`` model reference of a stage spec: the
+    policy, the reference model, the critic, reward and eval-reward models alike."""
+    refs = []
+    for ref in spec_references(parse_spec(spec_json)):
+        name = parse_stage_ref(ref.value) if ref.kind == "model" else None
         if name is not None:
-            refs[field] = name
+            refs.append((ref.path, name))
     return refs
 
 
@@ -47,25 +48,25 @@ def create_pipeline(
     session: Session,
     body: PipelineCreate,
     roots: Sequence[Path],
+    allow_hub: bool = False,
     project_id: uuid.UUID = DEFAULT_PROJECT_ID,
 ) -> Pipeline:
-    """Check every stage now (names, references, datasets), store the pipeline, start what can start."""
+    """Check every stage now (names, references, datasets), store the pipeline, start what can start.
+    A stage's ``stage:`` references name earlier stages, so the stages' order is a valid start order."""
     seen: set[str] = set()
     for i, stage in enumerate(body.stages):
         where = f"stages[{i}]"
         if stage.name in seen:
             raise InvalidRequest(f"{where}.name: stage '{stage.name}' appears twice", field=f"{where}.name")
-        spec_json = stage.spec.model_dump(mode="json")
-        for field, target in _stage_refs(spec_json).items():
-            if target not in seen:
-                raise InvalidRequest(
-                    f"{where}.spec.{field}: 'stage:{target}' must name an earlier stage",
-                    field=f"{where}.spec.{field}",
-                )
-        validate_submission(session=session, spec=stage.spec, check_refs=False, project_id=project_id)
-        for field, ref in stage.spec.model_refs.items():
-            if parse_stage_ref(ref) is None:
-                check_model_ref_exists(session, ref, f"{where}.spec.{field}", roots, project_id)
+        check_references(
+            session=session,
+            spec=stage.spec,
+            project_id=project_id,
+            roots=roots,
+            allow_hub=allow_hub,
+            stages=seen,
+            prefix=f"{where}.spec.",
+        )
         seen.add(stage.name)
     pipeline = Pipeline(
         id=uuid.uuid4(),
@@ -115,12 +116,12 @@ def advance(*, session: Session, pipeline_id: uuid.UUID) -> list[uuid.UUID]:
         if stage["name"] in runs:
             continue
         refs = _stage_refs(stage["spec"])
-        inputs = [runs.get(name) for name in refs.values()]
+        inputs = [runs.get(name) for _, name in refs]
         if any(r is None or r.status != "succeeded" for r in inputs):
             continue
-        spec_json = dict(stage["spec"])
-        for field, name in refs.items():
-            spec_json[field] = f"run:{runs[name].id}"
+        spec_json = copy.deepcopy(stage["spec"])
+        for path, name in refs:
+            set_at(spec_json, path, f"run:{runs[name].id}")
         run = submit_run(
             session=session,
             spec=parse_spec(spec_json),

@@ -16,19 +16,11 @@ from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from api.downsample import minmax_downsample
-from api.errors import (
-    IdempotencyConflict,
-    IncompatibleDataset,
-    InvalidReference,
-    InvalidTransition,
-    RunNotFound,
-    TooManyRuns,
-)
-from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Checkpoint, Event, Metric, Run, utcnow
+from api.errors import IdempotencyConflict, InvalidTransition, RunNotFound, TooManyRuns
+from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Event, Metric, Run, utcnow
 from api.schemas import MetricRead, Progress, RunRead
-from api.services.datasets import get_dataset
-from trainer.model_refs import check_loadable
-from trainer.specs import AnyRunSpec, parse_run_ref, parse_run_ref_step, parse_stage_ref
+from api.services.references import check_references
+from trainer.specs import AnyRunSpec
 
 log = logging.getLogger("rlrun.runs")
 
@@ -49,75 +41,6 @@ def find_by_idempotency_key(*, session: Session, key: str, spec: AnyRunSpec) -> 
     return run
 
 
-def check_model_ref_exists(
-    session: Session,
-    ref: str,
-    field: str,
-    roots: Sequence[Path] | None = None,
-    project_id: uuid.UUID | None = None,
-) -> None:
-    """``run:<id>`` must name a succeeded run; ``run:<id>@<step>`` an existing checkpoint of that run; a
-    local path must lie inside the server's model roots (``roots=None``: checked earlier, e.g. when a
-    pipeline was created)."""
-    if roots is not None:
-        try:
-            check_loadable(ref, roots)
-        except ValueError as exc:
-            raise InvalidReference(f"{field}: {exc}", field=field) from None
-    if parse_stage_ref(ref) is not None:
-        raise InvalidReference(f"{field}: stage references are valid only inside a pipeline", field=field)
-    run_id = parse_run_ref(ref)
-    if run_id is None:
-        return
-    source = session.get(Run, run_id)
-    if source is None or (project_id is not None and source.project_id != project_id):
-        raise InvalidReference(f"{field}: run {run_id} does not exist", field=field)
-    step = parse_run_ref_step(ref)
-    if step is not None:
-        if session.get(Checkpoint, (run_id, step)) is None:
-            raise InvalidReference(f"{field}: run {run_id} has no checkpoint at step {step}", field=field)
-    elif source.status != "succeeded" or not source.output_path:
-        raise InvalidReference(
-            f"{field}: run {run_id} is {source.status}; only a succeeded run's model can be used", field=field
-        )
-
-
-def check_dataset(
-    session: Session, dataset_id: uuid.UUID, spec: AnyRunSpec, field: str, project_id: uuid.UUID | None
-) -> str:
-    dataset = get_dataset(session=session, dataset_id=dataset_id, project_id=project_id)
-    if dataset.kind not in spec.dataset_kinds:
-        wanted = " or ".join(f"'{k}'" for k in spec.dataset_kinds)
-        raise IncompatibleDataset(
-            f"dataset {dataset.id} is of kind '{dataset.kind}'; {spec.algorithm} needs {wanted}", field=field
-        )
-    return dataset.kind
-
-
-def validate_submission(
-    *,
-    session: Session,
-    spec: AnyRunSpec,
-    check_refs: bool = True,
-    roots: Sequence[Path] | None = None,
-    project_id: uuid.UUID | None = None,
-) -> None:
-    """The checks that need the DB: datasets exist and fit the run type, model references resolve."""
-    kind = check_dataset(session, spec.dataset_id, spec, "dataset_id", project_id)
-    if spec.validation_dataset_id is not None:
-        val_kind = check_dataset(
-            session, spec.validation_dataset_id, spec, "validation_dataset_id", project_id
-        )
-        if val_kind != kind:
-            raise IncompatibleDataset(
-                f"validation dataset is of kind '{val_kind}' but the training dataset is '{kind}'",
-                field="validation_dataset_id",
-            )
-    if check_refs:
-        for field, ref in spec.model_refs.items():
-            check_model_ref_exists(session, ref, field, roots, project_id)
-
-
 def submit_run(
     *,
     session: Session,
@@ -126,11 +49,13 @@ def submit_run(
     pipeline_id: uuid.UUID | None = None,
     stage: str | None = None,
     roots: Sequence[Path] | None = None,
+    allow_hub: bool = False,
     project_id: uuid.UUID = DEFAULT_PROJECT_ID,
     max_in_flight: int | None = None,
 ) -> Run:
-    """Store a new queued run (flush only), after the DB checks of ``validate_submission``."""
-    validate_submission(session=session, spec=spec, roots=roots, project_id=project_id)
+    """Store a new queued run (flush only), after every reference in it was checked against the project
+    (api/services/references.py). ``roots=None``: plain model names were checked earlier."""
+    check_references(session=session, spec=spec, project_id=project_id, roots=roots, allow_hub=allow_hub)
     if max_in_flight is not None:
         in_flight = session.scalar(
             select(func.count())
@@ -324,6 +249,7 @@ def run_read(run: Run) -> RunRead:
         spec=run.spec,
         dataset_id=run.dataset_id,
         attempt=run.attempt,
+        lost_workers=run.lost_workers,
         progress=Progress(step=run.step, total_steps=run.total_steps),
         cancel_requested=run.cancel_requested,
         pause_requested=run.pause_requested,

@@ -172,7 +172,7 @@ def test_bad_pipelines_are_refused_with_the_field_and_store_nothing(session: Ses
             {"name": "a", "spec": spec("dpo", prefs.id, model="stage:b")},
             {"name": "b", "spec": spec("dpo", prefs.id)},
         ],
-        "dataset_id": [{"name": "a", "spec": spec("sft", prefs.id)}],
+        "stages[0].spec.dataset_id": [{"name": "a", "spec": spec("sft", prefs.id)}],
     }
     with api_client(session) as client:
         for field, stages in cases.items():

@@ -10,7 +10,11 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
+    content_type_conformance,
+    response_schema_conformance,
+    unsupported_method,
+)
 
 from api.db import make_engine, make_session_factory  # noqa: E402
 from api.main import create_app  # noqa: E402
@@ -40,5 +44,5 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", _app()).exclude(
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 def test_no_server_errors_and_responses_match_the_schema(case: object) -> None:
     case.call_and_validate(  # type: ignore[attr-defined]
-        checks=[not_a_server_error, response_schema_conformance, content_type_conformance]
+        checks=[not_a_server_error, response_schema_conformance, content_type_conformance, unsupported_method]
     )

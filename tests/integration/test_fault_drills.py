@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -111,22 +112,31 @@ class Stack:
         self.client.close()
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
+@contextmanager
+def open_stack(home: Path, **env: str) -> Iterator[Stack]:
+    """A Stack on a fresh PostgreSQL database with Redis and the API started (workers are the test's);
+    ``env`` overrides the environment of every process it starts. Prints the logs at the end."""
     gen = pg_test_database()
     db_url = next(gen)
     upgrade_head(db_url)
-    s = Stack(tmp_path, db_url)
-    s.redis.start()
-    time.sleep(0.3)
-    s.start_api()
+    s = Stack(home, db_url)
+    s.env.update(env)
     try:
+        s.redis.start()
+        time.sleep(0.3)
+        s.start_api()
         yield s
     finally:
         s.close()
-        for log in sorted(tmp_path.glob("*.log")):
+        for log in sorted(home.glob("*.log")):
             print(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}")
         next(gen, None)
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    with open_stack(tmp_path) as s:
+        yield s
 
 
 def upload(client: httpx.Client, n: int = 64) -> str:
