@@ -145,8 +145,9 @@ def load_causal_lm(path: str) -> tuple[Any, Any]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, trust_remote_code=False)
-    except OSError as exc:
-        raise ValueError(f"could not load model {path!r}: {str(exc).splitlines()[0]}") from exc
+    except (OSError, ValueError) as exc:  # missing files; a folder that holds no usable tokenizer
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"could not load model {path!r}: {first_line}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

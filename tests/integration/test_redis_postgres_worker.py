@@ -76,16 +76,21 @@ def test_dpo_run_succeeds_with_metrics_in_postgres(stack: TestClient) -> None:
 
 def test_failing_run_says_why(stack: TestClient, tmp_path: Path) -> None:
     ds = upload_pairs(stack, 8)
+    # A model folder inside the roots that passes the submit check but holds no weights: the worker fails.
+    home = Path(stack.app.state.settings.home)  # type: ignore[attr-defined]
+    broken = home / "models" / "org" / f"broken-{uuid.uuid4().hex[:6]}"
+    broken.mkdir(parents=True)
+    (broken / "config.json").write_text('{"model_type": "llama"}')
     resp = stack.post(
         "/v1/runs",
         json={
             "algorithm": "dpo",
-            "model": "no-such-org/no-such-model",
+            "model": f"org/{broken.name}",
             "dataset_id": ds["id"],
             "hyperparameters": {"max_steps": 2},
         },
     )
-    assert resp.status_code == 201
+    assert resp.status_code == 201, resp.text
     done = wait_for(stack, resp.json()["id"], lambda r: r["status"] in FINISHED)
     assert done["status"] == "failed"
     assert "could not load model" in done["error"] and "\n" not in done["error"]
