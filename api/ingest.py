@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -170,16 +171,39 @@ def _from_chat(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _from_hh(obj: dict[str, Any]) -> dict[str, Any]:
+    r"""Split an Anthropic HH pair (two whole ``\n\nHuman: … \n\nAssistant: …`` conversations) into a
+    shared prompt and two completions.
+
+    Rule: the prompt is the longest common prefix of ``chosen`` and ``rejected``, cut back to just after
+    the last ``"\n\nAssistant:"`` inside it; each completion is the rest of its conversation, so
+    ``prompt + chosen`` and ``prompt + rejected`` are the original strings, unedited.
+
+    Why: real HH files have quirks. A turn marker without its blank line (``"…drag kings.  Human: Then
+    how…"``) hides a turn, so the two conversations can diverge before chosen's last Assistant turn; the
+    old rule (the prompt is chosen up to its last ``"\n\nAssistant:"``, which rejected must start with)
+    refused those lines. The reference is TRL's ``extract_prompt`` (``trl/data_utils.py``), which reads
+    every such line: its prompt is the common prefix up to the first differing character (less a trailing
+    space). Cutting back to the last Assistant marker does better when both answers
+    start alike (``" I"``, or a stray ``" Human: "``): each answer keeps its shared start, and the prompt
+    always ends where the model's turn begins. A marker without its blank line inside the shared
+    conversation is not a marker here; it stays in the prompt.
+
+    Refused (``LineError`` naming the field): a chosen without ``"\n\nAssistant:"``, and a pair whose
+    common prefix holds no ``"\n\nAssistant:"`` (they share no conversation up to an Assistant turn).
+    """
     chosen, rejected = _text(obj, "chosen"), _text(obj, "rejected")
-    cut = chosen.rfind(HH_ASSISTANT)
-    if cut < 0:
+    if HH_ASSISTANT not in chosen:
         raise LineError("'chosen' has no '\\n\\nAssistant:' turn (Anthropic HH format)", "chosen")
-    prompt = chosen[: cut + len(HH_ASSISTANT)]
-    if not rejected.startswith(prompt):
+    shared = os.path.commonprefix([chosen, rejected])
+    cut = shared.rfind(HH_ASSISTANT)
+    if cut < 0:
         raise LineError(
-            "'rejected' does not share the conversation up to the last Assistant turn", "rejected"
+            "'rejected' does not share the conversation with 'chosen' up to an Assistant turn "
+            "('\\n\\nAssistant:')",
+            "rejected",
         )
-    return {"prompt": prompt, "chosen": chosen[len(prompt) :], "rejected": rejected[len(prompt) :]}
+    end = cut + len(HH_ASSISTANT)
+    return {"prompt": chosen[:end], "chosen": chosen[end:], "rejected": rejected[end:]}
 
 
 def _from_plain(obj: dict[str, Any]) -> dict[str, Any]:
@@ -298,6 +322,101 @@ NORMALIZERS: dict[str, Callable[[dict[str, Any]], tuple[dict[str, Any], str]]] =
     "ranking": normalize_ranking,
     "prompts": normalize_prompts,
 }
+
+
+# Keys that say which kind a line is, tried in this order: a preference or sft line may hold `prompt`
+# too, so the keys only one kind has come first.
+KIND_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("preference", ("chosen", "rejected", "preferred_output", "non_preferred_output")),
+    ("ranking", ("responses",)),
+    ("sft", ("messages", "completion")),
+    ("prompts", ("prompt", "question")),
+)
+DETECT_LINES = 20  # non-blank lines read to detect a kind (or to check one) before giving up
+
+
+def detect_kind(obj: dict[str, Any]) -> str | None:
+    """The dataset kind a parsed line's keys say (see ``KIND_KEYS``), or None when they say none."""
+    return next((kind for kind, keys in KIND_KEYS if any(k in obj for k in keys)), None)
+
+
+def _head(lines: Iterable[bytes], max_lines: int) -> Iterator[tuple[int, dict[str, Any] | LineError]]:
+    """(line number, parsed object or why not) of the first ``max_lines`` non-blank lines."""
+    seen = 0
+    for line_no, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            yield line_no, parse_json_line(raw.strip())
+        except LineError as exc:
+            yield line_no, exc
+        seen += 1
+        if seen >= max_lines:
+            return
+
+
+def detect_upload_kind(lines: Iterable[bytes], max_lines: int = DETECT_LINES) -> str:
+    """The kind of an upload whose kind was not given, from its first ``max_lines`` non-blank lines: the
+    most specific kind any of them says (``KIND_KEYS`` order: a line with only ``prompt`` says
+    ``prompts``, but a ``chosen`` two lines later makes it a preference file whose first line lacks
+    ``chosen``). Lines that are no JSON object do not decide (with ``skip_invalid`` they are skipped);
+    ingest then validates every line against the kind found. Raises ``LineError`` (field ``kind``) saying
+    what the first line held when no line decides."""
+    order = [kind for kind, _ in KIND_KEYS]
+    best: str | None = None
+    first: str | None = None
+    for line_no, obj in _head(lines, max_lines):
+        kind = detect_kind(obj) if isinstance(obj, dict) else None
+        if kind is not None and (best is None or order.index(kind) < order.index(best)):
+            best = kind
+        if first is None:
+            what = obj.message if isinstance(obj, LineError) else f"keys {sorted(obj)[:10]}"
+            first = f"line {line_no}: {_field(what)}"
+    if best is None:
+        raise LineError(
+            "cannot detect the kind from the first lines "
+            f"({first or 'the upload holds no rows'}); pass kind: one of {sorted(NORMALIZERS)}",
+            "kind",
+        )
+    return best
+
+
+@dataclass(frozen=True)
+class KindMismatch:
+    """A file whose first lines are not ``kind`` data but read as ``fits`` data (``kind_mismatch``)."""
+
+    kind: str
+    line: int
+    reason: str
+    fits: str
+
+
+def kind_mismatch(lines: Iterable[bytes], kind: str, max_lines: int = DETECT_LINES) -> KindMismatch | None:
+    """Whether a file is plainly of another kind than ``kind``, judged on its first ``max_lines``
+    non-blank lines (the CLI asks before uploading): yes when none of them reads as ``kind`` and one
+    reads as another kind (its keys say that kind and its normaliser accepts it). Lines that are no JSON
+    object, or fit no kind, say nothing: the upload's own validation reports (or skips) them."""
+    normalize = NORMALIZERS[kind]
+    found: KindMismatch | None = None
+    for line_no, obj in _head(lines, max_lines):
+        if isinstance(obj, LineError):
+            continue
+        try:
+            normalize(obj)
+            return None
+        except LineError as exc:
+            other = detect_kind(obj)
+            if found is None and other is not None and other != kind and _reads_as(obj, other):
+                found = KindMismatch(kind=kind, line=line_no, reason=exc.message, fits=other)
+    return found
+
+
+def _reads_as(obj: dict[str, Any], kind: str) -> bool:
+    try:
+        NORMALIZERS[kind](obj)
+    except LineError:
+        return False
+    return True
 
 
 def content_hash(row: dict[str, Any]) -> str:

@@ -96,6 +96,20 @@ class DatasetRow(Base):
     content_hash: Mapped[str] = mapped_column(String(64))
 
 
+class DatasetSkippedLine(Base):
+    """A line that an upload with ``skip_invalid`` left out: its number in the file, why, and the field.
+    Deleted with its dataset (ON DELETE CASCADE, like its rows)."""
+
+    __tablename__ = "dataset_skipped_lines"
+
+    dataset_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("datasets.id", ondelete="CASCADE"), primary_key=True
+    )
+    line: Mapped[int] = mapped_column(Integer, primary_key=True)
+    reason: Mapped[str] = mapped_column(Text)
+    field: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
 class Run(Base):
     __tablename__ = "runs"
     __table_args__ = (

@@ -34,6 +34,7 @@ from api.schemas_openai import (
     SupervisedMethod,
     SupervisedMethodHyperparameters,
 )
+from trainer.lr_defaults import default_learning_rate, preset_params_of
 from trainer.specs import DpoHyperparameters as DpoSpecHyperparameters
 from trainer.specs import DpoSpec, SftSpec
 from trainer.specs import SftHyperparameters as SftSpecHyperparameters
@@ -199,12 +200,18 @@ def _number(value: str | float | None, auto: float) -> float:
 
 
 def plan_job(
-    body: FineTuningJobCreate, *, training: Dataset, validation: Dataset | None, seed: int
+    body: FineTuningJobCreate,
+    *,
+    training: Dataset,
+    validation: Dataset | None,
+    seed: int,
+    n_params: int | None = None,
 ) -> tuple[SftSpec | DpoSpec, Method]:
     """The run spec for an OpenAI job request and the job's method with every ``auto`` resolved.
 
     ``auto``: ``AUTO_EPOCHS`` epochs, the run type's default batch size capped at the file's rows,
-    learning-rate multiplier 1 (the run type's default learning rate), DPO beta 0.1 (the spec default).
+    learning-rate multiplier 1 (the default learning rate of the run type for a model of ``n_params``
+    parameters, trainer/lr_defaults.py; None: unknown size), DPO beta 0.1 (the spec default).
     ``max_steps = ceil(n_epochs * rows / batch_size)``. Raises ``ApiError`` naming the OpenAI parameter.
     """
     method_type, given, hp_param = _requested(body)
@@ -212,6 +219,7 @@ def plan_job(
     if validation is not None:
         _check_kind(validation, method_type, "validation_file")
     spec_cls: type[SftSpec] | type[DpoSpec] = SftSpec if method_type == "supervised" else DpoSpec
+    algorithm = "sft" if method_type == "supervised" else "dpo"
     defaults = (
         SftSpecHyperparameters if method_type == "supervised" else DpoSpecHyperparameters
     ).model_fields
@@ -219,10 +227,12 @@ def plan_job(
     n_epochs = int(_number(given.n_epochs, AUTO_EPOCHS))
     batch_size = int(_number(given.batch_size, min(int(defaults["batch_size"].default), rows)))
     multiplier = _number(given.learning_rate_multiplier, 1.0)
+    if n_params is None:
+        n_params = preset_params_of(body.model)
     hp: dict[str, Any] = {
         "max_steps": -(-n_epochs * rows // batch_size),  # ceil, in integers
         "batch_size": batch_size,
-        "learning_rate": multiplier * float(defaults["learning_rate"].default),
+        "learning_rate": multiplier * default_learning_rate(algorithm, n_params),
         "seed": seed,
     }
     resolved: dict[str, Any] = {
@@ -235,7 +245,7 @@ def plan_job(
     try:
         spec = spec_cls.model_validate(
             {
-                "algorithm": "sft" if method_type == "supervised" else "dpo",
+                "algorithm": algorithm,
                 "model": body.model,
                 "dataset_id": training.id,
                 "validation_dataset_id": validation.id if validation is not None else None,
@@ -279,11 +289,10 @@ def job_status(status: str, *, pause_requested: bool, cancel_requested: bool) ->
 def method_from_spec(spec: dict[str, Any]) -> Method:
     """The method of a run made outside this surface: budgeted in steps, so ``n_epochs`` is ``auto``."""
     hp = spec.get("hyperparameters", {})
-    if spec["algorithm"] == "sft":
-        default_lr = float(SftSpecHyperparameters.model_fields["learning_rate"].default)
-    else:
-        default_lr = float(DpoSpecHyperparameters.model_fields["learning_rate"].default)
-    lr = float(hp.get("learning_rate", default_lr))
+    # Relative to the default for the model's size where the name tells it (a preset), else for an
+    # unknown size (the API picked a run's own default from the size it read at submit).
+    default_lr = default_learning_rate(spec["algorithm"], preset_params_of(str(spec.get("model", ""))))
+    lr = float(hp.get("learning_rate") or default_lr)
     common: dict[str, Any] = {
         "n_epochs": "auto",
         "batch_size": hp.get("batch_size", 8),

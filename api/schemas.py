@@ -6,7 +6,7 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from trainer.specs import RunSpec, refuse_nul
 
@@ -14,6 +14,7 @@ T = TypeVar("T")
 # Text the API stores: U+0000 is refused (422) on every backend, since PostgreSQL cannot store it.
 NulFreeStr = Annotated[str, AfterValidator(refuse_nul)]
 DatasetKind = Literal["preference", "sft", "ranking", "prompts"]
+SKIPPED_IN_RESPONSE = 100  # skipped lines listed in a dataset's response (all: GET /v1/datasets/{id}/skipped)
 
 
 class _Read(BaseModel):
@@ -51,14 +52,52 @@ class DatasetStats(BaseModel):
     )
 
 
+class SkippedLineRead(_Read):
+    """A line that an upload with `skip_invalid` left out."""
+
+    line: int = Field(description="Its 1-based line number in the file (a JSON body: its index in rows + 1).")
+    reason: str = Field(description="Why it was refused, as the 422 of an atomic upload would say.")
+    field: str | None = Field(default=None, description="The offending field, where there is one.")
+
+
 class DatasetRead(_Read):
     id: uuid.UUID
     name: str
     kind: str
+    kind_detected: bool = Field(
+        default=False,
+        description="True when `kind` was omitted at upload and detected from the keys of the first lines.",
+    )
     row_count: int
+    skipped_count: int = Field(
+        default=0,
+        description="Lines left out by an upload with `skip_invalid` (always 0 without it: such an upload "
+        "stores every line or none).",
+    )
+    skipped: list[SkippedLineRead] | None = Field(
+        default=None,
+        description=f"The first {SKIPPED_IN_RESPONSE} skipped lines (empty when none), in the upload's "
+        "response and `GET /v1/datasets/{id}`; null in lists. `GET /v1/datasets/{id}/skipped` pages "
+        "through all of them.",
+    )
     size_bytes: int
     stats: DatasetStats
     created_at: datetime
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upload_facts_from_stats(cls, data: Any) -> Any:
+        """A stored dataset keeps ``kind_detected`` and ``skipped_count`` in its stats JSON (the datasets
+        table has no column for them): lift them to the top level when reading the ORM row."""
+        if isinstance(data, dict):
+            return data
+        stats = getattr(data, "stats", None)
+        if not isinstance(stats, dict):
+            return data
+        values = {name: getattr(data, name) for name in cls.model_fields if hasattr(data, name)}
+        values["kind_detected"] = bool(stats.get("kind_detected", False))
+        values["skipped_count"] = int(stats.get("skipped_count", 0))
+        return values
 
 
 class DatasetRowRead(_Read):
@@ -72,8 +111,15 @@ class DatasetCreateJson(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: NulFreeStr = Field(min_length=1, max_length=200)
-    kind: DatasetKind = "preference"
+    kind: DatasetKind | None = Field(
+        default=None, description="Omit to detect it from the keys of the first rows (`kind_detected`)."
+    )
     rows: list[dict[str, Any]] = Field(description="Lines as objects, in any accepted format for `kind`.")
+    skip_invalid: bool = Field(
+        default=False,
+        description="Store the valid rows and list the invalid ones (`skipped_count`, `skipped`) instead of "
+        "refusing the whole upload; an upload without one valid row is still refused.",
+    )
 
 
 class Progress(BaseModel):

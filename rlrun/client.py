@@ -6,7 +6,7 @@ from the API it talks to::
     from rlrun import Client
 
     with Client() as rl:  # RLRUN_URL (default http://127.0.0.1:8000), RLRUN_API_KEY
-        ds = rl.datasets.upload("pairs.jsonl", kind="preference")
+        ds = rl.datasets.upload("pairs.jsonl")  # kind detected; or kind="preference"
         run = rl.runs.create({"algorithm": "dpo", "model": "tiny:llama-0.4m", "dataset_id": str(ds.id)})
         run = rl.runs.wait(run.id, timeout=600)
 
@@ -41,6 +41,7 @@ from api.schemas import (
     PipelineRead,
     RunRead,
     SampleRead,
+    SkippedLineRead,
 )
 from rlrun.errors import ApiError, ConnectionFailed, RlrunError, WaitTimeout
 from rlrun.wire import CHUNK, MultipartFile, Progress, StreamEvent, parse_sse
@@ -80,16 +81,22 @@ class Datasets(_Namespace):
         self,
         path: str | os.PathLike[str],
         *,
-        kind: DatasetKind = "preference",
+        kind: DatasetKind | None = None,
         name: str | None = None,
+        skip_invalid: bool = False,
         progress: Progress | None = None,
         chunk_size: int = CHUNK,
     ) -> DatasetRead:
         """Upload a JSONL file, streamed (bounded memory) with a known Content-Length; ``name`` defaults
-        to the file's name. ``progress(bytes_sent, total)`` reports the file's bytes. The server
-        validates every line and stores all rows or none (422 with line-numbered ``details``)."""
+        to the file's name, ``kind`` (None) to the one the server detects from the first lines
+        (``kind_detected``). ``progress(bytes_sent, total)`` reports the file's bytes. The server
+        validates every line and stores all rows or none (422 with line-numbered ``details``); with
+        ``skip_invalid`` it stores the valid rows and lists the others (``skipped_count``, ``skipped``,
+        :meth:`skipped`)."""
         file = Path(path)
-        fields = {"kind": kind} | ({"name": name} if name is not None else {})  # server default: file name
+        given = {"kind": kind, "name": name, "skip_invalid": "true" if skip_invalid else None}
+        # left out: the server detects the kind, names the dataset after the file, refuses bad lines
+        fields = {k: v for k, v in given.items() if v is not None}
         with file.open("rb") as fh:
             body = MultipartFile(
                 fields=fields,
@@ -107,11 +114,18 @@ class Datasets(_Namespace):
         return _parse(DatasetRead, resp)
 
     def create(
-        self, name: str, rows: builtins.list[dict[str, Any]], *, kind: DatasetKind = "preference"
+        self,
+        name: str,
+        rows: builtins.list[dict[str, Any]],
+        *,
+        kind: DatasetKind | None = None,
+        skip_invalid: bool = False,
     ) -> DatasetRead:
-        """A small dataset as one JSON body."""
-        resp = self._client.request("POST", "/v1/datasets", json={"name": name, "kind": kind, "rows": rows})
-        return _parse(DatasetRead, resp)
+        """A small dataset as one JSON body (``kind`` None: detected, as for :meth:`upload`)."""
+        body: dict[str, Any] = {"name": name, "rows": rows, "skip_invalid": skip_invalid}
+        if kind is not None:
+            body["kind"] = kind
+        return _parse(DatasetRead, self._client.request("POST", "/v1/datasets", json=body))
 
     def list(self, *, limit: int | None = None, after: str | None = None) -> Page[DatasetRead]:
         """One page, newest first; pass ``next_cursor`` as ``after`` for the next."""
@@ -129,6 +143,15 @@ class Datasets(_Namespace):
             "GET", f"/v1/datasets/{dataset_id}/rows", params=_params(limit=limit, after=after)
         )
         return _parse(Page[DatasetRowRead], resp)
+
+    def skipped(
+        self, dataset_id: Id, *, limit: int | None = None, after: str | None = None
+    ) -> Page[SkippedLineRead]:
+        """Lines an upload with ``skip_invalid`` left out, in line order (number, reason, field)."""
+        resp = self._client.request(
+            "GET", f"/v1/datasets/{dataset_id}/skipped", params=_params(limit=limit, after=after)
+        )
+        return _parse(Page[SkippedLineRead], resp)
 
 
 class Runs(_Namespace):

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 Handler = Callable[[argparse.Namespace, "Client"], int]
 SPARK_WIDTH = 32
 KEY_LIMIT = 6
+KINDS = ("preference", "sft", "ranking", "prompts")  # = api.schemas.DatasetKind (a test keeps them equal)
+SKIPPED_SHOWN = 5  # skipped lines printed after an upload with --skip-invalid
+LOCAL_LINE_BYTES = 8 * 1024 * 1024  # the server's default RLRUN_MAX_LINE_BYTES, for the local --kind check
 
 
 class CliError(Exception):
@@ -57,8 +60,19 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     ds_sub = datasets.add_subparsers(dest="datasets_command", required=True)
     upload = ds_sub.add_parser("upload", parents=[common], help="upload a JSONL file (streamed)")
     upload.add_argument("file", help="JSONL file, one row a line")
-    upload.add_argument("--kind", default="preference", help="preference (default), sft, ranking or prompts")
+    upload.add_argument(
+        "--kind",
+        default=None,
+        choices=KINDS,
+        help="default: detected by the server from the first lines; a kind the first lines plainly do not "
+        "fit is refused here, before anything is sent",
+    )
     upload.add_argument("--name", default=None, help="default: the file name")
+    upload.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="store the valid rows and list the invalid lines (default: any invalid line refuses the upload)",
+    )
     upload.add_argument("-q", "--quiet", action="store_true", help="print only the dataset id")
     upload.set_defaults(func=_command(cmd_datasets_upload))
     ds_list = ds_sub.add_parser("list", parents=[common], help="datasets, newest first")
@@ -149,14 +163,34 @@ def _print_api_error(exc: ApiError) -> None:
 
 
 def cmd_datasets_upload(args: argparse.Namespace, client: Client) -> int:
-    """Upload with a progress bar on stderr; print the dataset id, then its stats."""
+    """Check a given ``--kind`` against the file's first lines, then upload with a progress bar on stderr;
+    print the dataset id, then its stats (and the first skipped lines with ``--skip-invalid``)."""
     path = Path(args.file)
+    if args.kind is not None:
+        check_kind(path, args.kind)
     report = upload_progress(path.name, sys.stderr)
-    dataset = client.datasets.upload(path, kind=args.kind, name=args.name, progress=report)
+    dataset = client.datasets.upload(
+        path, kind=args.kind, name=args.name, skip_invalid=args.skip_invalid, progress=report
+    )
     print(dataset.id)
     if not args.quiet:
         print(_dataset_summary(dataset))
     return 0
+
+
+def check_kind(path: Path, kind: str) -> None:
+    """Raise ``CliError`` if the file's first lines plainly hold another kind of data than ``kind`` (none
+    of them reads as ``kind`` and one reads as another kind): refused before a byte is sent, rather than
+    after streaming a large file. Lines that fit no kind are left to the server's line-by-line report."""
+    from api.ingest import kind_mismatch, upload_lines
+
+    with path.open("rb") as fh:
+        found = kind_mismatch(upload_lines(fh, LOCAL_LINE_BYTES), kind)
+    if found is not None:
+        raise CliError(
+            f"{path}: line {found.line} is not {kind} data ({found.reason}) but reads as {found.fits} data: "
+            f"pass --kind {found.fits}, or leave --kind out and the server detects the kind"
+        )
 
 
 def upload_progress(label: str, out: TextIO) -> Callable[[int, int], None]:
@@ -185,6 +219,7 @@ def _dataset_summary(ds: DatasetRead) -> str:
     lines = [
         f"name     {ds.name}",
         f"kind     {ds.kind}",
+        *(["         (detected from the first lines: no --kind given)"] if ds.kind_detected else []),
         f"rows     {ds.row_count} ({stats.exact_duplicates} exact duplicates)",
         f"size     {human_bytes(ds.size_bytes)}",
         "formats  " + ", ".join(f"{k} {v}" for k, v in stats.source_formats.items()),
@@ -194,6 +229,14 @@ def _dataset_summary(ds: DatasetRead) -> str:
         lines.append(f"lengths  {lengths} (characters)")
     if stats.flags:
         lines.append("flags    " + ", ".join(f"{k} {v}" for k, v in stats.flags.items()))
+    if ds.skipped_count:
+        lines.append(f"skipped  {ds.skipped_count} invalid line(s), not stored:")
+        lines += [
+            f"  line {s.line}: " + (f"{s.field}: " if s.field else "") + s.reason
+            for s in (ds.skipped or [])[:SKIPPED_SHOWN]
+        ]
+        if ds.skipped_count > SKIPPED_SHOWN:
+            lines.append(f"  ... all of them: GET /v1/datasets/{ds.id}/skipped")
     return "\n".join(lines)
 
 

@@ -18,8 +18,6 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from trainer.specs import TINY_PRESETS
-
 _HUB_ID = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)?$")
 MAX_LISTED = 50  # names an error message lists at most
 
@@ -103,10 +101,3 @@ def resolve_name(ref: str, roots: Sequence[Path], *, allow_hub: bool, presets: I
         + (", ".join(available) or "(none)")
         + "; or run:<id> of a succeeded run"
     )
-
-
-def check_loadable(ref: str, roots: Sequence[Path], *, allow_hub: bool = False) -> None:
-    """Refuse a plain model reference that cannot be loaded here (ModelOutsideRoots or UnknownModel)."""
-    if ref.startswith(("tiny:", "run:", "stage:")):
-        return
-    resolve_name(ref, roots, allow_hub=allow_hub, presets=TINY_PRESETS)

@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from trainer.lr_defaults import default_learning_rate, preset_params_of
+
 # Names of the algorithm registries in trainer/algorithms; a test checks they match the registry keys.
 PreferenceLossName = Literal["sigmoid", "cdpo", "robust", "ipo", "hinge"]
 AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "reinforce_baseline", "remax"]
@@ -109,6 +111,13 @@ MODEL_REF_DOC = (
 )
 
 
+LR_DOC = (
+    "AdamW learning rate (after warmup). Default: by the run family and the model's size "
+    "(trainer/lr_defaults.py: 1e-3 for the tiny presets, TRL's and Tülu 3's rates for 1B-70B models); the "
+    "stored spec holds the rate picked."
+)
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -118,8 +127,14 @@ class _Frozen(BaseModel):
 # a pipeline resolves ``stage:`` refs in each. A test walks the OpenAPI schema and fails on a reference
 # field without the mark.
 REFERENCE_MARK = "x-rlrun-reference"
+ROLE_MARK = "x-rlrun-model-role"
 ReferenceKind = Literal["model", "dataset"]
-MODEL_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "model"}
+# What a referenced model is used as: a causal LM (policy, reference), a scorer (reward) or a critic
+# (either: a causal LM gets a fresh value head, a reward model keeps its score head).
+ModelRole = Literal["policy", "reward", "critic"]
+MODEL_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "model", ROLE_MARK: "policy"}
+REWARD_MODEL_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "model", ROLE_MARK: "reward"}
+CRITIC_MODEL_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "model", ROLE_MARK: "critic"}
 DATASET_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "dataset"}
 
 SpecPath = tuple[str | int, ...]
@@ -132,6 +147,7 @@ class Reference:
     path: SpecPath
     kind: ReferenceKind
     value: str
+    role: ModelRole | None = None  # models only
 
     @property
     def field(self) -> str:
@@ -142,10 +158,11 @@ class Reference:
         return out
 
 
-def _field_kind(model: type[BaseModel], name: str) -> ReferenceKind | None:
+def _field_mark(model: type[BaseModel], name: str) -> tuple[ReferenceKind | None, ModelRole | None]:
     extra = model.model_fields[name].json_schema_extra
-    kind = extra.get(REFERENCE_MARK) if isinstance(extra, dict) else None
-    return kind if kind in ("model", "dataset") else None  # type: ignore[return-value]
+    if not isinstance(extra, dict) or extra.get(REFERENCE_MARK) not in ("model", "dataset"):
+        return None, None
+    return extra[REFERENCE_MARK], extra.get(ROLE_MARK)  # type: ignore[return-value]
 
 
 def spec_references(node: BaseModel, path: SpecPath = ()) -> list[Reference]:
@@ -153,9 +170,9 @@ def spec_references(node: BaseModel, path: SpecPath = ()) -> list[Reference]:
     out: list[Reference] = []
     for name in type(node).model_fields:
         value = getattr(node, name)
-        kind = _field_kind(type(node), name)
+        kind, role = _field_mark(type(node), name)
         if kind is not None and value is not None:
-            out.append(Reference((*path, name), kind, str(value)))
+            out.append(Reference((*path, name), kind, str(value), role))
         elif isinstance(value, BaseModel):
             out += spec_references(value, (*path, name))
         elif isinstance(value, list):
@@ -193,9 +210,13 @@ def refuse_nul(value: Any, where: str = "") -> Any:
 class TrainingHyperparameters(_Frozen):
     """Optimiser, schedule, evaluation and checkpoint settings shared by every run type."""
 
-    learning_rate: float = Field(
-        default=1e-6, gt=0, le=1.0, description="AdamW learning rate (after warmup)."
+    learning_rate: float | None = Field(
+        default=None,
+        gt=0,
+        le=1.0,
+        description=LR_DOC,
     )
+    family: ClassVar[str] = "online_rl"  # which column of trainer/lr_defaults.py's table
     weight_decay: float = Field(default=0.0, ge=0, le=10.0, description="AdamW weight decay.")
     warmup_steps: int = Field(
         default=0, ge=0, le=1_000_000, description="Linear learning-rate warmup from 0."
@@ -227,9 +248,19 @@ class TrainingHyperparameters(_Frozen):
         description="NaN/inf loss or gradient: fail the run naming the step, or skip the batch (an event).",
     )
 
+    @property
+    def lr(self) -> float:
+        """The learning rate to train with: the spec's (given, or picked at submit), else the unknown-size
+        row of the defaults table (a spec built outside the API)."""
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return default_learning_rate(self.family, None)
+
 
 class DpoHyperparameters(TrainingHyperparameters):
     """Direct Preference Optimization (Rafailov et al. 2023) and its loss variants."""
+
+    family: ClassVar[str] = "dpo"
 
     loss_type: PreferenceLossName = Field(
         default="sigmoid",
@@ -257,17 +288,14 @@ class DpoHyperparameters(TrainingHyperparameters):
 class SftHyperparameters(TrainingHyperparameters):
     """Supervised fine-tuning: next-token cross-entropy on completion tokens only."""
 
-    learning_rate: float = Field(
-        default=2e-5, gt=0, le=1.0, description="AdamW learning rate (after warmup)."
-    )
+    family: ClassVar[str] = "sft"
 
 
 class RewardModelHyperparameters(TrainingHyperparameters):
     """A scalar reward head on the LM, trained with Bradley-Terry pairs or InstructGPT K-wise rankings."""
 
-    learning_rate: float = Field(
-        default=1e-5, gt=0, le=1.0, description="AdamW learning rate (after warmup)."
-    )
+    family: ClassVar[str] = "reward_model"
+
     center_coef: float = Field(
         default=0.0,
         ge=0,
@@ -301,6 +329,24 @@ class _RunSpecBase(_Frozen):
         le=0.5,
         description="Hold out this fraction of the training rows (split by `seed`) when no validation set.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_learning_rate(cls, data: Any) -> Any:
+        """A tiny preset's size is known from its name: fill a missing learning rate here. Other models'
+        sizes are read at submit (api/services/references.py: ``with_default_learning_rate``)."""
+        model = data.get("model") if isinstance(data, dict) else None
+        n_params = preset_params_of(model) if isinstance(model, str) else None
+        if n_params is None:
+            return data
+        hp = data.get("hyperparameters", {})
+        given = hp.get("learning_rate") if isinstance(hp, dict) else getattr(hp, "learning_rate", 0)
+        if given is not None:
+            return data
+        rate = default_learning_rate(str(data.get("algorithm", "")), n_params)
+        if isinstance(hp, BaseModel):
+            return {**data, "hyperparameters": hp.model_copy(update={"learning_rate": rate})}
+        return {**data, "hyperparameters": {**hp, "learning_rate": rate}}
 
     @field_validator("model")
     @classmethod
@@ -403,8 +449,9 @@ class RewardSpec(_Frozen):
     model: str | None = Field(
         default=None,
         min_length=1,
-        description="reward_model only: `run:<id>` of a reward-model run (`stage:<name>` in a pipeline).",
-        json_schema_extra=MODEL_REFERENCE,
+        description="reward_model only: `run:<id>` of a reward-model run (`stage:<name>` in a pipeline), or "
+        "a model folder whose config names a `...ForSequenceClassification` architecture.",
+        json_schema_extra=REWARD_MODEL_REFERENCE,
     )
     normalize: bool = Field(
         default=True, description="reward_model only: standardise scores with the run's stored mean and std."
@@ -427,9 +474,6 @@ class RewardSpec(_Frozen):
 class OnlineRlHyperparameters(TrainingHyperparameters):
     """Online RL: sample -> reward -> advantage -> clipped policy-gradient epochs (see docs/algorithms.md)."""
 
-    learning_rate: float = Field(
-        default=1e-6, gt=0, le=1.0, description="AdamW learning rate (after warmup)."
-    )
     max_steps: int = Field(
         default=100, ge=1, le=1_000_000, description="RL steps (each: rollouts + updates)."
     )
@@ -683,7 +727,7 @@ class PpoSpec(_OnlineRlSpecBase):
         min_length=1,
         description="Critic initialisation: default the starting policy with a fresh value head; or a "
         "reward-model run (`run:<id>`), the InstructGPT recipe. " + MODEL_REF_DOC,
-        json_schema_extra=MODEL_REFERENCE,
+        json_schema_extra=CRITIC_MODEL_REFERENCE,
     )
     hyperparameters: PpoHyperparameters = Field(default_factory=PpoHyperparameters)
 
@@ -712,6 +756,40 @@ ALGORITHMS: tuple[str, ...] = (
     *get_args(GroupAlgorithm),
     *get_args(PpoAlgorithm),
 )
+
+
+# Advantages that compare the completions of one prompt: with one completion each is its own baseline and
+# every advantage is 0 (nothing is learned). REINFORCE, REINFORCE++, ReMax and PPO have other baselines.
+GROUP_BASELINE_ADVANTAGES = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_baseline"})
+
+
+def learning_problems(spec: AnyRunSpec) -> list[tuple[str, str]]:
+    """(field, why) for each setting with which the run could not learn, although every field is valid
+    alone: the API refuses such a spec at submit (422) rather than let it "succeed" having learned nothing.
+    """
+    problems: list[tuple[str, str]] = []
+    if not isinstance(spec, GroupRlSpec | PpoSpec):
+        return problems
+    hp = spec.hyperparameters
+    group_baseline = isinstance(spec, GroupRlSpec) and hp.advantage in GROUP_BASELINE_ADVANTAGES
+    if group_baseline and hp.samples_per_prompt < 2:
+        problems.append(
+            (
+                "hyperparameters.samples_per_prompt",
+                f"the {hp.advantage} advantage compares the completions of one prompt: with "
+                f"samples_per_prompt {hp.samples_per_prompt} every advantage is 0 and nothing is learned; "
+                "use 2 or more (or algorithm reinforce, reinforce_pp or remax)",
+            )
+        )
+    if hp.kl_controller == "adaptive" and not hp.kl_coef:
+        problems.append(
+            (
+                "hyperparameters.kl_coef",
+                "the adaptive KL controller scales kl_coef up or down from its start: from 0 it stays 0; "
+                "give kl_coef > 0 or use kl_controller 'fixed'",
+            )
+        )
+    return problems
 
 
 def parse_spec(data: object) -> AnyRunSpec:

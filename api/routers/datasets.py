@@ -1,16 +1,18 @@
-"""/v1/datasets: upload (multipart JSONL or a JSON body), list, read, rows."""
+"""/v1/datasets: upload (multipart JSONL or a JSON body), list, read, rows, skipped lines."""
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 
@@ -23,11 +25,19 @@ from api.errors import (
     UnsupportedMediaType,
     validation_details,
 )
-from api.ingest import MAX_ROW_DEPTH, upload_lines
+from api.ingest import MAX_ROW_DEPTH, LineError, detect_upload_kind, upload_lines
 from api.models import Dataset, DatasetRow
 from api.pagination import AfterCursor, decode_cursor, encode_cursor
-from api.schemas import DatasetCreateJson, DatasetRead, DatasetRowRead, Page
-from api.services.datasets import ingest_dataset
+from api.schemas import (
+    SKIPPED_IN_RESPONSE,
+    DatasetCreateJson,
+    DatasetRead,
+    DatasetRowRead,
+    Page,
+    SkippedLineRead,
+)
+from api.services.datasets import ingest_dataset, list_skipped
+from api.settings import Settings
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -49,7 +59,14 @@ _UPLOAD_BODY: dict[str, Any] = {
                         "kind": {
                             "type": "string",
                             "enum": ["preference", "sft", "ranking", "prompts"],
-                            "default": "preference",
+                            "description": "Omit to detect it from the keys of the first lines "
+                            "(`kind_detected` in the response)",
+                        },
+                        "skip_invalid": {
+                            "type": "boolean",
+                            "default": False,
+                            "description": "Store the valid rows and list the invalid lines instead of "
+                            "refusing the whole upload",
                         },
                     },
                 }
@@ -59,6 +76,96 @@ _UPLOAD_BODY: dict[str, Any] = {
     }
 }
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 413, 415, 422)}
+
+
+@dataclass
+class _Upload:
+    """An upload's parts, whichever way it came; ``lines()`` reads them from the start each call."""
+
+    name: str
+    kind: str | None
+    skip_invalid: bool
+    lines: Callable[[], Iterator[bytes]]
+
+
+async def _read_upload(request: Request, settings: Settings) -> tuple[_Upload, FormData | None]:
+    """The upload in ``request`` (multipart JSONL file or JSON body), and the form to close."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("multipart/form-data"):
+        form = await request.form(max_files=1, max_fields=10)
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            await form.close()
+            raise InvalidRequest("file: a JSONL file part named 'file' is required", field="file")
+        try:
+            skip_invalid = _form_bool(form.get("skip_invalid"), "skip_invalid")
+        except InvalidRequest:
+            await form.close()
+            raise
+        return _Upload(
+            name=str(form.get("name") or upload.filename or "dataset"),
+            kind=str(form.get("kind") or "") or None,
+            skip_invalid=skip_invalid,
+            lines=lambda: upload_lines(upload.file, settings.max_line_bytes),
+        ), form
+    if content_type.startswith("application/json"):
+        try:
+            body = DatasetCreateJson.model_validate_json(await request.body())
+        except ValidationError as exc:
+            details = validation_details(exc.errors())
+            where = details[0].field or "body"  # invalid JSON (a lone surrogate, say) is at no field
+            raise InvalidRequest(f"{where}: {details[0].message}", field=where, details=details) from None
+        return _Upload(
+            name=body.name,
+            kind=body.kind,
+            skip_invalid=body.skip_invalid,
+            lines=lambda: (json.dumps(row).encode() for row in body.rows),
+        ), None
+    raise UnsupportedMediaType("send multipart/form-data with a 'file' part, or application/json")
+
+
+def _form_bool(value: str | UploadFile | None, name: str) -> bool:
+    if value is None or (isinstance(value, str) and value.lower() in ("", "false", "0", "no", "off")):
+        return False
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on"):
+        return True
+    raise InvalidRequest(f"{name}: must be true or false", field=name)
+
+
+def _detect_kind(upload: _Upload) -> str:
+    try:
+        return detect_upload_kind(upload.lines())
+    except LineError as exc:
+        raise InvalidRequest(f"kind: {exc.message}", field="kind") from None
+
+
+def _ingest(session: Session, settings: Settings, project_id: uuid.UUID, upload: _Upload) -> DatasetRead:
+    """Detect the kind if it was not given, ingest, and read back the first skipped lines (a thread)."""
+    kind = upload.kind or _detect_kind(upload)
+    dataset = ingest_dataset(
+        session=session,
+        name=upload.name,
+        kind=kind,
+        lines=upload.lines(),
+        max_bytes=settings.max_upload_bytes,
+        max_line_bytes=settings.max_line_bytes,
+        max_rows=settings.max_dataset_rows,
+        project_id=project_id,
+        skip_invalid=upload.skip_invalid,
+        kind_detected=upload.kind is None,
+    )
+    return _with_skipped(session, dataset)
+
+
+def _with_skipped(session: Session, dataset: Dataset) -> DatasetRead:
+    """The dataset with its first ``SKIPPED_IN_RESPONSE`` skipped lines (one query, only if it has any)."""
+    read = DatasetRead.model_validate(dataset)
+    first = (
+        list_skipped(session=session, dataset_id=dataset.id, limit=SKIPPED_IN_RESPONSE)
+        if read.skipped_count
+        else []
+    )
+    return read.model_copy(update={"skipped": [SkippedLineRead.model_validate(s) for s in first]})
 
 
 @router.post(
@@ -71,42 +178,12 @@ _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code 
 async def create_dataset(
     request: Request, session: SessionDep, settings: SettingsDep, project_id: ProjectDep
 ) -> DatasetRead:
-    """Upload a dataset: every line validated, all rows stored or none."""
+    """Upload a dataset: every line validated, all rows stored or none (or, with skip_invalid, the valid
+    ones, the others listed)."""
     request = limit_body(request, settings.max_upload_bytes)
-    content_type = request.headers.get("content-type", "")
-    form: FormData | None = None
-    if content_type.startswith("multipart/form-data"):
-        form = await request.form(max_files=1, max_fields=10)
-        upload = form.get("file")
-        if not isinstance(upload, UploadFile):
-            await form.close()
-            raise InvalidRequest("file: a JSONL file part named 'file' is required", field="file")
-        name = str(form.get("name") or upload.filename or "dataset")
-        kind = str(form.get("kind") or "preference")
-        lines: Iterator[bytes] = upload_lines(upload.file, settings.max_line_bytes)
-    elif content_type.startswith("application/json"):
-        try:
-            body = DatasetCreateJson.model_validate_json(await request.body())
-        except ValidationError as exc:
-            details = validation_details(exc.errors())
-            where = details[0].field or "body"  # invalid JSON (a lone surrogate, say) is at no field
-            raise InvalidRequest(f"{where}: {details[0].message}", field=where, details=details) from None
-        name, kind = body.name, body.kind
-        lines = (json.dumps(row).encode() for row in body.rows)
-    else:
-        raise UnsupportedMediaType("send multipart/form-data with a 'file' part, or application/json")
+    upload, form = await _read_upload(request, settings)
     try:
-        dataset = await run_in_threadpool(
-            ingest_dataset,
-            session=session,
-            name=name,
-            kind=kind,
-            lines=lines,
-            max_bytes=settings.max_upload_bytes,
-            max_line_bytes=settings.max_line_bytes,
-            max_rows=settings.max_dataset_rows,
-            project_id=project_id,
-        )
+        dataset = await run_in_threadpool(_ingest, session, settings, project_id, upload)
     except Exception:
         await run_in_threadpool(session.rollback)  # atomic: a refused upload leaves no dataset, no row
         raise
@@ -114,7 +191,7 @@ async def create_dataset(
         if form is not None:
             await form.close()  # the spooled file
     await run_in_threadpool(session.commit)
-    return DatasetRead.model_validate(dataset)
+    return dataset
 
 
 @router.get("", response_model=Page[DatasetRead])
@@ -148,9 +225,30 @@ def list_datasets(
 
 
 @router.get("/{dataset_id}", response_model=DatasetRead, responses=_ERRORS)
-def read_dataset(dataset: DatasetDep) -> DatasetRead:
-    """One dataset with its upload stats."""
-    return DatasetRead.model_validate(dataset)
+def read_dataset(dataset: DatasetDep, session: SessionDep) -> DatasetRead:
+    """One dataset with its upload stats and its first skipped lines."""
+    return _with_skipped(session, dataset)
+
+
+@router.get("/{dataset_id}/skipped", response_model=Page[SkippedLineRead], responses=_ERRORS)
+def list_skipped_lines(
+    dataset: DatasetDep,
+    session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    after: AfterCursor = None,
+) -> Page[SkippedLineRead]:
+    """Lines an upload with skip_invalid left out, in line order: number, reason, field."""
+    after_line = None
+    if after is not None:
+        (after_line,) = decode_cursor(after, 1)
+        if not isinstance(after_line, int):
+            raise InvalidRequest("after: not a cursor returned by this API", field="after")
+    rows = list_skipped(session=session, dataset_id=dataset.id, limit=limit + 1, after_line=after_line)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    cursor = encode_cursor(rows[-1].line) if more else None
+    data = [SkippedLineRead.model_validate(r) for r in rows]
+    return Page[SkippedLineRead](data=data, has_more=more, next_cursor=cursor)
 
 
 @router.get("/{dataset_id}/rows", response_model=Page[DatasetRowRead], responses=_ERRORS)

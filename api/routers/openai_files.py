@@ -89,6 +89,7 @@ async def create_file(
                 max_line_bytes=settings.max_line_bytes,
                 max_rows=settings.max_dataset_rows,
                 project_id=project_id,
+                kind_detected=True,  # a file's kind is always read from its first line
             )
         except Exception as exc:
             await run_in_threadpool(session.rollback)  # atomic: a refused upload leaves no dataset, no row

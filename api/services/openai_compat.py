@@ -29,6 +29,7 @@ from api.schemas_openai import (
     Method,
 )
 from api.services.datasets import get_dataset
+from api.services.references import model_params
 from api.services.runs import add_event, get_run, submit_run
 
 
@@ -90,7 +91,8 @@ def create_job(
         if body.validation_file is not None
         else None
     )
-    spec, method = plan_job(body, training=training, validation=validation, seed=seed)
+    n_params = model_params(session, body.model, roots)
+    spec, method = plan_job(body, training=training, validation=validation, seed=seed, n_params=n_params)
     try:
         run = submit_run(
             session=session,

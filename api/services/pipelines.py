@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from api.errors import InvalidRequest, InvalidTransition, NotFound
 from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Pipeline, Run, utcnow
 from api.schemas import PipelineCreate
-from api.services.references import check_references
+from api.services.references import check_learnable, check_references
 from api.services.runs import add_event, cancel_run, submit_run
 from trainer.specs import RunSpec, parse_spec, parse_stage_ref, set_at, spec_references
 
@@ -53,7 +53,7 @@ def create_pipeline(
 ) -> Pipeline:
     """Check every stage now (names, references, datasets), store the pipeline, start what can start.
     A stage's ``stage:`` references name earlier stages, so the stages' order is a valid start order."""
-    seen: set[str] = set()
+    seen: dict[str, str] = {}  # stage name -> algorithm, of the stages before this one
     for i, stage in enumerate(body.stages):
         where = f"stages[{i}]"
         if stage.name in seen:
@@ -67,7 +67,8 @@ def create_pipeline(
             stages=seen,
             prefix=f"{where}.spec.",
         )
-        seen.add(stage.name)
+        check_learnable(stage.spec, prefix=f"{where}.spec.")
+        seen[stage.name] = stage.spec.algorithm
     pipeline = Pipeline(
         id=uuid.uuid4(),
         project_id=project_id,

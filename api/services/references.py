@@ -4,28 +4,35 @@ project before anything is stored. Never commits.
 ``trainer.specs.spec_references`` finds the reference fields by the mark in their schema, so a new field
 cannot skip these checks. A reference to another project's run or dataset gets exactly the answer of an
 unknown id for that field (404 for datasets, 409 for model references): ids of other projects cannot
-be probed.
+be probed. A model is also checked for the role its field gives it (policy, reward, critic).
 """
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from sqlalchemy.orm import Session
 
 from api.errors import DatasetNotFound, IncompatibleDataset, InvalidReference, InvalidRequest
 from api.models import Checkpoint, Dataset, Run
-from trainer.model_refs import ModelOutsideRoots, UnknownModel, check_loadable
+from trainer.lr_defaults import approx_params, default_learning_rate, preset_params
+from trainer.model_refs import ModelOutsideRoots, UnknownModel, is_local_path, resolve_name
 from trainer.specs import (
+    TINY_PRESETS,
     AnyRunSpec,
+    ModelRole,
     Reference,
+    learning_problems,
     parse_run_ref,
     parse_run_ref_step,
     parse_stage_ref,
     spec_references,
 )
+
+SCORER_ALGORITHMS = frozenset({"reward_model"})  # runs whose model is a scorer (a score head, no LM head)
 
 
 def _dataset(session: Session, ref: Reference, field: str, project_id: uuid.UUID | None) -> Dataset:
@@ -36,7 +43,7 @@ def _dataset(session: Session, ref: Reference, field: str, project_id: uuid.UUID
     return dataset
 
 
-def _run_model(session: Session, ref: str, field: str, project_id: uuid.UUID | None) -> None:
+def _run_model(session: Session, ref: str, field: str, project_id: uuid.UUID | None) -> Run:
     """``run:<id>`` must name a succeeded run of the project; ``run:<id>@<step>`` one of its checkpoints."""
     run_id = parse_run_ref(ref)
     assert run_id is not None
@@ -51,6 +58,36 @@ def _run_model(session: Session, ref: str, field: str, project_id: uuid.UUID | N
         raise InvalidReference(
             f"{field}: run {run_id} is {source.status}; only a succeeded run's model can be used", field=field
         )
+    return source
+
+
+def _is_sequence_classifier(folder: Path) -> bool | None:
+    """Whether a model folder's config names a ``...ForSequenceClassification`` architecture (None: no
+    readable config says)."""
+    try:
+        architectures = json.loads((folder / "config.json").read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(architectures, list) or not architectures:
+        return None
+    return any(str(a).endswith("ForSequenceClassification") for a in architectures)
+
+
+def _check_role(role: ModelRole | None, field: str, what: str, *, scorer: bool | None) -> None:
+    """A scorer (a reward model: a score head, no LM head) cannot be a policy; a reward needs a scorer.
+    ``scorer=None``: unknown (a hub id), allowed."""
+    if role == "policy" and scorer is True:
+        raise InvalidRequest(
+            f"{field}: {what} is a reward model (a score head, no LM head) and cannot generate: a policy or "
+            "reference model must be a causal LM (a preset, an sft, dpo or RL run, or a causal-LM folder)",
+            field=field,
+        )
+    if role == "reward" and scorer is False:
+        raise InvalidRequest(
+            f"{field}: {what} is a causal LM, whose score head would be random: a reward_model reward needs "
+            "a reward-model run (algorithm reward_model) or a sequence-classification model folder",
+            field=field,
+        )
 
 
 def check_model_reference(
@@ -61,28 +98,45 @@ def check_model_reference(
     project_id: uuid.UUID | None,
     roots: Sequence[Path] | None,
     allow_hub: bool,
-    stages: Collection[str] | None = None,
+    role: ModelRole | None = None,
+    stages: Mapping[str, str] | None = None,
 ) -> None:
-    """One model reference. ``stages``: the stage names it may refer to (None: not in a pipeline);
-    ``roots=None``: plain names were checked earlier (a pipeline stage created from a checked spec)."""
+    """One model reference, and whether it can serve as ``role``. ``stages``: stage name -> algorithm of
+    the stages it may refer to (None: not in a pipeline); ``roots=None``: plain names were checked earlier
+    (a pipeline stage created from a checked spec)."""
     stage = parse_stage_ref(ref)
     if stage is not None:
         if stages is None:
             raise InvalidReference(f"{field}: stage references are valid only inside a pipeline", field=field)
         if stage not in stages:
             raise InvalidRequest(f"{field}: 'stage:{stage}' must name an earlier stage", field=field)
+        scorer = stages[stage] in SCORER_ALGORITHMS
+        _check_role(role, field, f"stage '{stage}' ({stages[stage]})", scorer=scorer)
         return
     if parse_run_ref(ref) is not None:
-        _run_model(session, ref, field, project_id)
+        source = _run_model(session, ref, field, project_id)
+        scorer = source.algorithm in SCORER_ALGORITHMS
+        _check_role(role, field, f"run {source.id} ({source.algorithm})", scorer=scorer)
+        return
+    if ref.startswith("tiny:"):
+        _check_role(role, field, f"preset {ref}", scorer=False)
         return
     if roots is None:
         return
     try:
-        check_loadable(ref, roots, allow_hub=allow_hub)
+        target = resolve_name(ref, roots, allow_hub=allow_hub, presets=TINY_PRESETS)
     except ModelOutsideRoots as exc:
         raise InvalidReference(f"{field}: {exc}", field=field) from None
     except UnknownModel as exc:
         raise InvalidRequest(f"{field}: {exc}", field=field) from None
+    if target != ref or is_local_path(ref):  # a folder here, not a hub id
+        _check_role(role, field, f"model {ref!r}", scorer=_is_sequence_classifier(Path(target)))
+
+
+def check_learnable(spec: AnyRunSpec, prefix: str = "") -> None:
+    """422 naming the first setting with which the run could not learn (``learning_problems``)."""
+    for field, why in learning_problems(spec):
+        raise InvalidRequest(f"{prefix}{field}: {why}", field=prefix + field)
 
 
 def check_references(
@@ -92,7 +146,7 @@ def check_references(
     project_id: uuid.UUID | None,
     roots: Sequence[Path] | None,
     allow_hub: bool = False,
-    stages: Collection[str] | None = None,
+    stages: Mapping[str, str] | None = None,
     prefix: str = "",
 ) -> None:
     """Every reference in ``spec``: datasets exist in the project and fit the run type (a validation set
@@ -118,6 +172,7 @@ def check_references(
                 project_id=project_id,
                 roots=roots,
                 allow_hub=allow_hub,
+                role=ref.role,
                 stages=stages,
             )
     train, val = kinds.get("dataset_id"), kinds.get("validation_dataset_id")
@@ -126,3 +181,34 @@ def check_references(
             f"validation dataset is of kind '{val}' but the training dataset is '{train}'",
             field=prefix + "validation_dataset_id",
         )
+
+
+def model_params(session: Session, ref: str, roots: Sequence[Path], depth: int = 0) -> int | None:
+    """Approximate parameter count of a model reference: a preset's from its dimensions, a folder's from
+    its ``config.json``, a run's from the model it started from (followed back to a preset or folder).
+    None when unknown (a hub id, a config without sizes)."""
+    if ref.startswith("tiny:"):
+        dims = TINY_PRESETS.get(ref.removeprefix("tiny:"))
+        return preset_params(dims) if dims is not None else None
+    run_id = parse_run_ref(ref)
+    if run_id is not None:
+        source = session.get(Run, run_id)
+        start = source.spec.get("model") if source is not None else None
+        if not isinstance(start, str) or depth >= 16:
+            return None
+        return model_params(session, start, roots, depth + 1)
+    try:
+        folder = Path(resolve_name(ref, roots, allow_hub=True))
+        config = json.loads((folder / "config.json").read_text())
+    except (ValueError, OSError):
+        return None
+    return approx_params(config) if isinstance(config, dict) else None
+
+
+def with_default_learning_rate(session: Session, spec: AnyRunSpec, roots: Sequence[Path]) -> AnyRunSpec:
+    """``spec`` with a missing learning rate picked by family and model size (trainer/lr_defaults.py)."""
+    hp = spec.hyperparameters
+    if hp.learning_rate is not None:
+        return spec
+    rate = default_learning_rate(spec.algorithm, model_params(session, spec.model, roots))
+    return spec.model_copy(update={"hyperparameters": hp.model_copy(update={"learning_rate": rate})})

@@ -19,7 +19,7 @@ from api.downsample import minmax_downsample
 from api.errors import IdempotencyConflict, InvalidTransition, RunNotFound, TooManyRuns
 from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Event, Metric, Run, utcnow
 from api.schemas import MetricRead, Progress, RunRead
-from api.services.references import check_references
+from api.services.references import check_learnable, check_references, with_default_learning_rate
 from trainer.specs import AnyRunSpec
 
 log = logging.getLogger("rlrun.runs")
@@ -56,6 +56,8 @@ def submit_run(
     """Store a new queued run (flush only), after every reference in it was checked against the project
     (api/services/references.py). ``roots=None``: plain model names were checked earlier."""
     check_references(session=session, spec=spec, project_id=project_id, roots=roots, allow_hub=allow_hub)
+    check_learnable(spec)
+    spec = with_default_learning_rate(session, spec, roots or [])
     if max_in_flight is not None:
         in_flight = session.scalar(
             select(func.count())

@@ -109,7 +109,11 @@ def test_a_preset_that_breaks_a_rule_is_refused_before_anything_is_stored(sessio
             json=grpo_spec(
                 prompts.id,
                 algorithm="dapo",
-                hyperparameters={"samples_per_prompt": 1, "dynamic_sampling": False},
+                hyperparameters={
+                    "samples_per_prompt": 1,
+                    "dynamic_sampling": False,
+                    "advantage": "reinforce",
+                },
             ),
         )
     assert dapo.status_code == 422, dapo.text

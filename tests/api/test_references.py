@@ -183,9 +183,17 @@ def test_every_reference_field_answers_another_projects_id_as_unknown(
         checked
     )
     # Project A itself may use them.
+    rm_reward = [{"name": "reward_model", "model": f"run:{their_rm.id}"}]
     ok = client.post(
         "/v1/runs",
-        json={**dpo_spec(theirs["preference"].id), "reference_model": f"run:{their_rm.id}"},
+        json={
+            "algorithm": "ppo",
+            "model": "tiny:llama-0.4m",
+            "dataset_id": str(theirs["prompts"].id),
+            "rewards": rm_reward,
+            "eval_rewards": rm_reward,
+            "critic_model": f"run:{their_rm.id}",
+        },
         headers=bearer(key_a),
     )
     assert ok.status_code == 201, ok.text

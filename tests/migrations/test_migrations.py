@@ -15,6 +15,7 @@ from tests.conftest import pg_test_database
 TABLES = {
     "datasets",
     "dataset_rows",
+    "dataset_skipped_lines",
     "runs",
     "metrics",
     "events",

@@ -75,10 +75,11 @@ def test_n_epochs_batch_size_and_multiplier_become_steps_and_learning_rate() -> 
     body = request(training, method={"type": "dpo", "dpo": {"hyperparameters": hp}}, suffix="adder")
     spec, method = mapping.plan_job(body, training=training, validation=None, seed=11)
     assert spec.algorithm == "dpo" and spec.name == "adder" and spec.dataset_id == training.id
-    # ceil(3 * 100 / 7) = ceil(42.86) = 43; DPO's default learning rate is 1e-6
+    # ceil(3 * 100 / 7) = ceil(42.86) = 43; DPO's default learning rate for a tiny preset (<= 50M
+    # parameters) is 1e-3 by the table in trainer/lr_defaults.py, times 20
     assert spec.hyperparameters.max_steps == 43
     assert spec.hyperparameters.batch_size == 7
-    assert spec.hyperparameters.learning_rate == pytest.approx(20e-6)
+    assert spec.hyperparameters.learning_rate == pytest.approx(20e-3)
     assert spec.hyperparameters.beta == 0.25 and spec.hyperparameters.seed == 11
     assert method.model_dump(exclude_none=True) == {"type": "dpo", "dpo": {"hyperparameters": hp}}
 
@@ -88,9 +89,12 @@ def test_auto_resolves_to_three_epochs_the_default_batch_capped_at_the_rows() ->
     auto = {"n_epochs": "auto", "batch_size": "auto", "learning_rate_multiplier": "auto"}
     body = request(small, method={"type": "supervised", "supervised": {"hyperparameters": auto}})
     spec, method = mapping.plan_job(body, training=small, validation=None, seed=0)
-    # 5 rows: batch min(8, 5) = 5, 3 epochs -> ceil(15 / 5) = 3 steps; SFT's default learning rate 2e-5
+    # 5 rows: batch min(8, 5) = 5, 3 epochs -> ceil(15 / 5) = 3 steps; SFT's default for a tiny preset 1e-3
     assert (spec.hyperparameters.max_steps, spec.hyperparameters.batch_size) == (3, 5)
-    assert spec.hyperparameters.learning_rate == pytest.approx(2e-5)
+    assert spec.hyperparameters.learning_rate == pytest.approx(1e-3)
+    # A model of 7B parameters (the size the API reads from its config) gets the table's 1e-5.
+    spec, _ = mapping.plan_job(body, training=small, validation=None, seed=0, n_params=7_000_000_000)
+    assert spec.hyperparameters.learning_rate == pytest.approx(1e-5)
     assert method.supervised is not None and method.supervised.hyperparameters is not None
     assert method.supervised.hyperparameters.n_epochs == 3
     spec, _ = mapping.plan_job(request(big), training=big, validation=None, seed=0)  # no method: supervised
@@ -122,9 +126,9 @@ def test_refusals_name_the_openai_parameter() -> None:
     assert refusal(request(sft, method={"type": "supervised", "dpo": {}}), sft).field == "method.dpo"
     assert refusal(request(sft, model="tiny:nope"), sft).field == "model"
     assert refusal(request(sft, integrations=[{"type": "wandb"}]), sft).field == "integrations"
-    too_fast = refusal(request(sft, hyperparameters={"learning_rate_multiplier": 1e5}), sft)
+    too_fast = refusal(request(sft, hyperparameters={"learning_rate_multiplier": 2e3}), sft)
     assert too_fast.field == "hyperparameters.learning_rate_multiplier"
-    assert "learning rate is 2" in too_fast.message  # 1e5 x 2e-5 = 2 > 1
+    assert "learning rate is 2" in too_fast.message  # 2e3 x 1e-3 (a tiny preset's SFT rate) = 2 > 1
     too_long = refusal(
         request(
             sft,
@@ -188,8 +192,8 @@ def test_a_run_reads_as_an_sdk_valid_job_object() -> None:
     assert (
         job["seed"] == 5 and job["user_provided_suffix"] == "adder" and job["metadata"] == {"team": "evals"}
     )
-    # made outside this surface: budgeted in steps, so n_epochs is auto; 1e-3 / DPO's 1e-6 = 1000
-    assert job["hyperparameters"] == {"n_epochs": "auto", "batch_size": 8, "learning_rate_multiplier": 1000.0}
+    # made outside this surface: budgeted in steps, so n_epochs is auto; 1e-3 / a tiny preset's DPO 1e-3 = 1
+    assert job["hyperparameters"] == {"n_epochs": "auto", "batch_size": 8, "learning_rate_multiplier": 1.0}
     assert job["method"]["dpo"]["hyperparameters"]["beta"] == 0.1
     assert job["error"] is None and job["result_files"] == [] and job["trained_tokens"] is None
 

@@ -49,7 +49,7 @@ def test_create_maps_a_dpo_job_onto_a_queued_run(session: Session) -> None:
     assert again.json() == job
     run = run_of(session, job)
     hp = run.spec["hyperparameters"]
-    # ceil(3 epochs * 10 rows / batch 4) = ceil(7.5) = 8 steps; 2 x DPO's default learning rate 1e-6
+    # ceil(3 epochs * 10 rows / batch 4) = ceil(7.5) = 8 steps; 2 x DPO's default for a tiny preset, 1e-3
     assert (run.algorithm, hp["max_steps"], hp["batch_size"], hp["beta"], hp["seed"]) == (
         "dpo",
         8,
@@ -57,7 +57,7 @@ def test_create_maps_a_dpo_job_onto_a_queued_run(session: Session) -> None:
         0.2,
         42,
     )
-    assert hp["learning_rate"] == 2e-6 and run.total_steps == 8
+    assert hp["learning_rate"] == 2e-3 and run.total_steps == 8
     assert run.spec["name"] == "adder" and run.user_metadata == {"team": "evals"}
     assert enqueue.sent == [run.id]
     assert job["status"] == "queued" and job["model"] == "tiny:llama-0.4m" and job["seed"] == 42
@@ -86,9 +86,9 @@ def test_a_supervised_job_with_auto_values_and_a_random_seed(session: Session) -
         )
     assert resp.status_code == 200, resp.text
     job, run = resp.json(), run_of(session, resp.json())
-    # auto: 3 epochs, batch min(8, 12 rows) = 8 -> ceil(36 / 8) = 5 steps at SFT's 2e-5
+    # auto: 3 epochs, batch min(8, 12 rows) = 8 -> ceil(36 / 8) = 5 steps at a tiny preset's SFT 1e-3
     assert run.algorithm == "sft" and run.spec["hyperparameters"]["max_steps"] == 5
-    assert run.spec["hyperparameters"]["learning_rate"] == 2e-5
+    assert run.spec["hyperparameters"]["learning_rate"] == 1e-3
     assert run.spec["validation_dataset_id"] == str(val.id) and job["validation_file"] == f"file-{val.id.hex}"
     assert job["hyperparameters"] == {"n_epochs": 3, "batch_size": 8, "learning_rate_multiplier": 1.0}
     assert job["method"]["type"] == "supervised" and job["seed"] == run.spec["hyperparameters"]["seed"]

@@ -130,7 +130,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     pairs, val_pairs = tokenize(data.train), tokenize(data.validation)
     loss_fn = PREFERENCE_LOSSES[hp.loss_type]
     params = PreferenceParams(beta=hp.beta, label_smoothing=hp.label_smoothing)
-    optimizer = make_optimizer(model, hp.learning_rate, hp.weight_decay)
+    optimizer = make_optimizer(model, hp.lr, hp.weight_decay)
     sampler = EpochSampler(len(pairs), hp.batch_size, gen)
     checkpointer = Checkpointer(
         ctx.checkpoint_dir,
@@ -174,7 +174,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         t0 = time.perf_counter()
         idx = sampler.next_batch()
         batch = collate_pairs([pairs[i] for i in idx], pad_id)
-        lr = warmup_constant_lr(step, base_lr=hp.learning_rate, warmup_steps=hp.warmup_steps)
+        lr = warmup_constant_lr(step, base_lr=hp.lr, warmup_steps=hp.warmup_steps)
         set_lr(optimizer, lr)
 
         logps = sequence_logps(model, batch, device)

@@ -207,7 +207,7 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
     prompts = tokenize_prompts(data.train, tokenizer, hp.max_prompt_length)
     val_prompts = tokenize_prompts(data.validation, tokenizer, hp.max_prompt_length)
 
-    optimizer = make_optimizer(policy, hp.learning_rate, hp.weight_decay)
+    optimizer = make_optimizer(policy, hp.lr, hp.weight_decay)
     sampler = EpochSampler(len(prompts.ids), hp.prompts_per_step, gen)
     checkpointer = Checkpointer(
         ctx.checkpoint_dir,
@@ -251,7 +251,7 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
     for step in range(start + 1, hp.max_steps + 1):
         if stop_requested(reporter, step, start, checkpointer.saved, keep_work):
             return LoopResult(status="cancelled", output_path=None)
-        set_lr(optimizer, warmup_constant_lr(step, base_lr=hp.learning_rate, warmup_steps=hp.warmup_steps))
+        set_lr(optimizer, warmup_constant_lr(step, base_lr=hp.lr, warmup_steps=hp.warmup_steps))
 
         t0 = time.perf_counter()  # ---- rollouts and rewards
         engine.sync_weights(policy)

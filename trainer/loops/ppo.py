@@ -302,8 +302,8 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     prompts = tokenize_prompts(data.train, tokenizer, hp.max_prompt_length)
     val_prompts = tokenize_prompts(data.validation, tokenizer, hp.max_prompt_length)
 
-    policy_opt = make_optimizer(policy, hp.learning_rate, hp.weight_decay)
-    critic_lr = hp.critic_learning_rate or hp.learning_rate
+    policy_opt = make_optimizer(policy, hp.lr, hp.weight_decay)
+    critic_lr = hp.critic_learning_rate or hp.lr
     critic_opt = make_optimizer(critic, critic_lr, hp.weight_decay)
     sampler = EpochSampler(len(prompts.ids), hp.prompts_per_step, gen)
     checkpointer = Checkpointer(
@@ -365,7 +365,7 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
                 "info", f"actor updates start at step {step}, after {pretrain} critic-only step(s)"
             )
         # The actor's warmup counts its own steps, so value pretraining does not eat it; 0 while frozen.
-        actor_lr = warmup_constant_lr(step - pretrain, base_lr=hp.learning_rate, warmup_steps=hp.warmup_steps)
+        actor_lr = warmup_constant_lr(step - pretrain, base_lr=hp.lr, warmup_steps=hp.warmup_steps)
         set_lr(policy_opt, actor_lr if train_actor else 0.0)
         set_lr(critic_opt, warmup_constant_lr(step, base_lr=critic_lr, warmup_steps=hp.warmup_steps))
 

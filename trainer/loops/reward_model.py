@@ -252,7 +252,7 @@ def run_reward_model(
     val_groups = tokenize_groups(data.validation, kind, tokenizer, max_length=hp.max_length)
     loss_fn = REWARD_LOSSES[kind]
     params = RewardLossParams(use_margin=hp.use_margin, center_coef=hp.center_coef)
-    optimizer = make_optimizer(model, hp.learning_rate, hp.weight_decay)
+    optimizer = make_optimizer(model, hp.lr, hp.weight_decay)
     sampler = EpochSampler(len(groups), hp.batch_size, gen)
     checkpointer = Checkpointer(
         ctx.checkpoint_dir,
@@ -288,7 +288,7 @@ def run_reward_model(
             return LoopResult(status="cancelled", output_path=None)
         t0 = time.perf_counter()
         batch = collate_groups([groups[i] for i in sampler.next_batch()], pad_id)
-        lr = warmup_constant_lr(step, base_lr=hp.learning_rate, warmup_steps=hp.warmup_steps)
+        lr = warmup_constant_lr(step, base_lr=hp.lr, warmup_steps=hp.warmup_steps)
         set_lr(optimizer, lr)
 
         scores = group_scores(model, batch, device)  # all B*K sequences in one forward pass

@@ -99,7 +99,7 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         return [tokenize_example(r, tokenizer, max_length=hp.max_length) for r in rows]
 
     examples, val_examples = tokenize(data.train), tokenize(data.validation)
-    optimizer = make_optimizer(model, hp.learning_rate, hp.weight_decay)
+    optimizer = make_optimizer(model, hp.lr, hp.weight_decay)
     sampler = EpochSampler(len(examples), hp.batch_size, gen)
     checkpointer = Checkpointer(
         ctx.checkpoint_dir,
@@ -133,7 +133,7 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
             return LoopResult(status="cancelled", output_path=None)
         t0 = time.perf_counter()
         batch = collate_examples([examples[i] for i in sampler.next_batch()], pad_id)
-        lr = warmup_constant_lr(step, base_lr=hp.learning_rate, warmup_steps=hp.warmup_steps)
+        lr = warmup_constant_lr(step, base_lr=hp.lr, warmup_steps=hp.warmup_steps)
         set_lr(optimizer, lr)
 
         nll, hits, count = forward(model, batch, device)

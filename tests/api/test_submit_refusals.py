@@ -1,0 +1,167 @@
+"""Runs that could not learn are refused at submit, the field named (issue 13 item 3): a group baseline
+with one sample per prompt, a reward model as a policy, a causal LM as a reward model, adaptive KL from 0.
+Nothing is stored for a refused run."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from api.models import Run
+from api.settings import Settings
+from tests.factories import api_client, dpo_spec, make_dataset, make_run
+
+PROMPTS = [{"prompt": "1+1=", "answer": "2"}]
+
+
+def rl(dataset_id: uuid.UUID, algorithm: str = "grpo", **over: Any) -> dict[str, Any]:
+    hp = over.pop("hyperparameters", {})
+    return {
+        "algorithm": algorithm,
+        "model": "tiny:llama-0.4m",
+        "dataset_id": str(dataset_id),
+        "rewards": [{"name": "exact_match"}],
+        "hyperparameters": {"max_steps": 2, **hp},
+        **over,
+    }
+
+
+def count(session: Session) -> int:
+    return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "reinforce_baseline"])
+def test_a_group_baseline_with_one_sample_per_prompt_is_refused(session: Session, algorithm: str) -> None:
+    prompts = make_dataset(session, rows=PROMPTS, kind="prompts")
+    before = count(session)
+    with api_client(session) as client:
+        one = client.post(
+            "/v1/runs", json=rl(prompts.id, algorithm, hyperparameters={"samples_per_prompt": 1})
+        )
+        two = client.post(
+            "/v1/runs", json=rl(prompts.id, algorithm, hyperparameters={"samples_per_prompt": 2})
+        )
+    assert one.status_code == 422, one.text
+    assert one.json()["error"]["field"] == "hyperparameters.samples_per_prompt"
+    assert "every advantage is 0" in one.json()["error"]["message"]
+    assert two.status_code == 201 and count(session) == before + 1
+
+
+@pytest.mark.parametrize("algorithm", ["reinforce", "reinforce_pp", "remax", "ppo"])
+def test_baselines_that_need_no_group_allow_one_sample(session: Session, algorithm: str) -> None:
+    prompts = make_dataset(session, rows=PROMPTS, kind="prompts")
+    with api_client(session) as client:
+        resp = client.post(
+            "/v1/runs", json=rl(prompts.id, algorithm, hyperparameters={"samples_per_prompt": 1})
+        )
+    assert resp.status_code == 201, resp.text
+
+
+def test_adaptive_kl_from_zero_is_refused(session: Session) -> None:
+    prompts = make_dataset(session, rows=PROMPTS, kind="prompts")
+    before = count(session)
+    with api_client(session) as client:
+        preset_zero = client.post(  # Dr.GRPO's preset has no KL
+            "/v1/runs", json=rl(prompts.id, "dr_grpo", hyperparameters={"kl_controller": "adaptive"})
+        )
+        given_zero = client.post(
+            "/v1/runs",
+            json=rl(prompts.id, "ppo", hyperparameters={"kl_controller": "adaptive", "kl_coef": 0}),
+        )
+        preset_nonzero = client.post(  # GRPO's preset starts at 0.04
+            "/v1/runs", json=rl(prompts.id, "grpo", hyperparameters={"kl_controller": "adaptive"})
+        )
+    for resp in (preset_zero, given_zero):
+        assert resp.status_code == 422 and resp.json()["error"]["field"] == "hyperparameters.kl_coef", (
+            resp.text
+        )
+    assert preset_nonzero.status_code == 201 and count(session) == before + 1
+
+
+def test_reward_models_are_no_policies_and_causal_lms_no_reward_models(
+    session: Session, tmp_path: Path
+) -> None:
+    prefs = make_dataset(session)
+    prompts = make_dataset(session, rows=PROMPTS, kind="prompts")
+    rm = make_run(session, prefs, algorithm="reward_model", status="succeeded", output_path="/tmp/rm")
+    sft = make_run(session, prefs, algorithm="sft", status="succeeded", output_path="/tmp/sft")
+    settings = Settings(home=tmp_path)
+    for name, arch in (("org/causal", "LlamaForCausalLM"), ("org/scorer", "LlamaForSequenceClassification")):
+        folder = tmp_path / "models" / name
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text(json.dumps({"architectures": [arch]}))
+
+    def reward(model: str) -> list[dict[str, Any]]:
+        return [{"name": "reward_model", "model": model}]
+
+    before = count(session)
+    refused = {
+        "model": {**dpo_spec(prefs.id), "model": f"run:{rm.id}"},
+        "reference_model": {**dpo_spec(prefs.id), "reference_model": f"run:{rm.id}"},
+        "rewards[0].model": rl(prompts.id, rewards=reward(f"run:{sft.id}")),
+        "eval_rewards[0].model": rl(prompts.id, eval_rewards=reward("tiny:llama-0.4m")),
+        "rewards[0].model ": rl(prompts.id, rewards=reward("org/causal")),
+    }
+    with api_client(session, settings=settings) as client:
+        answers = {field: client.post("/v1/runs", json=spec) for field, spec in refused.items()}
+        assert count(session) == before
+        accepted = [
+            client.post("/v1/runs", json=rl(prompts.id, rewards=reward(f"run:{rm.id}"))),
+            client.post("/v1/runs", json=rl(prompts.id, rewards=reward("org/scorer"))),
+            # A causal-LM critic is PPO's default (a fresh value head on the policy); an RM critic too.
+            client.post("/v1/runs", json=rl(prompts.id, "ppo", critic_model=f"run:{sft.id}")),
+            client.post("/v1/runs", json=rl(prompts.id, "ppo", critic_model=f"run:{rm.id}")),
+        ]
+    for field, resp in answers.items():
+        assert resp.status_code == 422, (field, resp.text)
+        assert resp.json()["error"]["field"] == field.strip(), (field, resp.json())
+    assert "cannot generate" in answers["model"].json()["error"]["message"]
+    assert "score head would be random" in answers["rewards[0].model"].json()["error"]["message"]
+    assert [r.status_code for r in accepted] == [201] * 4, [r.text for r in accepted]
+
+
+def test_pipeline_stages_get_the_same_refusals(session: Session) -> None:
+    prefs = make_dataset(session)
+    prompts = make_dataset(session, rows=PROMPTS, kind="prompts")
+    sft_ds = make_dataset(session, rows=[{"prompt": "p", "completion": "c"}], kind="sft")
+    rm_stage = {
+        "name": "rm",
+        "spec": {"algorithm": "reward_model", "model": "tiny:llama-0.4m", "dataset_id": str(prefs.id)},
+    }
+    cases = {
+        "stages[1].spec.model": {"name": "dpo", "spec": {**dpo_spec(prefs.id), "model": "stage:rm"}},
+        "stages[1].spec.hyperparameters.samples_per_prompt": {
+            "name": "grpo",
+            "spec": rl(prompts.id, hyperparameters={"samples_per_prompt": 1}),
+        },
+    }
+    with api_client(session) as client:
+        for field, stage in cases.items():
+            resp = client.post("/v1/pipelines", json={"stages": [rm_stage, stage]})
+            assert resp.status_code == 422 and resp.json()["error"]["field"] == field, resp.text
+        sft_stage = {
+            "name": "sft",
+            "spec": {"algorithm": "sft", "model": "tiny:llama-0.4m", "dataset_id": str(sft_ds.id)},
+        }
+        as_reward = client.post(
+            "/v1/pipelines",
+            json={
+                "stages": [
+                    sft_stage,
+                    {
+                        "name": "g",
+                        "spec": rl(prompts.id, rewards=[{"name": "reward_model", "model": "stage:sft"}]),
+                    },
+                ]
+            },
+        )
+    assert (
+        as_reward.status_code == 422
+        and as_reward.json()["error"]["field"] == "stages[1].spec.rewards[0].model"
+    )

@@ -1,0 +1,74 @@
+"""Default learning rates by run family and model size (torch-free: the API picks one at submit).
+
+A spec that leaves ``learning_rate`` out gets the rate of its family for the model's size, and the stored
+spec holds the rate picked. One default for all sizes fails both ends: 1e-6 (a good DPO rate for a 7B
+model) leaves a 0.4M-parameter preset at loss ln 2, and 1e-3 (what the presets need) wrecks a 7B model.
+
+| parameters   | sft  | reward_model | dpo  | online RL | source                                       |
+|--------------|------|--------------|------|-----------|----------------------------------------------|
+| up to 50M    | 1e-3 | 1e-3         | 1e-3 | 2e-4      | the tiny presets: this repo's demo and tests |
+| up to 1.5B   | 2e-5 | 1e-5         | 1e-6 | 1e-6      | TRL's SFT/Reward/DPO/GRPO config defaults    |
+| up to 15B    | 1e-5 | 5e-6         | 5e-7 | 1e-6      | Tulu 3 (Lambert et al. 2024): 8B SFT and DPO |
+| larger       | 5e-6 | 2e-6         | 2e-7 | 5e-7      | Tulu 3 70B                                   |
+| unknown size | the "up to 15B" row: cautious for the models users bring (1B-8B)              |
+
+The numbers are starting points; the held-out learning benchmarks are where they get measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+Family = Literal["sft", "reward_model", "dpo", "online_rl"]
+
+LR_TABLE: tuple[tuple[float, dict[Family, float]], ...] = (
+    (50e6, {"sft": 1e-3, "reward_model": 1e-3, "dpo": 1e-3, "online_rl": 2e-4}),
+    (1.5e9, {"sft": 2e-5, "reward_model": 1e-5, "dpo": 1e-6, "online_rl": 1e-6}),
+    (15e9, {"sft": 1e-5, "reward_model": 5e-6, "dpo": 5e-7, "online_rl": 1e-6}),
+    (float("inf"), {"sft": 5e-6, "reward_model": 2e-6, "dpo": 2e-7, "online_rl": 5e-7}),
+)
+UNKNOWN_SIZE_ROW = 2
+
+
+def family_of(algorithm: str) -> Family:
+    if algorithm in ("sft", "reward_model", "dpo"):
+        return algorithm  # type: ignore[return-value]
+    return "online_rl"
+
+
+def approx_params(config: Mapping[str, Any]) -> int | None:
+    """Parameters of a decoder-only transformer from its ``config.json``: embeddings (and an untied LM
+    head) plus, per layer, attention ``4 h^2`` and a gated MLP ``3 h i``; norms and biases are noise at this
+    precision. None when the config lacks the sizes (not a Llama/Qwen/Mistral-shaped model)."""
+    try:
+        h = int(config["hidden_size"])
+        layers = int(config["num_hidden_layers"])
+        vocab = int(config.get("vocab_size", 32_000))
+        inter = int(config.get("intermediate_size") or 4 * h)
+    except (KeyError, TypeError, ValueError):
+        return None
+    heads = 1 if config.get("tie_word_embeddings", False) else 2
+    return heads * vocab * h + layers * (4 * h * h + 3 * h * inter)
+
+
+def preset_params(dims: Mapping[str, int]) -> int:
+    """A tiny preset's size, from its dimensions (vocabulary: the 512-symbol BPE or 259 characters)."""
+    vocab = 259 if dims.get("char_level") else 512
+    return approx_params({**dims, "vocab_size": vocab}) or 0
+
+
+def default_learning_rate(algorithm: str, n_params: int | None) -> float:
+    """The table's rate for ``algorithm``'s family at ``n_params`` (None: unknown size)."""
+    family = family_of(algorithm)
+    if n_params is None:
+        return LR_TABLE[UNKNOWN_SIZE_ROW][1][family]
+    return next(rates[family] for limit, rates in LR_TABLE if n_params <= limit)
+
+
+def preset_params_of(model: str) -> int | None:
+    """The size of a ``tiny:`` model reference from its name alone (None for any other reference)."""
+    from trainer.specs import TINY_PRESETS  # here: specs imports this module
+
+    dims = TINY_PRESETS.get(model.removeprefix("tiny:")) if model.startswith("tiny:") else None
+    return preset_params(dims) if dims is not None else None
