@@ -15,7 +15,17 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.db import make_engine, make_session_factory
 from api.errors import install_error_handlers
 from api.queue import CeleryEnqueue, Enqueue
-from api.routers import checkpoints, datasets, openai_files, openai_jobs, pipelines, runs, stream, webhooks
+from api.routers import (
+    checkpoints,
+    datasets,
+    models,
+    openai_files,
+    openai_jobs,
+    pipelines,
+    runs,
+    stream,
+    webhooks,
+)
 from api.settings import Settings, get_settings
 
 log = logging.getLogger("rlrun.api")
@@ -46,6 +56,7 @@ def create_app(
     app.include_router(pipelines.router)
     app.include_router(stream.router)
     app.include_router(webhooks.router)
+    app.include_router(models.router)
     # The OpenAI-compatible surface (/v1/files, /v1/fine_tuning/jobs), mapped onto datasets and runs.
     app.include_router(openai_files.router)
     app.include_router(openai_jobs.router)

@@ -37,8 +37,8 @@ class Settings(BaseSettings):
     )
     model_roots: list[Path] = Field(
         default_factory=list,
-        description="Folders local model paths and model names may point into (besides <home>/models and "
-        "the tiny-preset cache). Run outputs are not among them: name those `run:<id>`, which checks the "
+        description="Folders local model paths and model names may point into (besides <home>/models). "
+        "Run outputs are not among them: name those `run:<id>`, which checks the "
         "caller's project.",
     )
     allow_hub: bool = Field(
@@ -136,8 +136,9 @@ class Settings(BaseSettings):
 
     @property
     def resolved_model_roots(self) -> list[Path]:
-        # Not the artifacts folder: it holds every project's run outputs (reach those as run:<id>).
-        return [*self.model_roots, (self.home / "models").resolve(), self.resolved_cache_dir]
+        # Not the artifacts folder: it holds every project's run outputs (reach those as run:<id>). Not the
+        # cache either: presets are named tiny:<preset>.
+        return [*self.model_roots, (self.home / "models").resolve()]
 
     @property
     def resolved_cache_dir(self) -> Path:

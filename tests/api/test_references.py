@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api.models import Pipeline, Run
+from api.models import Pipeline, Run, utcnow
 from api.services.auth import create_api_key
 from api.services.pipelines import advance
 from api.settings import Settings
@@ -319,3 +319,26 @@ def test_sft_rm_ppo_pipeline_with_the_rm_stage_as_reward_and_critic(session: Ses
     )
     assert later.status_code == 422 and later.json()["error"]["field"] == "stages[0].spec.rewards[0].model"
     assert session.scalar(select(func.count()).select_from(Pipeline).where(Pipeline.id == pid)) == 1
+
+
+def test_the_models_list_names_what_a_run_may_use(session: Session, roots: Settings) -> None:
+    ds = make_dataset(session)
+    done = make_run(session, ds, status="succeeded", output_path="/tmp/x", finished_at=utcnow())
+    make_run(session, ds, status="failed")
+    with api_client(session, settings=roots) as client:
+        listed = client.get("/v1/models").json()
+    ids = [m["id"] for m in listed["data"]]
+    assert listed["object"] == "list"
+    assert ids[:3] == ["tiny:llama-0.4m", "tiny:llama-10m", "tiny:llama-char-0.4m"]
+    assert "org/mine" in ids and "outside/model" not in ids  # the root's folder, not the working directory's
+    assert [m for m in listed["data"] if m["source"] == "run"] == [
+        {
+            "id": f"run:{done.id}",
+            "object": "model",
+            "created": int(done.finished_at.timestamp()),
+            "owned_by": str(done.project_id),
+            "source": "run",
+            "algorithm": "dpo",
+            "parameters": None,
+        }
+    ]
