@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
+from api.demo import free_port
 from api.deps import get_session, get_session_factory
 from api.main import create_app
 from api.models import Dataset, DatasetRow, Run, utcnow
@@ -122,3 +126,21 @@ def loop_ctx(
         resume_from=resume_from,
         resolve_model=lambda ref: resolve_model(ref, cache_dir=tiny_cache, run_output=run_output),
     )
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """``app`` under a real uvicorn server on a free loopback port, in a thread; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http="h11"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

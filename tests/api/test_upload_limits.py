@@ -11,17 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -30,7 +27,7 @@ from api.ingest import MAX_ROW_DEPTH
 from api.main import create_app
 from api.models import Dataset
 from api.settings import Settings
-from tests.factories import FakeEnqueue, api_client, jsonl, make_dataset, pair_rows
+from tests.factories import FakeEnqueue, api_client, jsonl, make_dataset, pair_rows, serving
 
 LIMIT = 1024 * 1024  # max_upload_bytes in these tests
 CHUNK = 64 * 1024
@@ -204,23 +201,6 @@ class Counting:
             return message
 
         await self.app(scope, counted, send)
-
-
-@contextmanager
-def serving(app: Any) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http="h11"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def test_chunked_upload_to_a_real_server_is_refused_and_the_connection_kept(

@@ -8,9 +8,6 @@ Same browser and helpers as test_dashboard.py (skipped without Debian's chromium
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +23,7 @@ from api.demo import addition_pairs
 from tests.browser import test_dashboard as dashboard
 from tests.browser.test_dashboard import open_page, points, screenshot, submit_dpo, text, wait, wait_run
 from tests.factories import jsonl
-from tests.integration.flow import FINISHED, embedded_server
+from tests.integration.flow import FINISHED, create_key, embedded_server
 
 # test_dashboard's fixtures: the Chromium (this module gets its own), the auth-off server, the screenshots
 browser = dashboard.browser
@@ -46,21 +43,6 @@ class Secured:
     key: str
     short: str  # a finished DPO run (it has checkpoints)
     long: str  # a DPO run that trains until the live-view test cancels it
-
-
-def create_key(home: Path, project: str) -> str:
-    """`rlrun keys create` (it writes straight to the server's database), as a user runs it."""
-    out = subprocess.run(
-        [sys.executable, "-m", "api.cli", "keys", "create", "--project", project],
-        env={k: v for k, v in os.environ.items() if not k.startswith("RLRUN_")} | {"RLRUN_HOME": str(home)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    key = out.strip().splitlines()[-1]
-    assert key.startswith("rlrun_"), out
-    return key
 
 
 @pytest.fixture(scope="module")

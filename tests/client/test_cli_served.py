@@ -26,7 +26,7 @@ from rlrun.commands import watch_run
 from rlrun.terminal import progress_line
 from tests.client.helpers import dpo
 from tests.factories import jsonl
-from tests.integration.flow import embedded_server
+from tests.integration.flow import create_key, embedded_server
 
 pytestmark = [pytest.mark.slow]
 SPARK = "[▁▂▃▄▅▆▇█]"
@@ -44,26 +44,11 @@ def _env(**extra: str) -> dict[str, str]:
     return env | extra
 
 
-def create_key(home: Path) -> str:
-    """`rlrun keys create` (it writes straight to the server's database), as a user runs it."""
-    out = subprocess.run(
-        [sys.executable, "-m", "api.cli", "keys", "create", "--project", "cli-tests"],
-        env=_env(RLRUN_HOME=str(home)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    key = out.strip().splitlines()[-1]
-    assert key.startswith("rlrun_"), out
-    return key
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     home = tmp_path_factory.mktemp("cli")
     with embedded_server(home, env={"RLRUN_AUTH": "on", "RLRUN_MAX_UPLOAD_BYTES": str(MAX_UPLOAD)}) as http:
-        yield Served(url=str(http.base_url).rstrip("/"), key=create_key(home))
+        yield Served(url=str(http.base_url).rstrip("/"), key=create_key(home, "cli-tests"))
 
 
 @pytest.fixture(autouse=True)

@@ -5,8 +5,6 @@ rows and prints the skipped lines, and an omitted kind is detected by the server
 from __future__ import annotations
 
 import json
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -14,18 +12,16 @@ from pathlib import Path
 from typing import Any, get_args
 
 import pytest
-import uvicorn
 
 from api.cli import main
 from api.db import make_engine, make_session_factory
-from api.demo import free_port
 from api.ingest import kind_mismatch
 from api.main import create_app
 from api.schemas import DatasetKind
 from api.settings import Settings
 from rlrun import Client
 from rlrun.commands import KINDS
-from tests.factories import FakeEnqueue, jsonl, pair_rows
+from tests.factories import FakeEnqueue, jsonl, pair_rows, serving
 
 HH_FILE = Path(__file__).resolve().parents[1] / "data" / "hh-rlhf" / "quirks.jsonl"  # real HH lines
 SFT = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
@@ -49,19 +45,10 @@ def served(sqlite_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     settings = Settings(home=tmp_path_factory.mktemp("cli-upload"), database_url=sqlite_url)
     engine = make_engine(sqlite_url)
     app = Recording(create_app(settings, session_factory=make_session_factory(engine), enqueue=FakeEnqueue()))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
     try:
-        yield f"http://127.0.0.1:{port}", app
+        with serving(app) as url:
+            yield url, app
     finally:
-        server.should_exit = True
-        thread.join(10)
         engine.dispose()
 
 

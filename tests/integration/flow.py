@@ -90,3 +90,18 @@ def embedded_server(home: Path, env: dict[str, str] | None = None) -> Iterator[h
             proc.kill()
         log.close()
     assert proc.returncode == 0, (home / "serve.log").read_text()[-3000:]
+
+
+def create_key(home: Path, project: str) -> str:
+    """`rlrun keys create` (it writes straight to the server's database), as a user runs it."""
+    out = subprocess.run(
+        [sys.executable, "-m", "api.cli", "keys", "create", "--project", project],
+        env={k: v for k, v in os.environ.items() if not k.startswith("RLRUN_")} | {"RLRUN_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    key = out.strip().splitlines()[-1]
+    assert key.startswith("rlrun_"), out
+    return key
