@@ -141,6 +141,11 @@ class TooManyRuns(ApiError):
     code = "too_many_runs"
 
 
+class TooManyStreams(ApiError):
+    status = 429
+    code = "too_many_streams"
+
+
 class DatasetInvalid(ApiError):
     status = 422
     code = "dataset_invalid"

@@ -15,16 +15,17 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from celery import Celery
-from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy import and_, case, delete, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.db import make_engine, make_session_factory
@@ -40,6 +41,37 @@ from trainer.specs import AnyRunSpec, parse_run_ref, parse_run_ref_step, parse_s
 
 log = logging.getLogger("rlrun.worker")
 SessionFactory = sessionmaker[Session]
+T = TypeVar("T")
+# How long a transaction is retried while SQLite is busy. Each try already waits out the connection's busy
+# timeout (30 s, api/db.py), so this only matters when the lock is held longer than that: by 200 readers
+# queueing for it, say. A finish that cannot be recorded loses the run's outcome, so it waits longest.
+BUSY_RETRY_SECONDS = 120.0
+FINISH_RETRY_SECONDS = 600.0
+
+
+def is_busy(exc: BaseException) -> bool:
+    """SQLite's "database is locked" (SQLITE_BUSY): another connection holds the write lock."""
+    text = str(getattr(exc, "orig", exc)).lower()
+    return isinstance(exc, OperationalError) and ("database is locked" in text or "database is busy" in text)
+
+
+def retry_busy(what: str, fn: Callable[[], T], *, seconds: float = BUSY_RETRY_SECONDS) -> T:
+    """``fn()`` (one whole short transaction), tried again with a growing pause (50 ms doubling to 1 s)
+    while SQLite answers "database is locked", for up to ``seconds``; any other error raises at once.
+
+    A lock held for a while (readers queueing for it, a long write) is not a training failure: a stop
+    check or a metrics flush that dies on it would fail the run, and then fail to record why.
+    """
+    delay, deadline = 0.05, time.monotonic() + seconds
+    while True:
+        try:
+            return fn()
+        except OperationalError as exc:
+            if not is_busy(exc) or time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s: database is locked; trying again in %.2f s", what, delay)
+        time.sleep(delay)
+        delay = min(2 * delay, 1.0)
 
 
 class LeaseLost(RuntimeError):
@@ -62,6 +94,8 @@ def claim_run(session_factory: SessionFactory, run_id: uuid.UUID, worker_id: str
         .values(
             status="running",
             attempt=Run.attempt + 1,
+            # Taking over an expired lease (a redelivery that beat the reconciler) is a lost worker too.
+            lost_workers=Run.lost_workers + case((Run.status == "running", 1), else_=0),
             worker_id=worker_id,
             lease_expires_at=now + timedelta(seconds=lease_seconds),
             started_at=now,
@@ -69,9 +103,11 @@ def claim_run(session_factory: SessionFactory, run_id: uuid.UUID, worker_id: str
         )
         .execution_options(synchronize_session=False)
     )
-    with session_factory.begin() as session:
-        claimed = _updated(session, stmt) == 1
-        if claimed:
+
+    def claim() -> bool:
+        with session_factory.begin() as session:
+            if _updated(session, stmt) != 1:
+                return False
             attempt = session.scalar(select(Run.attempt).where(Run.id == run_id))
             session.add(
                 Event(
@@ -81,6 +117,9 @@ def claim_run(session_factory: SessionFactory, run_id: uuid.UUID, worker_id: str
                     data={"worker": worker_id, "attempt": attempt},
                 )
             )
+            return True
+
+    claimed = retry_busy(f"run {run_id}: claim", claim)
     if claimed:
         log.info("run %s claimed by %s", run_id, worker_id)
     return claimed
@@ -113,7 +152,12 @@ def upsert_metrics(session: Session, rows: list[dict[str, Any]]) -> None:
 
 
 class DbReporter:
-    """Buffers metrics and writes them in batches; heartbeats the lease; reads the cancel flag."""
+    """Buffers metrics and writes them in batches; heartbeats the lease; reads the cancel flag.
+
+    Every write is tried again while SQLite is busy (``retry_busy``); the stop check gives up after
+    ``stop_check_seconds`` and answers "not yet"."""
+
+    stop_check_seconds = 30.0
 
     def __init__(
         self,
@@ -147,78 +191,126 @@ class DbReporter:
             self.flush()
 
     def flush(self) -> None:
-        """Write buffered metrics, progress and a fresh lease in one short transaction."""
+        """Write buffered metrics, progress and a fresh lease in one short transaction (tried again while
+        SQLite is busy; the buffer is kept until it commits)."""
         rows = list(self.buffer.values())
-        with self.sf.begin() as session:
-            owned = _updated(
-                session,
-                update(Run)
-                .where(Run.id == self.run_id, Run.worker_id == self.worker_id, Run.status == "running")
-                .values(step=self.step, lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds))
-                .execution_options(synchronize_session=False),
-            )
-            if owned != 1:
-                raise LeaseLost(f"run {self.run_id} is no longer held by {self.worker_id}")
-            upsert_metrics(session, rows)
+
+        def write() -> None:
+            with self.sf.begin() as session:
+                owned = _updated(
+                    session,
+                    update(Run)
+                    .where(Run.id == self.run_id, Run.worker_id == self.worker_id, Run.status == "running")
+                    .values(step=self.step, lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds))
+                    .execution_options(synchronize_session=False),
+                )
+                if owned != 1:
+                    raise LeaseLost(f"run {self.run_id} is no longer held by {self.worker_id}")
+                upsert_metrics(session, rows)
+
+        retry_busy(f"run {self.run_id}: metrics flush", write)
         self.buffer.clear()
         self.last_flush = time.monotonic()
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-        with self.sf.begin() as session:
-            session.add(Event(run_id=self.run_id, kind=kind, message=message, data=data))
+        def write() -> None:
+            with self.sf.begin() as session:
+                session.add(Event(run_id=self.run_id, kind=kind, message=message, data=data))
+
+        retry_busy(f"run {self.run_id}: event", write)
 
     def checkpoint_saved(self, step: int, path: Path, size_bytes: int, metrics: Mapping[str, float]) -> None:
         self.flush()  # metrics up to this step land before the checkpoint that refers to them
-        with self.sf.begin() as session:
-            existing = session.get(Checkpoint, (self.run_id, step))
-            if existing is not None:  # re-written by a resumed attempt
-                session.delete(existing)
-                session.flush()
-            session.add(
-                Checkpoint(
-                    run_id=self.run_id,
-                    step=step,
-                    path=str(path),
-                    size_bytes=size_bytes,
-                    metrics=dict(metrics),
-                )
-            )
-            session.add(
-                Event(
-                    run_id=self.run_id,
-                    kind="checkpoint",
-                    message=f"checkpoint at step {step}",
-                    data={"step": step, "size_bytes": size_bytes},
-                )
-            )
 
-    def checkpoint_removed(self, step: int) -> None:
-        with self.sf.begin() as session:
-            session.execute(
-                delete(Checkpoint).where(Checkpoint.run_id == self.run_id, Checkpoint.step == step)
-            )
-
-    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        with self.sf.begin() as session:
-            for s in samples:
-                extra = {k: v for k, v in s.items() if k not in ("prompt", "completion", "reward")}
+        def write() -> None:
+            with self.sf.begin() as session:
+                existing = session.get(Checkpoint, (self.run_id, step))
+                if existing is not None:  # re-written by a resumed attempt
+                    session.delete(existing)
+                    session.flush()
                 session.add(
-                    RunSample(
+                    Checkpoint(
                         run_id=self.run_id,
                         step=step,
-                        prompt=str(s["prompt"]),
-                        completion=str(s["completion"]),
-                        reward=float(s["reward"]),
-                        data=extra,
+                        path=str(path),
+                        size_bytes=size_bytes,
+                        metrics=dict(metrics),
+                    )
+                )
+                session.add(
+                    Event(
+                        run_id=self.run_id,
+                        kind="checkpoint",
+                        message=f"checkpoint at step {step}",
+                        data={"step": step, "size_bytes": size_bytes},
                     )
                 )
 
+        retry_busy(f"run {self.run_id}: checkpoint", write)
+
+    def checkpoint_removed(self, step: int) -> None:
+        def write() -> None:
+            with self.sf.begin() as session:
+                session.execute(
+                    delete(Checkpoint).where(Checkpoint.run_id == self.run_id, Checkpoint.step == step)
+                )
+
+        retry_busy(f"run {self.run_id}: checkpoint removal", write)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """Store completions with their rewards. U+0000 (NUL) in the prompt, the completion or any string
+        of the extra fields (keys included, at any depth) is stored as U+FFFD, the Unicode replacement
+        character, on every backend: PostgreSQL text and JSON cannot hold NUL, and a sampled completion
+        that contains one must not fail the run (SQLite could store it, but both backends read alike)."""
+        rows = [
+            {
+                "run_id": self.run_id,
+                "step": step,
+                "prompt": without_nul(str(s["prompt"])),
+                "completion": without_nul(str(s["completion"])),
+                "reward": float(s["reward"]),
+                "data": without_nul(
+                    {k: v for k, v in s.items() if k not in ("prompt", "completion", "reward")}
+                ),
+            }
+            for s in samples
+        ]
+
+        def write() -> None:
+            with self.sf.begin() as session:
+                session.add_all([RunSample(**row) for row in rows])
+
+        retry_busy(f"run {self.run_id}: samples", write)
+
     def should_stop(self) -> bool:
-        with self.sf() as session:
-            row = session.execute(
-                select(Run.cancel_requested, Run.pause_requested).where(Run.id == self.run_id)
-            ).one_or_none()
-        return row is not None and bool(row[0] or row[1])
+        """Whether a cancel or pause was asked for. While SQLite stays busy past the retries the answer is
+        "not yet" (logged): the loop asks again next step, and training goes on meanwhile."""
+
+        def read() -> bool:
+            with self.sf() as session:
+                row = session.execute(
+                    select(Run.cancel_requested, Run.pause_requested).where(Run.id == self.run_id)
+                ).one_or_none()
+            return row is not None and bool(row[0] or row[1])
+
+        try:
+            return retry_busy(f"run {self.run_id}: stop check", read, seconds=self.stop_check_seconds)
+        except OperationalError as exc:
+            if not is_busy(exc):
+                raise
+            log.warning("run %s: stop check skipped, database still locked", self.run_id)
+            return False
+
+
+def without_nul(value: Any) -> Any:
+    """``value`` with U+0000 replaced by U+FFFD in every string in it (dict keys, list items, nested)."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_nul(v) for v in value]
+    return value
 
 
 class LeaseKeeper(threading.Thread):
@@ -239,20 +331,26 @@ class LeaseKeeper(threading.Thread):
         self.stopped = threading.Event()
         self.lost = False
 
+    def renew(self) -> bool:
+        """Extend the lease; False if the run is no longer ours."""
+        with self.sf.begin() as session:
+            owned = _updated(
+                session,
+                update(Run)
+                .where(Run.id == self.run_id, Run.worker_id == self.worker_id, Run.status == "running")
+                .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds))
+                .execution_options(synchronize_session=False),
+            )
+        return owned == 1
+
+    def renew_retrying(self) -> bool:
+        """``renew``, tried again while SQLite is busy for up to one tick (the next tick tries anew)."""
+        return retry_busy(f"run {self.run_id}: lease", self.renew, seconds=self.lease_seconds / 3)
+
     def run(self) -> None:
         while not self.stopped.wait(self.lease_seconds / 3):
             try:
-                with self.sf.begin() as session:
-                    owned = _updated(
-                        session,
-                        update(Run)
-                        .where(
-                            Run.id == self.run_id, Run.worker_id == self.worker_id, Run.status == "running"
-                        )
-                        .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds))
-                        .execution_options(synchronize_session=False),
-                    )
-                if owned != 1:
+                if not self.renew_retrying():
                     self.lost = True
                     return
             except Exception:  # noqa: BLE001 - try again next tick; the lease has slack for a few misses
@@ -276,27 +374,33 @@ def finish_run(
     error: str | None = None,
     output_path: str | None = None,
 ) -> bool:
-    """Set the final status if this worker still owns the run; one event says what happened."""
-    with session_factory.begin() as session:
-        done = (
-            _updated(
-                session,
-                update(Run)
-                .where(Run.id == run_id, Run.worker_id == worker_id, Run.status == "running")
-                .values(
-                    status=status,
-                    error=error,
-                    output_path=output_path,
-                    finished_at=utcnow(),
-                    lease_expires_at=None,
+    """Set the final status if this worker still owns the run; one event says what happened. Tried again
+    for up to ``FINISH_RETRY_SECONDS`` while SQLite is busy: a run must be able to record its end."""
+
+    def write() -> bool:
+        with session_factory.begin() as session:
+            done = (
+                _updated(
+                    session,
+                    update(Run)
+                    .where(Run.id == run_id, Run.worker_id == worker_id, Run.status == "running")
+                    .values(
+                        status=status,
+                        error=error,
+                        output_path=output_path,
+                        finished_at=utcnow(),
+                        lease_expires_at=None,
+                    )
+                    .execution_options(synchronize_session=False),
                 )
-                .execution_options(synchronize_session=False),
+                == 1
             )
-            == 1
-        )
-        if done:
-            data = {"error": error} if error else ({"output_path": output_path} if output_path else None)
-            session.add(Event(run_id=run_id, kind="status", message=status, data=data))
+            if done:
+                data = {"error": error} if error else ({"output_path": output_path} if output_path else None)
+                session.add(Event(run_id=run_id, kind="status", message=status, data=data))
+            return done
+
+    done = retry_busy(f"run {run_id}: finish", write, seconds=FINISH_RETRY_SECONDS)
     log.info("run %s %s%s", run_id, status, f": {error}" if error else "")
     return done
 
@@ -391,6 +495,7 @@ def _execute_claimed(
                 cache_dir=cache_dir,
                 run_output=lambda r: model_path_of_run_ref(session_factory, r),
                 roots=settings.resolved_model_roots,
+                allow_hub=settings.allow_hub,
             ),
             resume_from=latest_checkpoint(session_factory, run_id),
         )
@@ -419,33 +524,47 @@ def _execute_claimed(
 
 
 def _pause_requested(session_factory: SessionFactory, run_id: uuid.UUID) -> bool:
-    with session_factory() as session:
-        row = session.execute(select(Run.pause_requested, Run.cancel_requested).where(Run.id == run_id)).one()
-    return bool(row[0]) and not bool(row[1])  # a cancel wins over a pause
+    def read() -> bool:
+        with session_factory() as session:
+            row = session.execute(
+                select(Run.pause_requested, Run.cancel_requested).where(Run.id == run_id)
+            ).one()
+        return bool(row[0]) and not bool(row[1])  # a cancel wins over a pause
+
+    return retry_busy(f"run {run_id}: pause check", read, seconds=FINISH_RETRY_SECONDS)
 
 
 def pause_claimed_run(session_factory: SessionFactory, run_id: uuid.UUID, worker_id: str) -> None:
     """The loop stopped for a pause (its checkpoint is saved): release the run as ``paused``."""
-    with session_factory.begin() as session:
-        done = _updated(
-            session,
-            update(Run)
-            .where(Run.id == run_id, Run.worker_id == worker_id, Run.status == "running")
-            .values(status="paused", worker_id=None, lease_expires_at=None, pause_requested=False)
-            .execution_options(synchronize_session=False),
-        )
-        if done:
-            step = session.scalar(select(Run.step).where(Run.id == run_id))
-            session.add(Event(run_id=run_id, kind="status", message="paused", data={"step": step}))
+
+    def write() -> None:
+        with session_factory.begin() as session:
+            done = _updated(
+                session,
+                update(Run)
+                .where(Run.id == run_id, Run.worker_id == worker_id, Run.status == "running")
+                .values(status="paused", worker_id=None, lease_expires_at=None, pause_requested=False)
+                .execution_options(synchronize_session=False),
+            )
+            if done:
+                step = session.scalar(select(Run.step).where(Run.id == run_id))
+                session.add(Event(run_id=run_id, kind="status", message="paused", data={"step": step}))
+
+    retry_busy(f"run {run_id}: pause", write, seconds=FINISH_RETRY_SECONDS)
     log.info("run %s paused", run_id)
 
 
 def advance_pipeline_of(run_id: uuid.UUID, session_factory: SessionFactory, settings: Settings) -> None:
     """If the run is a pipeline stage, start the stages it unblocked (or end the pipeline)."""
-    with session_factory.begin() as session:
-        pipeline_id = session.scalar(select(Run.pipeline_id).where(Run.id == run_id))
-        created = advance(session=session, pipeline_id=pipeline_id) if pipeline_id else []
-        queues = {r: session.get(Run, r).spec.get("queue") for r in created}  # type: ignore[union-attr]
+
+    def write() -> dict[uuid.UUID, str | None]:
+        with session_factory.begin() as session:
+            pipeline_id = session.scalar(select(Run.pipeline_id).where(Run.id == run_id))
+            created = advance(session=session, pipeline_id=pipeline_id) if pipeline_id else []
+            return {r: session.get(Run, r).spec.get("queue") for r in created}  # type: ignore[union-attr]
+
+    queues = retry_busy(f"run {run_id}: pipeline", write, seconds=FINISH_RETRY_SECONDS)
+    created = list(queues)
     enqueue = CeleryEnqueue(settings)
     for new_run in created:
         try:

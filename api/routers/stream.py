@@ -1,107 +1,48 @@
 """GET /v1/runs/{id}/stream: Server-Sent Events of a run's new metrics, events and status changes.
 
-The one async route: it polls the database (in the thread pool, one short session per poll) and ends
-after the run has ended and everything has been sent. Each message's ``id`` is a cursor; a client that
-reconnects with ``Last-Event-ID`` gets only what it has not seen (metrics are ordered by the time they
-were logged, so a value rewritten by a resumed attempt is sent again: clients key points by step).
+The one async route. Its first read is a one-off query (a missing run answers 404 before streaming);
+after that it follows the run's feed (api/stream_hub.py): one poller per run in this process, whatever
+the number of streams, so open streams do not hold or take a database connection each. It ends after the
+run has ended and everything has been sent. Each message's ``id`` is a cursor; a client that reconnects
+with ``Last-Event-ID`` gets only what it has not seen (metrics are ordered by the time they were logged,
+so a value rewritten by a resumed attempt is sent again: clients key points by step).
+
+A client (an API key; a client address when auth is off) may hold ``max_streams_per_client`` streams
+open at once; one more is answered 429 ``too_many_streams``, and a closed stream frees its place.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Annotated, Any
+import weakref
+from collections.abc import AsyncGenerator, Callable
+from typing import Annotated
 
-from fastapi import APIRouter, Header, Path, Query, Request
+from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.responses import StreamingResponse
-from sqlalchemy import and_, or_, select
-from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
+from starlette.types import Receive, Scope, Send
 
-from api.deps import BriefProjectDep, SessionFactoryDep
-from api.errors import InvalidRequest
-from api.models import FINISHED_STATUSES, Event, Metric
-from api.pagination import decode_cursor, encode_cursor
-from api.schemas import EventRead
-from api.services.runs import get_run
+from api.deps import BriefProjectDep, SessionFactoryDep, SettingsDep
+from api.errors import ErrorBody
+from api.stream_hub import Cursor, Message, StreamHub, end_message, poll, sse
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
-BATCH = 2000
 
 
-@dataclass
-class Cursor:
-    event_id: int = 0
-    logged_at: str = ""  # ISO time of the last metric sent ("" = none yet)
-    key: str = ""
-    step: int = -1
-    status: str = ""
-
-    def encode(self) -> str:
-        return encode_cursor(self.event_id, self.logged_at, self.key, self.step, self.status)
-
-    @classmethod
-    def decode(cls, raw: str | None) -> Cursor:
-        if not raw:
-            return cls()
-        try:
-            event_id, logged_at, key, step, status = decode_cursor(raw, 5)
-        except InvalidRequest:
-            raise InvalidRequest(
-                "Last-Event-ID: not an id sent by this stream", field="Last-Event-ID"
-            ) from None
-        if not isinstance(event_id, int) or not isinstance(step, int):
-            raise InvalidRequest("Last-Event-ID: not an id sent by this stream", field="Last-Event-ID")
-        return cls(event_id, str(logged_at), str(key), step, str(status))
+async def get_stream_hub(request: Request) -> StreamHub:
+    """The app's hub, made on first use (async: made on the event loop, so never twice)."""
+    hub: StreamHub | None = getattr(request.app.state, "stream_hub", None)
+    if hub is None:
+        hub = request.app.state.stream_hub = StreamHub()
+    return hub
 
 
-Message = tuple[str, Any, str]  # (event type, data, id = the cursor just after this message)
-
-
-def poll(
-    session: Session, run_id: uuid.UUID, cur: Cursor, project_id: uuid.UUID | None = None
-) -> tuple[list[Message], bool]:
-    """New messages since ``cur`` (advancing it) and whether the run has ended with nothing left."""
-    messages: list[Message] = []
-    run = get_run(session=session, run_id=run_id, project_id=project_id)
-    events = session.scalars(
-        select(Event).where(Event.run_id == run_id, Event.id > cur.event_id).order_by(Event.id).limit(BATCH)
-    ).all()
-    for e in events:
-        cur.event_id = e.id
-        messages.append(("event", EventRead.model_validate(e).model_dump(mode="json"), cur.encode()))
-    stmt = select(Metric).where(Metric.run_id == run_id)
-    if cur.logged_at:
-        at = datetime.fromisoformat(cur.logged_at)
-        stmt = stmt.where(
-            or_(
-                Metric.logged_at > at,
-                and_(
-                    Metric.logged_at == at,
-                    or_(Metric.key > cur.key, and_(Metric.key == cur.key, Metric.step > cur.step)),
-                ),
-            )
-        )
-    metrics = session.scalars(stmt.order_by(Metric.logged_at, Metric.key, Metric.step).limit(BATCH)).all()
-    if metrics:
-        last = metrics[-1]
-        cur.logged_at, cur.key, cur.step = last.logged_at.isoformat(), last.key, last.step
-        points = [{"key": m.key, "step": m.step, "value": m.value} for m in metrics]
-        messages.append(("metrics", points, cur.encode()))
-    if run.status != cur.status:
-        cur.status = run.status
-        status = {"status": run.status, "step": run.step, "total_steps": run.total_steps, "error": run.error}
-        messages.append(("status", status, cur.encode()))
-    drained = len(events) < BATCH and len(metrics) < BATCH
-    return messages, run.status in FINISHED_STATUSES and drained
-
-
-def sse(kind: str, data: Any, message_id: str) -> str:
-    return f"id: {message_id}\nevent: {kind}\ndata: {json.dumps(data)}\n\n"
+def client_of(request: Request, auth: bool, authorization: str | None) -> str:
+    """Whom a stream counts against: the API key (its public prefix; the key was checked already), or
+    the client address when auth is off."""
+    if auth:
+        return "key:" + (authorization or "").partition(" ")[2].strip().split("_", 2)[1]
+    return "addr:" + (request.client.host if request.client else "unknown")
 
 
 @router.get(
@@ -111,43 +52,66 @@ def sse(kind: str, data: Any, message_id: str) -> str:
         200: {
             "content": {"text/event-stream": {}},
             "description": "SSE: `metrics`, `event`, `status` messages, then `end`",
-        }
+        },
+        429: {"model": ErrorBody, "description": "Too many streams open for this API key or address"},
     },
 )
 async def stream_run(
     run_id: Annotated[uuid.UUID, Path()],
     request: Request,
     factory: SessionFactoryDep,
+    settings: SettingsDep,
+    hub: Annotated[StreamHub, Depends(get_stream_hub)],
     project_id: BriefProjectDep,
     last_event_id: Annotated[str | None, Header(description="Resume after this message id")] = None,
+    authorization: Annotated[str | None, Header()] = None,
     poll_seconds: Annotated[float, Query(ge=0.05, le=10)] = 0.5,
 ) -> StreamingResponse:
     """Live metrics, events and status of a run as Server-Sent Events, until the run ends."""
     cursor = Cursor.decode(last_event_id)
+    slot = hub.acquire(client_of(request, settings.auth, authorization), settings.max_streams_per_client)
 
-    def poll_once(cur: Cursor) -> tuple[list[Message], bool]:
+    def first_poll() -> tuple[list[Message], bool]:
         with factory() as session:
-            return poll(session, run_id, cur, project_id)
+            return poll(session, run_id, cursor, project_id)
 
-    first = await run_in_threadpool(poll_once, cursor)  # a missing run answers 404 before streaming
+    try:
+        messages, done = await hub.one_off(first_poll)  # a missing run answers 404 before streaming
+    except BaseException:
+        slot.release()
+        raise
+    sub = None if done else hub.join(run_id, factory, cursor, poll_seconds)
 
-    async def body() -> AsyncIterator[str]:
-        messages, done = first
-        while True:
-            for kind, data, message_id in messages:
-                yield sse(kind, data, message_id)
-            if done:
-                yield sse("end", {"status": cursor.status}, cursor.encode())
-                return
-            if await request.is_disconnected():
-                return
-            await asyncio.sleep(poll_seconds)
-            messages, done = await run_in_threadpool(poll_once, cursor)
-            if not messages:
-                yield ": keep-alive\n\n"
+    async def body() -> AsyncGenerator[str, None]:
+        for message in messages:
+            yield sse(*message)
+        if sub is None:
+            yield sse(*end_message(cursor))
+            return
+        async for text in sub.follow(factory, cursor):
+            yield text
 
-    return StreamingResponse(
-        body(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    def close() -> None:
+        if sub is not None:
+            sub.close()
+        slot.release()
+
+    return EventStream(body(), on_close=close)
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that calls ``on_close`` however it ends: sent to the end, failed, or cancelled by
+    a client that went away (the body generator is then left suspended; its ``finally`` would run only
+    when it is garbage-collected, holding the stream's place until then)."""
+
+    def __init__(self, content: AsyncGenerator[str, None], *, on_close: Callable[[], None]):
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.on_close = on_close
+        weakref.finalize(self, on_close)  # a response dropped before it was ever sent
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()

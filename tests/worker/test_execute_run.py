@@ -137,7 +137,9 @@ def test_expired_lease_is_reclaimed_with_attempt_incremented(
     )
     run, _, _ = read(committing_factory, stale)
     assert run.attempt == 2 and run.status == "succeeded"
+    assert run.lost_workers == 1  # taking over an expired lease counts the lost worker
     assert read(committing_factory, fresh)[0].worker_id == "alive"
+    assert read(committing_factory, fresh)[0].lost_workers == 0
 
 
 def test_cancel_lands_within_one_step(
