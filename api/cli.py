@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="serve, upload, train DPO, watch the numbers, stop")
     demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--keep", action="store_true", help="keep the demo's data folder")
-    demo.add_argument("--sft-steps", type=int, default=400, help="SFT steps before GRPO")
+    demo.add_argument("--sft-steps", type=int, default=350, help="SFT steps before GRPO")
     demo.add_argument("--rl-steps", type=int, default=300, help="GRPO steps")
     demo.add_argument("--no-rl", action="store_true", help="only the DPO part")
     demo.set_defaults(func=cmd_demo)

@@ -254,7 +254,7 @@ def rl_part(client: httpx.Client, sft_steps: int, rl_steps: int) -> dict[str, An
 
 
 def run_demo(
-    steps: int = 300, keep: bool = False, sft_steps: int = 400, rl_steps: int = 300, rl: bool = True
+    steps: int = 300, keep: bool = False, sft_steps: int = 350, rl_steps: int = 300, rl: bool = True
 ) -> int:
     home = Path(tempfile.mkdtemp(prefix="rlrun-demo-"))
     port = int(os.environ.get("RLRUN_PORT") or free_port())
