@@ -3,6 +3,7 @@ WORKDIR /app
 COPY pyproject.toml README.md alembic.ini ./
 COPY api api
 COPY trainer trainer
+COPY rlrun rlrun
 COPY migrations migrations
 COPY examples examples
 RUN pip install --no-cache-dir -e .

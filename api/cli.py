@@ -177,8 +177,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+def build_parser() -> argparse.ArgumentParser:
+    """Every ``rlrun`` command: the server's (serve, worker, migrate, keys, demo) and the client's."""
     parser = argparse.ArgumentParser(prog="rlrun", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="API on RLRUN_PORT (8000) plus one worker")
@@ -206,7 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     from rlrun.commands import add_client_commands
 
     add_client_commands(sub)  # datasets ..., runs ...: the REST API's client commands
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    args = build_parser().parse_args(argv)
     result: int = args.func(args)
     return result
 
