@@ -186,6 +186,8 @@ class Pipeline(Base):
 
 class Metric(Base):
     __tablename__ = "metrics"
+    # The live stream reads a run's metrics in the order they were logged (api/stream_hub.py).
+    __table_args__ = (Index("ix_metrics_run_id_logged_at", "run_id", "logged_at", "key", "step"),)
 
     run_id: Mapped[uuid.UUID] = mapped_column(
         Uuid, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
