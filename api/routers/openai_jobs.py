@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import secrets
 from typing import Annotated, Any
 
@@ -26,7 +25,6 @@ from api.services import runs as service
 from api.services.pipelines import advance
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["openai"])
-log = logging.getLogger("rlrun.api")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": OpenAIErrorBody} for code in (400, 401, 404, 409, 422, 429)
 }
@@ -52,15 +50,6 @@ def _job(session: Session, run: Run) -> FineTuningJob:
     return mapping.job_object(run, compat.job_methods(session=session, run_ids=[run.id]).get(run.id))
 
 
-def _enqueue(enqueue: EnqueueDep, session: Session, run: Run) -> None:
-    try:
-        enqueue(run.id, queue=run.spec.get("queue"))
-    except Exception as exc:  # the run is safely queued in the DB; the reconciler re-sends it
-        log.warning("run %s: enqueue failed: %s", run.id, exc)
-        service.add_event(session, run.id, "warning", f"could not reach the broker: {type(exc).__name__}")
-        session.commit()
-
-
 @router.post("", response_model=FineTuningJob, responses=_ERRORS)
 def create_job(
     body: FineTuningJobCreate,
@@ -80,7 +69,7 @@ def create_job(
         max_in_flight=settings.max_runs_in_flight,
     )
     session.commit()
-    _enqueue(enqueue, session, run)
+    service.send_committed(session=session, enqueue=enqueue, runs=[run])
     return mapping.job_object(run, method)
 
 
@@ -163,7 +152,7 @@ def resume_job(run: JobDep, session: SessionDep, enqueue: EnqueueDep) -> FineTun
     except InvalidTransition:
         raise _refused("resume", run, session) from None
     session.commit()
-    _enqueue(enqueue, session, run)
+    service.send_committed(session=session, enqueue=enqueue, runs=[run])
     return _job(session, run)
 
 

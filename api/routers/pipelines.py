@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import uuid
 from typing import Annotated, Any
 
@@ -13,10 +12,9 @@ from api.errors import ErrorBody
 from api.models import Pipeline, Run
 from api.schemas import PipelineCreate, PipelineRead, StageRead
 from api.services import pipelines as service
-from api.services.runs import add_event
+from api.services.runs import send_committed
 
 router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"])
-log = logging.getLogger("rlrun.api")
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 422)}
 
 
@@ -44,17 +42,6 @@ def to_read(session: SessionDep, pipeline: Pipeline) -> PipelineRead:
     )
 
 
-def enqueue_all(enqueue: EnqueueDep, session: SessionDep, run_ids: list[uuid.UUID]) -> None:
-    for run_id in run_ids:
-        run = session.get(Run, run_id)
-        try:
-            enqueue(run_id, queue=run.spec.get("queue") if run is not None else None)
-        except Exception as exc:  # queued in the DB; the reconciler re-sends it
-            log.warning("run %s: enqueue failed: %s", run_id, exc)
-            add_event(session, run_id, "warning", f"could not reach the broker: {type(exc).__name__}")
-            session.commit()
-
-
 @router.post("", status_code=201, response_model=PipelineRead, responses=_ERRORS)
 def create_pipeline(
     body: PipelineCreate,
@@ -73,7 +60,7 @@ def create_pipeline(
     )
     created = service.advance(session=session, pipeline_id=pipeline.id)
     session.commit()
-    enqueue_all(enqueue, session, created)
+    send_committed(session=session, enqueue=enqueue, runs=[session.get_one(Run, i) for i in created])
     return to_read(session, pipeline)
 
 

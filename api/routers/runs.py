@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -22,7 +21,6 @@ from api.services.runs import run_read as to_read
 from trainer.specs import MAX_STEP, RunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
-log = logging.getLogger("rlrun.api")
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 422)}
 Status = Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
 
@@ -60,12 +58,7 @@ def create_run(
         if existing is None:
             raise
         return to_read(existing)
-    try:
-        enqueue(run.id, queue=spec.queue)
-    except Exception as exc:  # the run is safely queued in the DB; say so and answer 201 anyway
-        log.warning("run %s: enqueue failed: %s", run.id, exc)
-        service.add_event(session, run.id, "warning", f"could not reach the broker: {type(exc).__name__}")
-        session.commit()
+    service.send_committed(session=session, enqueue=enqueue, runs=[run])
     return to_read(run)
 
 
@@ -121,10 +114,7 @@ def resume_run(run: RunDep, session: SessionDep, enqueue: EnqueueDep) -> RunRead
     """Queue a paused run again; it continues from its last checkpoint. 409 unless paused."""
     run = service.resume_run(session=session, run=run)
     session.commit()
-    try:
-        enqueue(run.id, queue=run.spec.get("queue"))
-    except Exception as exc:  # queued in the DB; the reconciler re-sends it
-        log.warning("run %s: enqueue failed: %s", run.id, exc)
+    service.send_committed(session=session, enqueue=enqueue, runs=[run])
     return to_read(run)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from api.downsample import minmax_downsample
 from api.errors import IdempotencyConflict, InvalidTransition, RunNotFound, TooManyRuns
 from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Event, Metric, Run, utcnow
+from api.queue import Enqueue
 from api.schemas import MetricRead, Progress, RunRead
 from api.services.references import check_learnable, check_references, with_default_learning_rate
 from trainer.specs import AnyRunSpec
@@ -29,6 +30,25 @@ def add_event(
     session: Session, run_id: uuid.UUID, kind: str, message: str, data: dict[str, object] | None = None
 ) -> None:
     session.add(Event(run_id=run_id, kind=kind, message=message, data=data))
+
+
+def send_committed(*, session: Session, enqueue: Enqueue, runs: Iterable[Run]) -> None:
+    """Send committed queued runs to the broker (commit, then enqueue: Celery's "Database transactions").
+
+    A send that fails loses nothing: the run stays queued with a warning event, and its ``enqueued_at``
+    is cleared so the next reconciler pass, in any process, sends it again without waiting out
+    ``resend_after_seconds``. Commits only when a send failed."""
+    failed = False
+    for run in runs:
+        try:
+            enqueue(run.id, queue=run.spec.get("queue"))
+        except Exception as exc:  # noqa: BLE001 - any broker failure; the run is safe in the DB
+            log.warning("run %s: enqueue failed: %s", run.id, exc)
+            add_event(session, run.id, "warning", f"could not reach the broker: {type(exc).__name__}")
+            run.enqueued_at = None
+            failed = True
+    if failed:
+        session.commit()
 
 
 def find_by_idempotency_key(*, session: Session, key: str, spec: AnyRunSpec) -> Run | None:

@@ -96,6 +96,34 @@ def test_broker_failure_still_answers_201_and_leaves_a_warning(session: Session)
     assert resp.status_code == 201 and resp.json()["status"] == "queued"
     assert [e["kind"] for e in events] == ["status", "warning"]
     assert "broker" in events[1]["message"]
+    # Marked unsent, so the next reconciler pass in any process sends it, not only after the re-send period.
+    assert session.get(Run, uuid.UUID(resp.json()["id"])).enqueued_at is None  # type: ignore[union-attr]
+
+
+def test_every_path_that_sends_a_run_warns_when_the_broker_is_down(session: Session) -> None:
+    ds = make_dataset(session)
+    paused = make_run(session, ds, status="paused")
+    with api_client(session, enqueue=FakeEnqueue(fail=True)) as client:
+        resumed = client.post(f"/v1/runs/{paused.id}/resume")
+        pipeline = client.post("/v1/pipelines", json={"stages": [{"name": "a", "spec": dpo_spec(ds.id)}]})
+        job = client.post(
+            "/v1/fine_tuning/jobs",
+            json={
+                "model": "tiny:llama-0.4m",
+                "training_file": f"file-{ds.id.hex}",
+                "method": {"type": "dpo"},
+            },
+        )
+    assert resumed.status_code == 200 and pipeline.status_code == 201 and job.status_code == 200, job.text
+    sent = [
+        paused.id,
+        uuid.UUID(pipeline.json()["stages"][0]["run_id"]),
+        uuid.UUID(job.json()["id"].removeprefix("ftjob-")),
+    ]
+    for run_id in sent:
+        kinds = [e.kind for e in session.scalars(select(Event).where(Event.run_id == run_id))]
+        assert "warning" in kinds, (run_id, kinds)
+        assert session.get(Run, run_id).enqueued_at is None  # type: ignore[union-attr]
 
 
 def test_list_filters_by_status_and_pages_without_overlap(session: Session) -> None:
