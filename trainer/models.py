@@ -135,7 +135,9 @@ def resolve_model(
         return target
     from huggingface_hub import snapshot_download  # the hub, where allowed: into the HF cache, by id
 
-    return str(snapshot_download(repo_id=ref))
+    # Only what the safetensors-only loader reads: no .bin, .pth or gguf copies of the weights.
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*"]
+    return str(snapshot_download(repo_id=ref, allow_patterns=patterns))
 
 
 def load_causal_lm(path: str) -> tuple[Any, Any]:

@@ -67,7 +67,10 @@ _STAGE_REF = re.compile(r"^stage:(?P<name>[A-Za-z0-9_.-]{1,64})$")
 def parse_run_ref(ref: str) -> uuid.UUID | None:
     """The run id of a ``run:<id>`` or ``run:<id>@<step>`` reference, or None for other references."""
     match = _RUN_REF.match(ref)
-    return uuid.UUID(match["id"]) if match else None
+    try:
+        return uuid.UUID(match["id"]) if match else None
+    except ValueError:  # "run:" and 36 hyphens match the pattern but are no UUID
+        return None
 
 
 def parse_run_ref_step(ref: str) -> int | None:
@@ -240,6 +243,7 @@ class TrainingHyperparameters(_Frozen):
     )
     best_metric: str | None = Field(
         default=None,
+        pattern=r"^[A-Za-z0-9_./-]{1,200}$",
         description="Also keep the checkpoint best by this metric (e.g. `eval/loss`), besides the newest.",
     )
     best_mode: Literal["min", "max"] = Field(default="min", description="Whether lower or higher is better.")

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -84,29 +84,30 @@ def default_worker_id() -> str:
 
 def claim_run(session_factory: SessionFactory, run_id: uuid.UUID, worker_id: str, lease_seconds: int) -> bool:
     """Atomically take ``run_id`` if it is queued or its lease expired. True if this worker now owns it."""
-    now = utcnow()
-    stmt = (
-        update(Run)
-        .where(
-            Run.id == run_id,
-            or_(Run.status == "queued", and_(Run.status == "running", Run.lease_expires_at < now)),
-        )
-        .values(
-            status="running",
-            attempt=Run.attempt + 1,
-            # Taking over an expired lease (a redelivery that beat the reconciler) is a lost worker too.
-            lost_workers=Run.lost_workers + case((Run.status == "running", 1), else_=0),
-            worker_id=worker_id,
-            lease_expires_at=now + timedelta(seconds=lease_seconds),
-            started_at=now,
-            step=0,
-        )
-        .execution_options(synchronize_session=False)
-    )
 
-    def claim() -> bool:
+    def statement(now: datetime) -> Any:
+        return (
+            update(Run)
+            .where(
+                Run.id == run_id,
+                or_(Run.status == "queued", and_(Run.status == "running", Run.lease_expires_at < now)),
+            )
+            .values(
+                status="running",
+                attempt=Run.attempt + 1,
+                # Taking over an expired lease (a redelivery that beat the reconciler) is a lost worker too.
+                lost_workers=Run.lost_workers + case((Run.status == "running", 1), else_=0),
+                worker_id=worker_id,
+                lease_expires_at=now + timedelta(seconds=lease_seconds),
+                started_at=now,
+                step=0,
+            )
+            .execution_options(synchronize_session=False)
+        )
+
+    def claim() -> bool:  # the time is taken at each try: a wait on a busy database must not age the lease
         with session_factory.begin() as session:
-            if _updated(session, stmt) != 1:
+            if _updated(session, statement(utcnow())) != 1:
                 return False
             attempt = session.scalar(select(Run.attempt).where(Run.id == run_id))
             session.add(

@@ -36,6 +36,9 @@ def check_name(name: str) -> None:
         raise InvalidRequest(f"name: {problem}", field="name")
 
 
+MAX_STORED_SKIPPED = 10_000  # lines listed by /skipped; past that they are only counted (skipped_count)
+
+
 @dataclass
 class _BadLines:
     """The invalid lines of one upload: the first ``MAX_REPORTED_ERRORS`` for a 422, and with
@@ -53,7 +56,7 @@ class _BadLines:
         self.count += 1
         if len(self.first) < MAX_REPORTED_ERRORS:
             self.first.append(ErrorDetail(line=line, field=exc.field, message=exc.message))
-        if self.store:
+        if self.store and self.count <= MAX_STORED_SKIPPED:
             where = None if exc.field is None else _storable(exc.field)
             row = {"dataset_id": self.dataset_id, "line": line, "reason": _storable(exc.message)}
             self._batch.append(row | {"field": where})

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import DatasetNotFound, IncompatibleDataset, InvalidReference, InvalidRequest
 from api.models import Checkpoint, Dataset, Run
-from trainer.lr_defaults import approx_params, default_learning_rate, preset_params
+from trainer.lr_defaults import approx_params, default_learning_rate, preset_params_of
 from trainer.model_refs import ModelOutsideRoots, UnknownModel, is_local_path, resolve_name
 from trainer.specs import (
     TINY_PRESETS,
@@ -172,7 +172,8 @@ def check_references(
                 project_id=project_id,
                 roots=roots,
                 allow_hub=allow_hub,
-                role=ref.role,
+                # A reward-model run may start from a reward model: it loads a scorer either way.
+                role=None if spec.algorithm == "reward_model" else ref.role,
                 stages=stages,
             )
     train, val = kinds.get("dataset_id"), kinds.get("validation_dataset_id")
@@ -188,8 +189,7 @@ def model_params(session: Session, ref: str, roots: Sequence[Path], depth: int =
     its ``config.json``, a run's from the model it started from (followed back to a preset or folder).
     None when unknown (a hub id, a config without sizes)."""
     if ref.startswith("tiny:"):
-        dims = TINY_PRESETS.get(ref.removeprefix("tiny:"))
-        return preset_params(dims) if dims is not None else None
+        return preset_params_of(ref)
     run_id = parse_run_ref(ref)
     if run_id is not None:
         source = session.get(Run, run_id)
@@ -197,8 +197,8 @@ def model_params(session: Session, ref: str, roots: Sequence[Path], depth: int =
         if not isinstance(start, str) or depth >= 16:
             return None
         return model_params(session, start, roots, depth + 1)
-    try:
-        folder = Path(resolve_name(ref, roots, allow_hub=True))
+    try:  # a folder inside the roots only: a hub id's size is unknown here, the working directory never read
+        folder = Path(resolve_name(ref, roots, allow_hub=False))
         config = json.loads((folder / "config.json").read_text())
     except (ValueError, OSError):
         return None

@@ -54,7 +54,11 @@ def send_committed(*, session: Session, enqueue: Enqueue, runs: Iterable[Run]) -
 def find_by_idempotency_key(*, session: Session, key: str, spec: AnyRunSpec) -> Run | None:
     """The run created earlier with ``key``; refuses a key reused for a different spec."""
     run = session.scalars(select(Run).where(Run.idempotency_key == key)).one_or_none()
-    if run is not None and run.spec != spec.model_dump(mode="json"):
+    asked = spec.model_dump(mode="json")
+    if run is not None and asked["hyperparameters"].get("learning_rate") is None:
+        # The stored spec holds the learning rate picked at submit for a request that left it out.
+        asked["hyperparameters"]["learning_rate"] = run.spec.get("hyperparameters", {}).get("learning_rate")
+    if run is not None and run.spec != asked:
         raise IdempotencyConflict(
             "Idempotency-Key was already used for a different run spec", field="Idempotency-Key"
         )

@@ -165,3 +165,55 @@ def test_pipeline_stages_get_the_same_refusals(session: Session) -> None:
         as_reward.status_code == 422
         and as_reward.json()["error"]["field"] == "stages[1].spec.rewards[0].model"
     )
+
+
+def test_a_reward_model_run_may_start_from_a_reward_model(session: Session) -> None:
+    prefs = make_dataset(session)
+    rm = make_run(session, prefs, algorithm="reward_model", status="succeeded", output_path="/tmp/rm")
+    with api_client(session) as client:
+        resp = client.post(
+            "/v1/runs",
+            json={"algorithm": "reward_model", "model": f"run:{rm.id}", "dataset_id": str(prefs.id)},
+        )
+    assert resp.status_code == 201, resp.text
+
+
+def test_a_retry_with_the_same_idempotency_key_gets_the_same_run(session: Session, tmp_path: Path) -> None:
+    """The stored spec holds the learning rate picked at submit; a retry that left it out is the same."""
+    prefs = make_dataset(session)
+    folder = tmp_path / "models" / "org" / "m"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
+    spec = {"algorithm": "dpo", "model": "org/m", "dataset_id": str(prefs.id)}
+    with api_client(session, settings=Settings(home=tmp_path)) as client:
+        first = client.post("/v1/runs", json=spec, headers={"Idempotency-Key": "k1"})
+        again = client.post("/v1/runs", json=spec, headers={"Idempotency-Key": "k1"})
+        other = client.post("/v1/runs", json={**spec, "name": "x"}, headers={"Idempotency-Key": "k1"})
+    assert first.status_code == 201 and again.status_code == 201, again.text
+    assert first.json()["id"] == again.json()["id"]
+    assert other.status_code == 409
+
+
+def test_malformed_run_references_are_422_not_500(session: Session) -> None:
+    sft = make_dataset(session, rows=[{"prompt": "p", "completion": "c"}], kind="sft")
+    with api_client(session) as client:
+        run = client.post(
+            "/v1/runs", json={"algorithm": "sft", "model": "run:" + "-" * 36, "dataset_id": str(sft.id)}
+        )
+        job = client.post(
+            "/v1/fine_tuning/jobs", json={"model": "run:" + "-" * 36, "training_file": f"file-{sft.id.hex}"}
+        )
+        best = client.post(
+            "/v1/runs",
+            json={
+                "algorithm": "sft",
+                "model": "tiny:llama-0.4m",
+                "dataset_id": str(sft.id),
+                "hyperparameters": {"best_metric": "a\x00b"},
+            },
+        )
+    assert run.status_code == 422 and run.json()["error"]["field"] == "model", run.text
+    assert job.status_code == 400 and job.json()["error"]["param"] == "model", job.text
+    assert best.status_code == 422 and best.json()["error"]["field"] == "hyperparameters.best_metric", (
+        best.text
+    )
