@@ -131,6 +131,22 @@ def _updated(session: Session, stmt: Any) -> int:
     return int(session.execute(stmt).rowcount)  # type: ignore[attr-defined]
 
 
+def extend_lease(
+    session: Session, run_id: uuid.UUID, worker_id: str, lease_seconds: int, *, step: int | None = None
+) -> bool:
+    """Extend the lease (and record ``step``) if ``worker_id`` still holds the running run."""
+    values: dict[str, Any] = {"lease_expires_at": utcnow() + timedelta(seconds=lease_seconds)}
+    if step is not None:
+        values["step"] = step
+    stmt = (
+        update(Run)
+        .where(Run.id == run_id, Run.worker_id == worker_id, Run.status == "running")
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    return _updated(session, stmt) == 1
+
+
 @lru_cache(maxsize=4)
 def _upsert_statement(dialect: str) -> Any:
     """One compiled-once INSERT ... ON CONFLICT (run_id, key, step) DO UPDATE per dialect.
@@ -198,14 +214,8 @@ class DbReporter:
 
         def write() -> None:
             with self.sf.begin() as session:
-                owned = _updated(
-                    session,
-                    update(Run)
-                    .where(Run.id == self.run_id, Run.worker_id == self.worker_id, Run.status == "running")
-                    .values(step=self.step, lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds))
-                    .execution_options(synchronize_session=False),
-                )
-                if owned != 1:
+                owned = extend_lease(session, self.run_id, self.worker_id, self.lease_seconds, step=self.step)
+                if not owned:
                     raise LeaseLost(f"run {self.run_id} is no longer held by {self.worker_id}")
                 upsert_metrics(session, rows)
 
@@ -335,14 +345,7 @@ class LeaseKeeper(threading.Thread):
     def renew(self) -> bool:
         """Extend the lease; False if the run is no longer ours."""
         with self.sf.begin() as session:
-            owned = _updated(
-                session,
-                update(Run)
-                .where(Run.id == self.run_id, Run.worker_id == self.worker_id, Run.status == "running")
-                .values(lease_expires_at=utcnow() + timedelta(seconds=self.lease_seconds))
-                .execution_options(synchronize_session=False),
-            )
-        return owned == 1
+            return extend_lease(session, self.run_id, self.worker_id, self.lease_seconds)
 
     def renew_retrying(self) -> bool:
         """``renew``, tried again while SQLite is busy for up to one tick (the next tick tries anew)."""
