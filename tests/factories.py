@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from api.demo import free_port
 from api.deps import get_session, get_session_factory
+from api.ingest import DatasetStatsBuilder
 from api.main import create_app
 from api.models import Dataset, DatasetRow, Run, utcnow
 from api.settings import Settings
@@ -64,13 +65,20 @@ def jsonl(rows: list[Any]) -> bytes:
 
 def make_dataset(session: Session, rows: list[dict[str, Any]] | None = None, **over: Any) -> Dataset:
     rows = rows if rows is not None else pair_rows()
+    kind = over.pop("kind", "preference")
+    stats = DatasetStatsBuilder(kind)
+    try:
+        for i, r in enumerate(rows):
+            stats.add(r, "jsonl", f"{i:064x}")
+    except (KeyError, TypeError, AttributeError):  # rows a test made malformed on purpose: counts only
+        stats = DatasetStatsBuilder(kind, rows=len(rows))
     ds = Dataset(
         id=uuid.uuid4(),
         name=over.pop("name", "pairs"),
-        kind=over.pop("kind", "preference"),
+        kind=kind,
         row_count=len(rows),
         size_bytes=0,
-        stats={},
+        stats=stats.as_dict(),  # as an upload computes them, so the dataset reads back like any other
         **over,
     )
     session.add(ds)

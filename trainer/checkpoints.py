@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:  # a runtime import would be circular (trainer.loops imports this module)
-    from trainer.loops.common import EpochSampler
+if TYPE_CHECKING:
+    from trainer.data.sampling import EpochSampler
 
 STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.json"
@@ -111,14 +111,21 @@ class Checkpointer:
         sampler: EpochSampler,
         metrics: Mapping[str, float],
         extra: dict[str, Any] | None = None,
+        files: Mapping[str, str] | None = None,
     ) -> Path:
-        """Write a complete checkpoint for ``step`` and prune old ones; returns its folder."""
+        """Write a complete checkpoint for ``step`` and prune old ones; returns its folder.
+
+        ``extra`` rides in ``trainer_state.pt`` (resume only); ``files`` are text files written next to the
+        model (name -> content, e.g. a reward model's score statistics), inside the folder before it is
+        renamed into place and announced, so a reader never sees the model without them."""
         target = step_dir(self.root, step)
         tmp = self.root / f".tmp-step-{step:08d}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
         state = {
             "step": step,
             "optimizer": optimizer.state_dict(),

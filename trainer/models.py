@@ -1,4 +1,4 @@
-"""Model references -> loaded models and tokenizers.
+"""Model references -> loaded models and tokenizers: causal LMs, reward models (a scalar head), devices.
 
 ``tiny:<preset>`` models are random-init Llama models with a byte-level BPE tokenizer trained offline on
 a built-in corpus. They are built once into the cache folder and then loaded through
@@ -8,28 +8,36 @@ path is the same for a user's local model or a hub id.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
 )
+from transformers.utils import logging as hf_logging
 
+from trainer.data.reward import GroupBatch
 from trainer.model_refs import is_local_path, resolve_name
 from trainer.specs import TINY_PRESETS, parse_run_ref
 
 PRESET_SEED = 0  # a preset is a fixed starting point: the same weights on every machine and run
 TOKENIZER_VOCAB = 512
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
+REWARD_STATS_FILE = "reward_stats.json"  # score mean/std written next to a trained reward model
 
 
 def _corpus() -> list[str]:
@@ -153,3 +161,59 @@ def load_causal_lm(path: str) -> tuple[Any, Any]:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def pick_device() -> torch.device:
+    """The first CUDA device when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide the load report that lists ``score.weight`` as newly initialised: that is the point here."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity(logging.ERROR)
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def load_reward_model(path: str) -> tuple[Any, Any]:
+    """A one-label sequence classifier and its tokenizer from a causal-LM or reward-model folder.
+
+    From a causal LM the LM head is dropped and a fresh ``score`` head is initialised from torch's RNG
+    (seed before calling for a reproducible head). ``config.pad_token_id`` is set to the tokenizer's pad
+    token (EOS when there is none), which is what the model uses to find the last real token.
+    """
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        with _quiet_transformers():
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, use_safetensors=True, trust_remote_code=False
+            )
+    except OSError as exc:
+        raise ValueError(f"could not load model {path!r}: {str(exc).splitlines()[0]}") from exc
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"the tokenizer of {path!r} has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"  # saved with the checkpoint, so a scorer pads the same way
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def read_reward_stats(folder: Path | str) -> dict[str, Any] | None:
+    """``{"mean", "std", "n", "source"}`` written next to a trained reward model, or None if absent."""
+    file = Path(folder) / REWARD_STATS_FILE
+    if not file.exists():
+        return None
+    stats: dict[str, Any] = json.loads(file.read_text())
+    return stats
+
+
+def sequence_scores(model: Any, batch: GroupBatch, device: torch.device) -> Tensor:
+    """(N,) scalar score of every sequence of the batch, in one forward pass."""
+    out = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device))
+    scores: Tensor = out.logits.squeeze(-1).float()
+    return scores

@@ -34,7 +34,7 @@ from api.queue import TASK_NAME, CeleryEnqueue, make_celery
 from api.services.datasets import load_rows
 from api.services.pipelines import advance
 from api.settings import Settings, get_settings
-from trainer.loops.common import split_validation
+from trainer.data.sampling import split_validation
 from trainer.models import resolve_model
 from trainer.reporting import LoopContext, RunData
 from trainer.specs import AnyRunSpec, parse_run_ref, parse_run_ref_step, parse_spec

@@ -10,9 +10,12 @@ import pytest
 import torch
 
 from trainer.algorithms.advantages import ADVANTAGES, OutcomeBatch
-from trainer.loops.common import EpochSampler, make_optimizer
-from trainer.loops.group_rl import collect_rollouts, policy_update
-from trainer.loops.rl_common import build_reward, frozen_logps, to_token_batch, tokenize_prompts
+from trainer.data.prompts import tokenize_prompts
+from trainer.data.sampling import EpochSampler
+from trainer.loops.common import make_optimizer
+from trainer.loops.group_rl import policy_update
+from trainer.loops.rl_common import frozen_logps, to_token_batch
+from trainer.loops.rollouts import build_reward, collect_rollouts
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.rollout.hf_engine import HFEngine
 from trainer.specs import parse_spec

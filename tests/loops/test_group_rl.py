@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from tests.factories import loop_ctx
-from trainer.loops.common import EpochSampler
-from trainer.loops.group_rl import collect_rollouts, run_group_rl
-from trainer.loops.rl_common import PromptSet
+from trainer.data.prompts import PromptSet
+from trainer.data.sampling import EpochSampler
+from trainer.loops.group_rl import run_group_rl
+from trainer.loops.rollouts import collect_rollouts
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.reporting import MemoryReporter, RunData
 from trainer.rewards.composite import CompositeReward, RewardComponent

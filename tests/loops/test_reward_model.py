@@ -14,20 +14,17 @@ import pytest
 import torch
 
 from tests.factories import loop_ctx
+from trainer.data.reward import collate_groups, tokenize_group, tokenize_groups
 from trainer.loops.common import seed_everything
-from trainer.loops.reward_data import collate_groups, tokenize_group, tokenize_groups
 from trainer.loops.reward_model import (
     REWARD_LOSSES,
-    REWARD_STATS_FILE,
     RewardLossParams,
     group_scores,
-    load_reward_model,
     ranking_stats,
-    read_reward_stats,
     run_reward_model,
     score_groups,
 )
-from trainer.models import tiny_model_dir
+from trainer.models import REWARD_STATS_FILE, load_reward_model, read_reward_stats, tiny_model_dir
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.factories import loop_ctx
+from trainer.data.sft import TokenizedExample, collate_examples, tokenize_example, truncate
 from trainer.loops.sft import completion_sums, run_sft, sft_loss
-from trainer.loops.sft_data import TokenizedExample, collate_examples, tokenize_example, truncate
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec

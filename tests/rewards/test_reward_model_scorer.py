@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from trainer.loops.common import seed_everything
-from trainer.loops.reward_model import REWARD_STATS_FILE, load_reward_model, run_reward_model
-from trainer.models import resolve_model, tiny_model_dir
+from trainer.loops.reward_model import run_reward_model
+from trainer.models import REWARD_STATS_FILE, load_reward_model, resolve_model, tiny_model_dir
 from trainer.reporting import LoopContext, MemoryReporter, RunData
 from trainer.rewards.reward_model_scorer import RewardModelScorer
 from trainer.specs import RewardModelSpec, parse_spec

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Container
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-
-T = TypeVar("T")
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -21,55 +18,11 @@ def seed_everything(seed: int) -> torch.Generator:
     return gen
 
 
-def pick_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def warmup_constant_lr(step: int, *, base_lr: float, warmup_steps: int) -> float:
     """Linear warmup from 0 to ``base_lr`` over ``warmup_steps`` (1-based step), then constant."""
     if warmup_steps <= 0 or step > warmup_steps:
         return base_lr
     return base_lr * step / warmup_steps
-
-
-class EpochSampler:
-    """Batches of indices over ``n`` items: a fresh permutation per epoch, wrapping across epochs."""
-
-    def __init__(self, n: int, batch_size: int, generator: torch.Generator):
-        if n <= 0:
-            raise ValueError("the dataset has no rows")
-        self.n, self.batch_size, self.gen = n, batch_size, generator
-        self.order: list[int] = []
-
-    def state_dict(self) -> dict[str, object]:
-        return {"order": list(self.order), "generator": self.gen.get_state()}
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.order = list(state["order"])  # type: ignore[call-overload]
-        self.gen.set_state(state["generator"])  # type: ignore[arg-type]
-
-    def next_batch(self) -> list[int]:
-        batch: list[int] = []
-        while len(batch) < self.batch_size:
-            if not self.order:
-                self.order = torch.randperm(self.n, generator=self.gen).tolist()
-            batch.append(self.order.pop())
-        return batch
-
-
-def split_validation(rows: list[T], fraction: float, seed: int) -> tuple[list[T], list[T]]:
-    """Deterministic hold-out: ``ceil(n * fraction)`` rows (at least 1) chosen by ``seed``; (train, val)."""
-    if fraction <= 0:
-        return rows, []
-    n_val = max(1, math.ceil(len(rows) * fraction))
-    if n_val >= len(rows):
-        raise ValueError(f"validation_fraction {fraction} leaves no training rows out of {len(rows)}")
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    val_idx = set(order[:n_val])
-    train = [r for i, r in enumerate(rows) if i not in val_idx]
-    val = [r for i, r in enumerate(rows) if i in val_idx]
-    return train, val
 
 
 def is_due(step: int, every: int, last_step: int) -> bool:

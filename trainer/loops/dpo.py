@@ -17,20 +17,9 @@ from torch import Tensor
 
 from trainer.algorithms.logprobs import token_logprobs
 from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossFn, PreferenceParams
-from trainer.checkpoints import Checkpointer, load_trainer_state
-from trainer.loops.common import (
-    EpochSampler,
-    is_due,
-    make_optimizer,
-    pick_device,
-    seed_everything,
-    set_lr,
-    stop_requested,
-    to_floats,
-    update_or_skip,
-    warmup_constant_lr,
-)
-from trainer.loops.preference_data import PairBatch, TokenizedPair, collate_pairs, tokenize_pair
+from trainer.data.preference import PairBatch, TokenizedPair, collate_pairs, tokenize_pair
+from trainer.loops.common import to_floats
+from trainer.loops.session import Final, TrainingSession, begin, load_policy
 from trainer.models import load_causal_lm
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import DpoSpec
@@ -113,13 +102,9 @@ def reference_logps(
 def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
     """Train ``spec.model`` with the preference loss ``spec.hyperparameters.loss_type``."""
     hp = spec.hyperparameters
-    # Resolve before seeding: building a tiny preset on first use draws from torch's RNG.
-    model_path = str(ctx.resume_from) if ctx.resume_from else ctx.resolve_model(spec.model)
-    gen = seed_everything(hp.seed)
-    device = pick_device()
-    model, tokenizer = load_causal_lm(model_path)
-    model.to(device)
-    pad_id = tokenizer.pad_token_id
+    start = begin(ctx, reporter, spec.model, hp.seed)
+    model, tokenizer = load_policy(start)
+    pad_id, device = tokenizer.pad_token_id, start.device
 
     def tokenize(rows: list[dict[str, Any]]) -> list[TokenizedPair]:
         return [
@@ -130,70 +115,37 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     pairs, val_pairs = tokenize(data.train), tokenize(data.validation)
     loss_fn = PREFERENCE_LOSSES[hp.loss_type]
     params = PreferenceParams(beta=hp.beta, label_smoothing=hp.label_smoothing)
-    optimizer = make_optimizer(model, hp.lr, hp.weight_decay)
-    sampler = EpochSampler(len(pairs), hp.batch_size, gen)
-    checkpointer = Checkpointer(
-        ctx.checkpoint_dir,
-        reporter,
-        keep_last=hp.keep_last_checkpoints,
-        best_metric=hp.best_metric,
-        best_mode=hp.best_mode,
-    )
-    start = 0
-    if ctx.resume_from is not None:
-        resumed = load_trainer_state(ctx.resume_from, optimizer=optimizer, sampler=sampler)
-        start, (ref, val_ref) = resumed.step, resumed.extra["ref_logps"]
-        reporter.event("info", f"resumed from checkpoint at step {start}")
+    session = TrainingSession(start, hp, model, tokenizer, len(pairs))
+    if session.finished_before:
+        return session.result
+    if session.resumed:
+        ref, val_ref = session.extra["ref_logps"]
     else:
         ref, val_ref = reference_logps(spec, model, [pairs, val_pairs], pad_id, ctx, device)
+    session.extra_state = lambda: {"ref_logps": (ref, val_ref)}
     reporter.event(
         "info",
         f"training on {len(pairs)} pairs ({len(val_pairs)} validation) for "
         f"{hp.max_steps} steps on {device.type}",
     )
-
-    if start >= hp.max_steps and ctx.resume_from is not None:  # the final checkpoint was already written
-        return LoopResult(status="succeeded", output_path=ctx.resume_from)
     model.train()
-    last_eval: dict[str, float] = {}
 
-    def keep_work(s: int) -> object:  # a checkpoint of the steps done, when a cancel or pause stops us
-        return checkpointer.save(
-            s,
-            model=model,
-            tokenizer=tokenizer,
-            optimizer=optimizer,
-            sampler=sampler,
-            metrics=last_eval,
-            extra={"ref_logps": (ref, val_ref)},
-        )
+    def final() -> Final:  # every training pair, with the trained policy: did it learn the data?
+        return Final(evaluate(model, pairs, ref, pad_id, device, loss_fn, params, "final"))
 
-    for step in range(start + 1, hp.max_steps + 1):
-        if stop_requested(reporter, step, start, checkpointer.saved, keep_work):
-            return LoopResult(status="cancelled", output_path=None)
+    for _ in session.steps():
         t0 = time.perf_counter()
-        idx = sampler.next_batch()
+        idx = session.sampler.next_batch()
         batch = collate_pairs([pairs[i] for i in idx], pad_id)
-        lr = warmup_constant_lr(step, base_lr=hp.lr, warmup_steps=hp.warmup_steps)
-        set_lr(optimizer, lr)
-
         logps = sequence_logps(model, batch, device)
         chosen, rejected = logps[: len(idx)], logps[len(idx) :]
         ref_batch = ref[idx].to(device)
         chosen_logratio, rejected_logratio = chosen - ref_batch[:, 0], rejected - ref_batch[:, 1]
         loss = loss_fn(chosen_logratio, rejected_logratio, params).mean()
-        grad_norm = update_or_skip(
-            model,
-            optimizer,
-            loss,
-            max_grad_norm=hp.max_grad_norm,
-            step=step,
-            on_nonfinite=hp.on_nonfinite,
-            reporter=reporter,
-        )
+        grad_norm = session.update(loss)
 
         metrics: dict[str, float] = {}
-        if is_due(step, hp.log_every, hp.max_steps):
+        if session.log_due:
             stats = pair_stats(chosen_logratio, rejected_logratio, hp.beta)
             stats |= {
                 "loss": loss.detach(),
@@ -201,30 +153,9 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
                 "logps/chosen": chosen.detach().mean(),
                 "logps/rejected": rejected.detach().mean(),
             }
-            metrics = to_floats(stats) | {
-                "lr": lr,
-                "perf/tokens_per_s": batch.n_tokens / (time.perf_counter() - t0),
-            }
-        if val_pairs and is_due(step, hp.eval_every, hp.max_steps):
-            last_eval = evaluate(model, val_pairs, val_ref, pad_id, device, loss_fn, params, "eval")
-            metrics |= last_eval
-        if metrics:
-            reporter.log_metrics(step, metrics)
-        if is_due(step, hp.checkpoint_every, hp.max_steps):
-            final_step = step == hp.max_steps
-            if final_step:  # every training pair, with the trained policy: did it learn the data?
-                metrics = evaluate(model, pairs, ref, pad_id, device, loss_fn, params, "final")
-                reporter.log_metrics(step, metrics)
-            path = checkpointer.save(
-                step,
-                model=model,
-                tokenizer=tokenizer,
-                optimizer=optimizer,
-                sampler=sampler,
-                metrics=metrics | last_eval,
-                extra={"ref_logps": (ref, val_ref)},
-            )
-            if final_step:
-                reporter.event("info", f"final model saved to {path}")
-                return LoopResult(status="succeeded", output_path=path, final_metrics=metrics)
-    raise AssertionError("unreachable: the last step always returns")
+            metrics = session.train_metrics(stats, batch.n_tokens, t0)
+        metrics |= session.evaluate(
+            val_pairs, lambda: evaluate(model, val_pairs, val_ref, pad_id, device, loss_fn, params, "eval")
+        )
+        session.end_step(metrics, final)
+    return session.result

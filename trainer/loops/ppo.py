@@ -8,8 +8,8 @@ placed in the reward) -> GAE advantages for the actor (lambda fixed, or 1 - 1/(a
 sequence) and GAE returns for the critic (its own lambda) -> optional whitening -> ``ppo_epochs`` passes
 over minibatches: clipped policy loss (+ KL in the loss, - entropy bonus) and clipped value loss, each model
 with its own optimizer -> metrics, samples, eval, checkpoint. For the first ``value_pretrain_steps`` steps
-only the critic trains. The algorithm name only chose presets (trainer/specs.py PPO_PRESETS); the loop never
-branches on it.
+only the critic trains. The algorithm name only chose presets (trainer/specs/online.py PPO_PRESETS); the
+loop never branches on it.
 
 The critic is a value head on an LM: ``AutoModelForSequenceClassification(num_labels=1)``, loaded from the
 policy's starting model (fresh head) or from a reward-model run (its trained head: the InstructGPT recipe).
@@ -20,8 +20,8 @@ Its per-token values come from the head applied to every hidden state, not only 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,40 +30,32 @@ from torch import Tensor
 from trainer.algorithms.advantages import gae, length_adaptive_lam
 from trainer.algorithms.aggregation import aggregate, masked_whiten
 from trainer.algorithms.kl import KL_ESTIMATORS, kl_penalized_rewards
-from trainer.algorithms.kl_control import KL_CONTROLLERS
-from trainer.algorithms.logprobs import entropy_from_logits
-from trainer.algorithms.policy_losses import POLICY_LOSSES, ClipParams
 from trainer.algorithms.value_losses import value_loss
-from trainer.checkpoints import Checkpointer, load_trainer_state
-from trainer.loops.common import (
-    EpochSampler,
-    backward_and_step,
-    is_due,
-    make_optimizer,
-    pick_device,
-    seed_everything,
-    set_lr,
-    stop_requested,
-    to_floats,
-    warmup_constant_lr,
-)
-from trainer.loops.group_rl import collect_rollouts
-from trainer.loops.reward_model import load_reward_model
+from trainer.loops.common import backward_and_step, make_optimizer, set_lr, to_floats, warmup_constant_lr
 from trainer.loops.rl_common import (
+    ActorBatch,
+    StatMeans,
     TokenBatch,
-    build_reward,
-    evaluate_greedy,
-    forward_logps,
+    actor_step,
+    close_rl_step,
+    evaluate_start,
     frozen_logps,
+    kl_controller,
     masked_mean,
-    rollout_metrics,
-    sample_records,
+    minibatches,
+    perf_metrics,
+    prepare_rl,
+    reference_path,
+    response_mask,
+    sample_step,
+    skip_step,
     to_token_batch,
-    tokenize_prompts,
 )
-from trainer.models import load_causal_lm
+from trainer.loops.rollouts import rollout_metrics
+from trainer.loops.session import Start, TrainingSession, begin
+from trainer.models import load_causal_lm, load_reward_model
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
-from trainer.rollout.factory import make_engine
+from trainer.rollout.base import Completion
 from trainer.specs import PpoHyperparameters, PpoSpec
 
 
@@ -122,8 +114,6 @@ def token_advantages(
     goes into the loss instead. Actor: ``gae(lam=actor_lam)``. Critic: ``gae(lam=critic_lam)[1]``, the
     VC-PPO decoupling (critic_lam = 1 gives unbiased Monte-Carlo targets); one GAE call when both are equal.
     """
-    if hp.lam is None or hp.critic_lam is None:
-        raise ValueError("lam and critic_lam are filled by the preset: build hyperparameters via PpoSpec")
     in_reward = ref_logp is not None and hp.kl_placement == "reward"
     rewards = kl_penalized_rewards(
         scores,
@@ -180,78 +170,67 @@ def value_clipfrac(values: Tensor, old_values: Tensor, returns: Tensor, mask: Te
     return masked_mean(((clipped - returns) ** 2 > (values - returns) ** 2).float(), mask)
 
 
+def critic_step(
+    critic: Any, optimizer: torch.optim.Optimizer, mb: PpoBatch, hp: PpoHyperparameters
+) -> dict[str, Tensor]:
+    """One optimizer step of the critic: the clipped value loss around the rollout-time values
+    (``value_loss``, token mean), weighted by ``vf_coef``."""
+    values = token_values(critic, mb.tokens)
+    v_loss = aggregate(
+        value_loss(values, mb.old_values, mb.returns, mb.mask, clip_range=hp.value_clip),
+        mb.mask,
+        "token_mean",
+    )
+    stats = {"loss/value": v_loss.detach()}
+    if hp.value_clip is not None:
+        stats["value/clipfrac"] = value_clipfrac(
+            values.detach(), mb.old_values, mb.returns, mb.mask, hp.value_clip
+        )
+    norm = backward_and_step(
+        critic, optimizer, hp.vf_coef * v_loss, hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
+    )
+    stats["value/grad_norm"] = norm if norm is not None else torch.tensor(float("nan"))
+    stats["skipped_updates"] = torch.tensor(float(norm is None))
+    return stats
+
+
 def ppo_update(
-    policy: Any,
+    session: TrainingSession,
     critic: Any,
-    policy_opt: torch.optim.Optimizer,
     critic_opt: torch.optim.Optimizer,
     b: PpoBatch,
     hp: PpoHyperparameters,
     kl_coef: float,
-    gen: torch.Generator,
     *,
     train_actor: bool,
 ) -> dict[str, Tensor]:
-    """``ppo_epochs`` passes over shuffled minibatches; returns the mean of each stat over updates.
+    """``ppo_epochs`` passes over shuffled minibatches, each a critic step then an ``actor_step``; returns
+    the mean of each stat over updates.
 
     Critic and actor share no parameters, so one backward over ``actor loss + vf_coef * value loss`` gives
-    the same gradients as the two separate ``backward_and_step`` calls here; separate calls let each model
-    clip its own gradient norm (a joint clip would let the value loss shrink the policy's step). With
-    ``train_actor`` False (value pretraining) the policy is not even run.
+    the same gradients as the two separate steps here; separate steps let each model clip its own gradient
+    norm (a joint clip would let the value loss shrink the policy's step). With ``train_actor`` False
+    (value pretraining) the policy is not even run.
     """
-    policy_loss = POLICY_LOSSES[hp.policy_loss or "ppo_clip"]
-    clip = ClipParams(low=hp.clip_low, high=hp.clip_high or hp.clip_low, dual_c=hp.dual_clip)
-    mode = hp.loss_aggregation or "token_mean"
-    n = len(b.adv)
-    size = hp.minibatch_size or n
-    sums: dict[str, Tensor] = {}
-    updates = 0
-    for _ in range(hp.ppo_epochs):
-        order = torch.randperm(n, generator=gen)
-        for start in range(0, n, size):
-            mb = b.select(order[start : start + size].to(b.adv.device))
-            # ---- critic: clipped value loss around the rollout-time values, token mean
-            values = token_values(critic, mb.tokens)
-            v_loss = aggregate(
-                value_loss(values, mb.old_values, mb.returns, mb.mask, clip_range=hp.value_clip),
-                mb.mask,
-                "token_mean",
+    means = StatMeans()
+    for idx in minibatches(len(b.adv), hp, session.generator):
+        mb = b.select(idx.to(b.adv.device))
+        stats = critic_step(critic, critic_opt, mb, hp)
+        total = hp.vf_coef * stats["loss/value"]
+        if train_actor:
+            actor = actor_step(
+                session.model,
+                session.optimizer,
+                ActorBatch(mb.tokens, mb.mask, mb.adv, mb.old_logp, mb.ref_logp),
+                hp,
+                kl_coef,
             )
-            stats = {"loss/value": v_loss.detach()}
-            if hp.value_clip is not None:
-                stats["value/clipfrac"] = value_clipfrac(
-                    values.detach(), mb.old_values, mb.returns, mb.mask, hp.value_clip
-                )
-            skip = hp.on_nonfinite == "skip"
-            v_norm = backward_and_step(
-                critic, critic_opt, hp.vf_coef * v_loss, hp.max_grad_norm, skip_nonfinite=skip
-            )
-            stats["value/grad_norm"] = v_norm if v_norm is not None else torch.tensor(float("nan"))
-            stats["skipped_updates"] = torch.tensor(float(v_norm is None))
-            total = hp.vf_coef * v_loss.detach()
-            # ---- actor: clipped surrogate (+ KL to the reference in the loss) - entropy bonus
-            if train_actor:
-                logits, logp = forward_logps(policy, mb.tokens)
-                out = policy_loss(logp, mb.old_logp, mb.adv, mb.mask, clip=clip)
-                per_token = out.per_token
-                stats |= {f"policy/{k}": v for k, v in out.stats.items()}
-                stats["loss/policy"] = aggregate(per_token, mb.mask, mode, max_len=hp.max_new_tokens).detach()
-                if mb.ref_logp is not None and hp.kl_placement == "loss" and kl_coef > 0:
-                    per_token = per_token + kl_coef * KL_ESTIMATORS[hp.kl_estimator](logp, mb.ref_logp)
-                entropy = entropy_from_logits(logits)
-                stats["policy/entropy"] = masked_mean(entropy.detach(), mb.mask)
-                if hp.entropy_coef > 0:
-                    per_token = per_token - hp.entropy_coef * entropy
-                loss = aggregate(per_token, mb.mask, mode, max_len=hp.max_new_tokens)
-                p_norm = backward_and_step(policy, policy_opt, loss, hp.max_grad_norm, skip_nonfinite=skip)
-                stats["grad_norm"] = p_norm if p_norm is not None else torch.tensor(float("nan"))
-                stats["skipped_updates"] = stats["skipped_updates"] + float(p_norm is None)
-                total = total + loss.detach()
-            stats["loss/total"] = total
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0) + v.detach().float()
-            updates += 1
-    return {k: v / updates for k, v in sums.items()}
+            total = total + actor.pop("loss/total")
+            skipped = stats["skipped_updates"] + actor.pop("skipped_updates")
+            stats |= actor | {"skipped_updates": skipped}
+        stats["loss/total"] = total
+        means.add(stats)
+    return means.means()
 
 
 def value_metrics(b: PpoBatch, actor_lam: Tensor) -> dict[str, float]:
@@ -271,179 +250,128 @@ def value_metrics(b: PpoBatch, actor_lam: Tensor) -> dict[str, float]:
     return out
 
 
+def rollout_kl(old_logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str) -> dict[str, Tensor]:
+    """``kl/ref`` (mean per valid token) and ``kl/seq`` (mean per sequence of the summed token KL) of the
+    rollouts to the reference, with the estimator the reward penalty uses (Schulman 2020's k1/k2/k3)."""
+    kl_tok = KL_ESTIMATORS[estimator](old_logp, ref_logp)
+    kl_tok = torch.where(mask > 0, kl_tok, torch.zeros_like(kl_tok))
+    return {"kl/ref": kl_tok.sum() / mask.sum().clamp(min=1), "kl/seq": kl_tok.sum(-1).mean()}
+
+
+def prompt_values(
+    old_values: Tensor, completions: list[Completion]
+) -> Callable[[list[dict[str, Any]]], None]:
+    """Adds to stored sample i the critic's V(prompt) at rollout time, next to its reward."""
+
+    def annotate(records: list[dict[str, Any]]) -> None:
+        for i, record in enumerate(records):
+            record["value"] = float(old_values[i, len(completions[i].prompt_ids) - 1])
+
+    return annotate
+
+
+def load_actor_critic(start: Start, critic_path: str) -> tuple[Any, Any, Any]:
+    """Policy, its tokenizer and the critic, in eval mode on the run's device (eval: no dropout, so old and
+    new log-probs agree before any update). The critic loads first, so a fresh value head is drawn from the
+    freshly seeded RNG (as in the reward-model loop); when resuming, its trained weights come later from
+    the checkpoint."""
+    critic, critic_tok = load_reward_model(critic_path)
+    policy, tokenizer = load_causal_lm(start.model_path)
+    if critic_tok.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"the critic {critic_path!r} has a different tokenizer from the policy")
+    return policy.to(start.device).eval(), tokenizer, critic.to(start.device).eval()
+
+
+def actor_schedule(hp: PpoHyperparameters) -> Callable[[int], float]:
+    """The actor's learning rate by step: 0 during value pretraining, then its own warmup (so value
+    pretraining does not eat it), then constant."""
+    pretrain = hp.value_pretrain_steps
+    return lambda step: (
+        warmup_constant_lr(step - pretrain, base_lr=hp.lr, warmup_steps=hp.warmup_steps)
+        if step > pretrain
+        else 0.0
+    )
+
+
 def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
     """Train ``spec.model`` with PPO / VC-PPO (preset ``spec.algorithm``) on a prompts dataset."""
     hp = spec.hyperparameters
-    if hp.dynamic_sampling and hp.samples_per_prompt < 2:
-        raise ValueError("dynamic_sampling drops groups with equal rewards: it needs samples_per_prompt >= 2")
-    # Resolve every reference before seeding: building a tiny preset draws from torch's RNG.
-    start_path = ctx.resolve_model(spec.model)
-    model_path = str(ctx.resume_from) if ctx.resume_from else start_path
-    critic_path = ctx.resolve_model(spec.critic_model) if spec.critic_model else start_path
-    kl_needed = (hp.kl_coef or 0) > 0 or hp.kl_controller == "adaptive"
-    ref_path = ctx.resolve_model(spec.reference_model or spec.model) if kl_needed else None
-    gen = seed_everything(hp.seed)
-    device = pick_device()
-    # The critic first, so a fresh value head is drawn from the freshly seeded RNG (as in the reward-model
-    # loop); when resuming, its trained weights come from the checkpoint below.
-    critic, critic_tok = load_reward_model(critic_path)
-    policy, tokenizer = load_causal_lm(model_path)
-    if critic_tok.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"the critic {critic_path!r} has a different tokenizer from the policy")
-    policy.to(device).eval()  # eval: no dropout, so old and new log-probs agree before any update
-    critic.to(device).eval()
-    reference = None
-    if ref_path is not None:  # the reference is always the original start, also when resuming
-        reference, _ = load_causal_lm(ref_path)
-        reference.to(device).eval().requires_grad_(False)
-    engine = make_engine(hp.engine, model=policy, tokenizer=tokenizer, model_path=model_path)
-    reward = build_reward(spec.rewards, ctx.resolve_model, device)
-    eval_reward = build_reward(spec.eval_rewards, ctx.resolve_model, device) if spec.eval_rewards else reward
-    prompts = tokenize_prompts(data.train, tokenizer, hp.max_prompt_length)
-    val_prompts = tokenize_prompts(data.validation, tokenizer, hp.max_prompt_length)
-
-    policy_opt = make_optimizer(policy, hp.lr, hp.weight_decay)
-    critic_lr = hp.critic_learning_rate or hp.lr
+    # Resolve every model before seeding (``begin``): building a tiny preset draws from torch's RNG.
+    critic_path = ctx.resolve_model(spec.critic_model or spec.model)
+    ref_path = reference_path(spec, ctx)
+    start = begin(ctx, reporter, spec.model, hp.seed)
+    policy, tokenizer, critic = load_actor_critic(start, critic_path)
+    parts = prepare_rl(spec, data, ctx, start, policy, tokenizer, ref_path)
+    pretrain, critic_lr = hp.value_pretrain_steps, hp.critic_learning_rate or hp.lr
     critic_opt = make_optimizer(critic, critic_lr, hp.weight_decay)
-    sampler = EpochSampler(len(prompts.ids), hp.prompts_per_step, gen)
-    checkpointer = Checkpointer(
-        ctx.checkpoint_dir,
-        reporter,
-        keep_last=hp.keep_last_checkpoints,
-        best_metric=hp.best_metric,
-        best_mode=hp.best_mode,
+    session = TrainingSession(
+        start,
+        hp,
+        policy,
+        tokenizer,
+        len(parts.prompts.ids),
+        batch_size=hp.prompts_per_step,
+        schedule=actor_schedule(hp),
     )
-    start, kl_init = 0, hp.kl_coef or 0.0
-    if ctx.resume_from is not None:
-        resumed = load_trainer_state(ctx.resume_from, optimizer=policy_opt, sampler=sampler)
-        start, kl_init = resumed.step, float(resumed.extra.get("kl_coef", kl_init))
-        critic.load_state_dict(resumed.extra["critic"])
-        critic_opt.load_state_dict(resumed.extra["critic_optimizer"])
-        reporter.event("info", f"resumed from checkpoint at step {start}")
-        if start >= hp.max_steps:
-            return LoopResult(status="succeeded", output_path=ctx.resume_from)
-    kl_ctl = KL_CONTROLLERS[hp.kl_controller](init_coef=kl_init, target=hp.kl_target, horizon=hp.kl_horizon)
-    pretrain = hp.value_pretrain_steps or 0
+    if session.finished_before:
+        return session.result
+    if session.resumed:
+        critic.load_state_dict(session.extra["critic"])
+        critic_opt.load_state_dict(session.extra["critic_optimizer"])
+    kl_ctl = kl_controller(hp, session)
+    # The policy is the run's model (its folder is the output); the critic, its optimizer and the KL
+    # coefficient ride in trainer_state.pt so a resume continues exactly.
+    session.extra_state = lambda: {
+        "kl_coef": kl_ctl.value,
+        "critic": critic.state_dict(),
+        "critic_optimizer": critic_opt.state_dict(),
+    }
     reporter.event(
         "info",
-        f"{spec.algorithm}: {len(prompts.ids)} prompts ({len(val_prompts.ids)} held out), "
-        f"G={hp.samples_per_prompt}, {hp.max_steps} steps ({pretrain} critic-only) on {device.type}",
+        f"{spec.algorithm}: {len(parts.prompts.ids)} prompts ({len(parts.val_prompts.ids)} held out), "
+        f"G={hp.samples_per_prompt}, {hp.max_steps} steps ({pretrain} critic-only) on {start.device.type}",
     )
+    evaluate_start(session, parts, hp)
 
-    def save(step: int, metrics: dict[str, float]) -> Path:
-        # The policy is the run's model (its folder is the output); the critic, its optimizer and the KL
-        # coefficient ride in trainer_state.pt so a resume continues exactly.
-        return checkpointer.save(
-            step,
-            model=policy,
-            tokenizer=tokenizer,
-            optimizer=policy_opt,
-            sampler=sampler,
-            metrics=metrics,
-            extra={
-                "kl_coef": kl_ctl.value,
-                "critic": critic.state_dict(),
-                "critic_optimizer": critic_opt.state_dict(),
-            },
-        )
-
-    last_eval: dict[str, float] = {}
-    if val_prompts.ids and start == 0:  # the starting point, so a curve shows what RL added
-        last_eval = evaluate_greedy(engine, val_prompts, eval_reward, hp, seed=hp.seed)
-        reporter.log_metrics(0, last_eval)
-    pad_id = tokenizer.pad_token_id
-
-    def keep_work(s: int) -> object:  # a checkpoint of the steps done, when a cancel or pause stops us
-        return save(s, last_eval)
-
-    for step in range(start + 1, hp.max_steps + 1):
-        if stop_requested(reporter, step, start, checkpointer.saved, keep_work):
-            return LoopResult(status="cancelled", output_path=None)
+    for step in session.steps():
         train_actor = step > pretrain
         if pretrain > 0 and step == pretrain + 1:
             reporter.event(
                 "info", f"actor updates start at step {step}, after {pretrain} critic-only step(s)"
             )
-        # The actor's warmup counts its own steps, so value pretraining does not eat it; 0 while frozen.
-        actor_lr = warmup_constant_lr(step - pretrain, base_lr=hp.lr, warmup_steps=hp.warmup_steps)
-        set_lr(policy_opt, actor_lr if train_actor else 0.0)
         set_lr(critic_opt, warmup_constant_lr(step, base_lr=critic_lr, warmup_steps=hp.warmup_steps))
-
-        t0 = time.perf_counter()  # ---- rollouts and rewards
-        engine.sync_weights(policy)
-        ro = collect_rollouts(
-            engine, prompts, sampler, reward, hp, greedy_baseline=False, seed=hp.seed * 100_003 + step
-        )
-        t_gen = time.perf_counter() - t0
-        metrics: dict[str, float] = {
-            "kl/coef": kl_ctl.value,
-            "lr": policy_opt.param_groups[0]["lr"],
-            "value/lr": critic_opt.param_groups[0]["lr"],
-        }
+        ro, t_gen = sample_step(session, parts, hp, greedy_baseline=False)  # ---- rollouts and rewards
+        metrics = {"kl/coef": kl_ctl.value, "lr": session.lr, "value/lr": critic_opt.param_groups[0]["lr"]}
         if not ro.completions:  # dynamic sampling found no group with signal: nothing to learn from
-            reporter.event("warning", f"step {step}: every sampled group had equal rewards; no update")
-            reporter.log_metrics(step, metrics | {"perf/gen_s": t_gen})
+            skip_step(session, metrics | {"perf/gen_s": t_gen})
             continue
 
         t1 = time.perf_counter()  # ---- log-probs, values, advantages, updates
-        tokens = to_token_batch(ro.completions, pad_id, device)
-        mask = tokens.response_mask
-        if hp.mask_truncated:
-            keep = torch.tensor([c.finish_reason != "length" for c in ro.completions], device=device)
-            mask = mask * keep[:, None].float()
+        tokens = to_token_batch(ro.completions, tokenizer.pad_token_id, start.device)
+        mask = response_mask(tokens, ro.completions, hp.mask_truncated)
         old_logp = frozen_logps(policy, tokens)
-        ref_logp = frozen_logps(reference, tokens) if reference is not None else None
+        ref_logp = frozen_logps(parts.reference, tokens) if parts.reference is not None else None
         old_values = frozen_values(critic, tokens)
-        scores = torch.tensor(ro.total, dtype=torch.float32, device=device)
-        lengths = tokens.response_mask.sum(-1)
+        scores = torch.tensor(ro.total, dtype=torch.float32, device=start.device)
         adv, returns, actor_lam = token_advantages(
-            scores, old_logp, ref_logp, old_values, mask, lengths, hp, kl_ctl.value
+            scores, old_logp, ref_logp, old_values, mask, tokens.response_mask.sum(-1), hp, kl_ctl.value
         )
         batch = PpoBatch(tokens, mask, old_logp, ref_logp, old_values, adv, returns)
-        stats = ppo_update(
-            policy, critic, policy_opt, critic_opt, batch, hp, kl_ctl.value, gen, train_actor=train_actor
-        )
+        stats = ppo_update(session, critic, critic_opt, batch, hp, kl_ctl.value, train_actor=train_actor)
         if ref_logp is not None:  # KL of this step's rollouts to the reference (what the reward penalises)
-            kl_tok = KL_ESTIMATORS[hp.kl_estimator](old_logp, ref_logp)
-            kl_tok = torch.where(mask > 0, kl_tok, torch.zeros_like(kl_tok))
-            stats["kl/ref"] = kl_tok.sum() / mask.sum().clamp(min=1)
-            stats["kl/seq"] = kl_tok.sum(-1).mean()
+            stats |= rollout_kl(old_logp, ref_logp, mask, hp.kl_estimator)
             if train_actor:  # while the actor is frozen its KL says nothing about the coefficient
-                # Per-sequence KL, the unit of Ziegler et al.'s target (kl_target 6 nats).
-                kl_ctl.update(float(stats["kl/seq"]), len(ro.completions))
+                kl_ctl.update(float(stats["kl/seq"]), len(ro.completions))  # per sequence: Ziegler's unit
         t_train = time.perf_counter() - t1
 
-        # ---- metrics, samples, eval, checkpoint
-        if is_due(step, hp.log_every, hp.max_steps):
-            n_tokens = int(mask.sum())
+        if session.log_due:  # ---- metrics, samples, eval, checkpoint
             metrics |= (
                 to_floats(stats)
                 | rollout_metrics(ro.completions, ro.rewards)
                 | value_metrics(batch, actor_lam)
             )
-            metrics |= {
-                "perf/gen_s": t_gen,
-                "perf/train_s": t_train,
-                "perf/tokens_per_s": n_tokens / max(t_gen + t_train, 1e-9),
-            }
-        if val_prompts.ids and is_due(step, hp.eval_every, hp.max_steps):
-            engine.sync_weights(policy)
-            last_eval = evaluate_greedy(engine, val_prompts, eval_reward, hp, seed=hp.seed)
-            metrics |= last_eval
-        if float(stats.get("skipped_updates", 0.0)) > 0:
-            reporter.event("warning", f"step {step}: non-finite loss or gradient; those updates were skipped")
-        reporter.log_metrics(step, metrics)
-        if hp.sample_every and hp.samples_to_store and is_due(step, hp.sample_every, hp.max_steps):
-            records = sample_records(
-                ro.completions, prompts, ro.prompt_index, ro.rewards, hp.samples_to_store
-            )
-            for i, record in enumerate(records):  # the critic's V(prompt) at rollout time, next to the reward
-                record["value"] = float(old_values[i, len(ro.completions[i].prompt_ids) - 1])
-            reporter.log_samples(step, records)
-        if is_due(step, hp.checkpoint_every, hp.max_steps):
-            path = save(step, metrics | last_eval)
-            if step == hp.max_steps:
-                reporter.event("info", f"final model saved to {path}")
-                return LoopResult(status="succeeded", output_path=path, final_metrics=metrics)
-    # Only reachable when the last step made no update (dynamic sampling found no signal).
-    return LoopResult(status="succeeded", output_path=save(hp.max_steps, last_eval))
+            metrics |= perf_metrics(t_gen, t_train, mask)
+        close_rl_step(
+            session, parts, hp, metrics, ro, stats, annotate=prompt_values(old_values, ro.completions)
+        )
+    return session.result

@@ -1,83 +1,168 @@
-"""Pieces every online-RL loop shares: prompts -> rollouts -> rewards -> token tensors -> log-probs,
-rollout metrics, held-out evaluation and stored samples. The loops (group_rl.py, ppo.py) read top to
-bottom and call these."""
+"""Pieces every online-RL loop shares: the setup before step 1 (reference, rollout engine, rewards,
+prompts, KL controller, the step-0 evaluation), token tensors and log-probs, the actor's minibatch step,
+and the close of a step (eval, samples, checkpoint). The loops (group_rl.py, ppo.py) read top to bottom
+and call these."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from trainer.algorithms.logprobs import token_logprobs
-from trainer.loops.preference_data import render_prompt
-from trainer.rewards.composite import CompositeReward, RewardComponent, RewardResult
-from trainer.rewards.reward_model_scorer import RewardModelScorer
-from trainer.rewards.verifiers import Sample
-from trainer.rollout.base import Completion, RolloutEngine, SamplingParams
-from trainer.specs import OnlineRlHyperparameters, RewardSpec
+from trainer.algorithms.aggregation import aggregate
+from trainer.algorithms.kl import KL_ESTIMATORS
+from trainer.algorithms.kl_control import KL_CONTROLLERS, KLController
+from trainer.algorithms.logprobs import entropy_from_logits, token_logprobs
+from trainer.algorithms.policy_losses import POLICY_LOSSES, ClipParams
+from trainer.data.prompts import PromptSet, tokenize_prompts
+from trainer.loops.common import backward_and_step, is_due
+from trainer.loops.rollouts import (
+    StepRollouts,
+    build_reward,
+    collect_rollouts,
+    evaluate_greedy,
+    sample_records,
+)
+from trainer.loops.session import Start, TrainingSession
+from trainer.models import load_causal_lm
+from trainer.reporting import LoopContext, RunData
+from trainer.rewards.composite import CompositeReward
+from trainer.rollout.base import Completion, RolloutEngine
+from trainer.rollout.factory import make_engine
+from trainer.specs import GroupRlSpec, OnlineRlHyperparameters, PpoSpec
+
+
+def reference_path(spec: GroupRlSpec | PpoSpec, ctx: LoopContext) -> str | None:
+    """The frozen reference's folder when the KL term needs one (always the original start, also when
+    resuming), else None. Resolve it before seeding (``begin``): a tiny preset is built on first use."""
+    hp = spec.hyperparameters
+    if hp.kl_coef > 0 or hp.kl_controller == "adaptive":
+        return ctx.resolve_model(spec.reference_model or spec.model)
+    return None
 
 
 @dataclass(frozen=True)
-class PromptSet:
-    """Rendered prompt texts and their token ids (cut from the left to the prompt budget)."""
+class RlParts:
+    """What an online-RL run builds before its first step, besides the policy."""
 
-    rows: list[dict[str, Any]]
-    texts: list[str]
-    ids: list[list[int]]
-
-
-def tokenize_prompts(rows: list[dict[str, Any]], tokenizer: Any, max_prompt_length: int) -> PromptSet:
-    texts = [render_prompt(r["prompt"], tokenizer) for r in rows]
-    ids = [tokenizer(t).input_ids[-max_prompt_length:] for t in texts]
-    return PromptSet(rows=rows, texts=texts, ids=ids)
+    reference: Any | None  # frozen, eval mode; None without a KL term
+    engine: RolloutEngine
+    reward: CompositeReward
+    eval_reward: CompositeReward
+    prompts: PromptSet
+    val_prompts: PromptSet
 
 
-def build_reward(specs: Sequence[RewardSpec], resolve_model: Any, device: torch.device) -> CompositeReward:
-    """A CompositeReward for the spec's components (one reward-model scorer at most, loaded once)."""
-    scorer = None
-    for r in specs:
-        if r.name == "reward_model":
-            if scorer is not None:
-                raise ValueError("at most one reward_model component per reward")
-            scorer = RewardModelScorer(resolve_model(r.model), normalize=r.normalize, device=device)
-    components = [RewardComponent(name=r.name, weight=r.weight, params=r.params) for r in specs]
-    return CompositeReward(components, reward_model=scorer)
-
-
-def sampling_params(hp: OnlineRlHyperparameters, *, seed: int, greedy: bool = False) -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=hp.max_new_tokens,
-        temperature=hp.temperature,
-        top_p=hp.top_p,
-        top_k=hp.top_k,
-        greedy=greedy or hp.temperature == 0,
-        seed=seed,
+def prepare_rl(
+    spec: GroupRlSpec | PpoSpec,
+    data: RunData,
+    ctx: LoopContext,
+    start: Start,
+    policy: Any,
+    tokenizer: Any,
+    ref_path: str | None,
+) -> RlParts:
+    """Load the reference, start the rollout engine, build the rewards and tokenize the prompts."""
+    hp = spec.hyperparameters
+    reference = None
+    if ref_path is not None:
+        reference, _ = load_causal_lm(ref_path)
+        reference.to(start.device).eval().requires_grad_(False)
+    engine = make_engine(hp.engine, model=policy, tokenizer=tokenizer, model_path=start.model_path)
+    reward = build_reward(spec.rewards, ctx.resolve_model, start.device)
+    eval_reward = (
+        build_reward(spec.eval_rewards, ctx.resolve_model, start.device) if spec.eval_rewards else reward
+    )
+    return RlParts(
+        reference=reference,
+        engine=engine,
+        reward=reward,
+        eval_reward=eval_reward,
+        prompts=tokenize_prompts(data.train, tokenizer, hp.max_prompt_length),
+        val_prompts=tokenize_prompts(data.validation, tokenizer, hp.max_prompt_length),
     )
 
 
-def score(
-    completions: list[Completion],
-    prompts: PromptSet,
-    prompt_index: list[int],
-    reward: CompositeReward,
-    max_new_tokens: int,
-) -> RewardResult:
-    """Rewards of completions; ``prompt_index[i]`` is the PromptSet row of completion i."""
-    samples = [
-        Sample(
-            prompt=prompts.texts[j],
-            completion=c.text,
-            row=prompts.rows[j],
-            n_tokens=len(c.token_ids),
-            max_new_tokens=max_new_tokens,
-            truncated=c.finish_reason == "length",
+def kl_controller(hp: OnlineRlHyperparameters, session: TrainingSession) -> KLController:
+    """The KL coefficient's controller, continuing from the checkpoint's value when resuming."""
+    init = float(session.extra.get("kl_coef", hp.kl_coef))
+    return KL_CONTROLLERS[hp.kl_controller](init_coef=init, target=hp.kl_target, horizon=hp.kl_horizon)
+
+
+def evaluate_start(session: TrainingSession, parts: RlParts, hp: OnlineRlHyperparameters) -> None:
+    """Held-out accuracy of the starting policy at step 0, so a curve shows what RL added."""
+    if parts.val_prompts.ids and session.first == 0:
+        session.last_eval = evaluate_greedy(parts.engine, parts.val_prompts, parts.eval_reward, hp, hp.seed)
+        session.reporter.log_metrics(0, session.last_eval)
+
+
+def sample_step(
+    session: TrainingSession, parts: RlParts, hp: OnlineRlHyperparameters, *, greedy_baseline: bool
+) -> tuple[StepRollouts, float]:
+    """This step's rollouts from the current policy, and the seconds they took."""
+    t0 = time.perf_counter()
+    parts.engine.sync_weights(session.model)
+    ro = collect_rollouts(
+        parts.engine,
+        parts.prompts,
+        session.sampler,
+        parts.reward,
+        hp,
+        greedy_baseline=greedy_baseline,
+        seed=hp.seed * 100_003 + session.step,
+    )
+    return ro, time.perf_counter() - t0
+
+
+def perf_metrics(t_gen: float, t_train: float, mask: Tensor) -> dict[str, float]:
+    """Seconds spent generating and training this step, and the counted response tokens per second."""
+    tokens = int(mask.sum())
+    return {
+        "perf/gen_s": t_gen,
+        "perf/train_s": t_train,
+        "perf/tokens_per_s": tokens / max(t_gen + t_train, 1e-9),
+    }
+
+
+def skip_step(session: TrainingSession, metrics: dict[str, float]) -> None:
+    """Close a step whose rollouts had no learning signal (dynamic sampling kept no group): no update."""
+    session.reporter.event(
+        "warning", f"step {session.step}: every sampled group had equal rewards; no update"
+    )
+    session.end_step(metrics)
+
+
+def close_rl_step(
+    session: TrainingSession,
+    parts: RlParts,
+    hp: OnlineRlHyperparameters,
+    metrics: dict[str, float],
+    ro: StepRollouts,
+    stats: dict[str, Tensor],
+    annotate: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> None:
+    """Eval when due, a warning for skipped updates, stored samples when due (``annotate`` may add to each
+    record), then the session's end of step (log, checkpoint, final save)."""
+    if parts.val_prompts.ids and session.eval_due:
+        parts.engine.sync_weights(session.model)
+        session.last_eval = evaluate_greedy(parts.engine, parts.val_prompts, parts.eval_reward, hp, hp.seed)
+        metrics |= session.last_eval
+    if float(stats.get("skipped_updates", 0.0)) > 0:
+        session.reporter.event(
+            "warning", f"step {session.step}: non-finite loss or gradient; those updates were skipped"
         )
-        for c, j in zip(completions, prompt_index, strict=True)
-    ]
-    return reward(samples)
+    if hp.sample_every and hp.samples_to_store and is_due(session.step, hp.sample_every, hp.max_steps):
+        records = sample_records(
+            ro.completions, parts.prompts, ro.prompt_index, ro.rewards, hp.samples_to_store
+        )
+        if annotate is not None:
+            annotate(records)
+        session.reporter.log_samples(session.step, records)
+    session.end_step(metrics)
 
 
 @dataclass(frozen=True)
@@ -129,60 +214,86 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
-def rollout_metrics(completions: Sequence[Completion], rewards: RewardResult) -> dict[str, float]:
-    """reward/*, response/* for one step's rollouts (plain floats: called at log time)."""
-    total = torch.tensor(rewards.total, dtype=torch.float64)
-    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
-    out = {
-        "reward/mean": float(total.mean()),
-        "reward/std": float(total.std(unbiased=False)),
-        "reward/min": float(total.min()),
-        "reward/max": float(total.max()),
-        "reward/failures": float(rewards.failures),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
-    }
-    for name, values in rewards.components.items():
-        out[f"reward/{name}/mean"] = float(torch.tensor(values, dtype=torch.float64).mean())
-    return out
+def response_mask(tokens: TokenBatch, completions: Sequence[Completion], mask_truncated: bool) -> Tensor:
+    """(N, L-1) the response tokens that count: all generated tokens, or with ``mask_truncated`` none of a
+    completion cut at ``max_new_tokens`` (DAPO's overlong filtering)."""
+    if not mask_truncated:
+        return tokens.response_mask
+    keep = torch.tensor([c.finish_reason != "length" for c in completions], device=tokens.input_ids.device)
+    return tokens.response_mask * keep[:, None].float()
 
 
-def sample_records(
-    completions: Sequence[Completion],
-    prompts: PromptSet,
-    prompt_index: list[int],
-    rewards: RewardResult,
-    limit: int,
-) -> list[dict[str, Any]]:
-    """A few completions with their rewards, for ``GET /v1/runs/{id}/samples``."""
-    out = []
-    for i, (c, j) in enumerate(zip(completions, prompt_index, strict=True)):
-        if i >= limit:
-            break
-        out.append(
-            {
-                "prompt": prompts.texts[j],
-                "completion": c.text,
-                "reward": rewards.total[i],
-                "components": {k: v[i] for k, v in rewards.components.items()},
-                "finish_reason": c.finish_reason,
-            }
-        )
-    return out
+def minibatches(n: int, hp: OnlineRlHyperparameters, gen: torch.Generator) -> Iterator[Tensor]:
+    """``ppo_epochs`` passes over a fresh permutation of ``n`` rollouts, ``minibatch_size`` at a time."""
+    size = hp.minibatch_size or n
+    for _ in range(hp.ppo_epochs):
+        order = torch.randperm(n, generator=gen)
+        for start in range(0, n, size):
+            yield order[start : start + size]
 
 
-def evaluate_greedy(
-    engine: RolloutEngine, prompts: PromptSet, reward: CompositeReward, hp: OnlineRlHyperparameters, seed: int
-) -> dict[str, float]:
-    """Greedy completions of held-out prompts scored by ``reward``: ``eval/accuracy`` is its mean
-    (the fraction correct for a 0/1 verifier such as exact_match)."""
-    if not prompts.ids:
-        return {}
-    completions = engine.generate(prompts.ids, 1, sampling_params(hp, seed=seed, greedy=True))
-    result = score(completions, prompts, list(range(len(prompts.ids))), reward, hp.max_new_tokens)
-    lengths = [len(c.token_ids) for c in completions]
-    return {
-        "eval/accuracy": sum(result.total) / len(result.total),
-        "eval/response_length": sum(lengths) / len(lengths),
-    }
+class StatMeans:
+    """Mean of each stat over the updates of a step (on device: no host sync until logging)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Tensor] = {}
+        self.count = 0
+
+    def add(self, stats: dict[str, Tensor]) -> None:
+        for k, v in stats.items():
+            self.sums[k] = self.sums.get(k, 0) + v.detach().float()
+        self.count += 1
+
+    def means(self) -> dict[str, Tensor]:
+        return {k: v / self.count for k, v in self.sums.items()}
+
+
+@dataclass(frozen=True)
+class ActorBatch:
+    """A minibatch for the actor: tokens, the mask of tokens that count, advantages, old and reference
+    log-probs (None: on-policy, the update's own detached log-probs; no reference)."""
+
+    tokens: TokenBatch
+    mask: Tensor
+    adv: Tensor
+    old_logp: Tensor | None
+    ref_logp: Tensor | None
+
+
+def actor_step(
+    policy: Any, optimizer: torch.optim.Optimizer, mb: ActorBatch, hp: OnlineRlHyperparameters, kl_coef: float
+) -> dict[str, Tensor]:
+    """One optimizer step of the policy on a minibatch; returns its stats.
+
+    Loss per token: the policy loss (``POLICY_LOSSES[hp.policy_loss]``: PPO's clipped surrogate, Schulman
+    et al. 2017 eq. 7, or vanilla policy gradient), ``+ kl_coef * KL_t(pi || pi_ref)`` when the KL sits in
+    the loss (GRPO, Shao et al. 2024 eq. 3), ``- entropy_coef * H_t``; aggregated over tokens and
+    sequences by ``hp.loss_aggregation``. The KL stats are logged whenever there is a reference.
+    """
+    clip = ClipParams(low=hp.clip_low, high=hp.clip_high, dual_c=hp.dual_clip)
+    logits, logp = forward_logps(policy, mb.tokens)
+    old = logp.detach() if mb.old_logp is None else mb.old_logp  # on-policy: ratio 1
+    out = POLICY_LOSSES[hp.policy_loss](logp, old, mb.adv, mb.mask, clip=clip)
+    per_token = out.per_token
+    stats = {f"policy/{k}": v for k, v in out.stats.items()}
+    stats["loss/policy"] = aggregate(
+        per_token, mb.mask, hp.loss_aggregation, max_len=hp.max_new_tokens
+    ).detach()
+    if mb.ref_logp is not None:
+        kl_tok = KL_ESTIMATORS[hp.kl_estimator](logp, mb.ref_logp)
+        stats["kl/ref"] = masked_mean(kl_tok.detach(), mb.mask)
+        stats["kl/seq"] = (kl_tok.detach() * mb.mask).sum(-1).mean()
+        if hp.kl_placement == "loss" and kl_coef > 0:
+            per_token = per_token + kl_coef * kl_tok
+    entropy = entropy_from_logits(logits)
+    stats["policy/entropy"] = masked_mean(entropy.detach(), mb.mask)
+    if hp.entropy_coef > 0:
+        per_token = per_token - hp.entropy_coef * entropy
+    loss = aggregate(per_token, mb.mask, hp.loss_aggregation, max_len=hp.max_new_tokens)
+    grad_norm = backward_and_step(
+        policy, optimizer, loss, hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
+    )
+    stats["loss/total"] = loss.detach()
+    stats["skipped_updates"] = torch.tensor(float(grad_norm is None))
+    stats["grad_norm"] = grad_norm if grad_norm is not None else torch.tensor(float("nan"))
+    return stats

@@ -15,21 +15,9 @@ import torch
 from torch import Tensor
 
 from trainer.algorithms.logprobs import token_logprobs
-from trainer.checkpoints import Checkpointer, load_trainer_state
-from trainer.loops.common import (
-    EpochSampler,
-    is_due,
-    make_optimizer,
-    pick_device,
-    seed_everything,
-    set_lr,
-    stop_requested,
-    to_floats,
-    update_or_skip,
-    warmup_constant_lr,
-)
-from trainer.loops.sft_data import SftBatch, TokenizedExample, collate_examples, tokenize_example
-from trainer.models import load_causal_lm
+from trainer.data.sft import SftBatch, TokenizedExample, collate_examples, tokenize_example
+from trainer.loops.common import to_floats
+from trainer.loops.session import Final, TrainingSession, begin, load_policy
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import SftSpec
 
@@ -87,97 +75,44 @@ def evaluate(
 def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
     """Fine-tune ``spec.model`` on prompt/completion rows (loss on completion tokens only)."""
     hp = spec.hyperparameters
-    # Resolve before seeding: building a tiny preset on first use draws from torch's RNG.
-    model_path = str(ctx.resume_from) if ctx.resume_from else ctx.resolve_model(spec.model)
-    gen = seed_everything(hp.seed)
-    device = pick_device()
-    model, tokenizer = load_causal_lm(model_path)
-    model.to(device)
-    pad_id = tokenizer.pad_token_id
+    start = begin(ctx, reporter, spec.model, hp.seed)
+    model, tokenizer = load_policy(start)
+    pad_id, device = tokenizer.pad_token_id, start.device
 
     def tokenize(rows: list[dict[str, Any]]) -> list[TokenizedExample]:
         return [tokenize_example(r, tokenizer, max_length=hp.max_length) for r in rows]
 
     examples, val_examples = tokenize(data.train), tokenize(data.validation)
-    optimizer = make_optimizer(model, hp.lr, hp.weight_decay)
-    sampler = EpochSampler(len(examples), hp.batch_size, gen)
-    checkpointer = Checkpointer(
-        ctx.checkpoint_dir,
-        reporter,
-        keep_last=hp.keep_last_checkpoints,
-        best_metric=hp.best_metric,
-        best_mode=hp.best_mode,
-    )
-    start = 0
-    if ctx.resume_from is not None:
-        start = load_trainer_state(ctx.resume_from, optimizer=optimizer, sampler=sampler).step
-        reporter.event("info", f"resumed from checkpoint at step {start}")
+    session = TrainingSession(start, hp, model, tokenizer, len(examples))
+    if session.finished_before:
+        return session.result
     reporter.event(
         "info",
         f"training on {len(examples)} examples ({len(val_examples)} validation) for "
         f"{hp.max_steps} steps on {device.type}",
     )
-
-    if start >= hp.max_steps and ctx.resume_from is not None:  # the final checkpoint was already written
-        return LoopResult(status="succeeded", output_path=ctx.resume_from)
     model.train()
-    last_eval: dict[str, float] = {}
 
-    def keep_work(s: int) -> object:  # a checkpoint of the steps done, when a cancel or pause stops us
-        return checkpointer.save(
-            s, model=model, tokenizer=tokenizer, optimizer=optimizer, sampler=sampler, metrics=last_eval
-        )
+    def final() -> Final:  # every training example, with the trained model: did it learn the data?
+        return Final(evaluate(model, examples, pad_id, device, "final"))
 
-    for step in range(start + 1, hp.max_steps + 1):
-        if stop_requested(reporter, step, start, checkpointer.saved, keep_work):
-            return LoopResult(status="cancelled", output_path=None)
+    for _ in session.steps():
         t0 = time.perf_counter()
-        batch = collate_examples([examples[i] for i in sampler.next_batch()], pad_id)
-        lr = warmup_constant_lr(step, base_lr=hp.lr, warmup_steps=hp.warmup_steps)
-        set_lr(optimizer, lr)
-
+        batch = collate_examples([examples[i] for i in session.sampler.next_batch()], pad_id)
         nll, hits, count = forward(model, batch, device)
         loss = nll / count.clamp(min=1)  # = sft_loss: mean over the batch's completion tokens
-        grad_norm = update_or_skip(
-            model,
-            optimizer,
-            loss,
-            max_grad_norm=hp.max_grad_norm,
-            step=step,
-            on_nonfinite=hp.on_nonfinite,
-            reporter=reporter,
-        )
+        grad_norm = session.update(loss)
 
         metrics: dict[str, float] = {}
-        if is_due(step, hp.log_every, hp.max_steps):
+        if session.log_due:
             stats = {
                 "loss": loss.detach(),
                 "token_accuracy": hits / count.clamp(min=1),
                 "grad_norm": grad_norm,
             }
-            metrics = to_floats(stats) | {
-                "lr": lr,
-                "perf/tokens_per_s": batch.n_tokens / (time.perf_counter() - t0),
-            }
-        if val_examples and is_due(step, hp.eval_every, hp.max_steps):
-            last_eval = evaluate(model, val_examples, pad_id, device, "eval")
-            metrics |= last_eval
-        if metrics:
-            reporter.log_metrics(step, metrics)
-        if is_due(step, hp.checkpoint_every, hp.max_steps):
-            final_step = step == hp.max_steps
-            if final_step:  # every training example, with the trained model: did it learn the data?
-                metrics = evaluate(model, examples, pad_id, device, "final")
-                reporter.log_metrics(step, metrics)
-            path = checkpointer.save(
-                step,
-                model=model,
-                tokenizer=tokenizer,
-                optimizer=optimizer,
-                sampler=sampler,
-                metrics=metrics | last_eval,
-            )
-            if final_step:
-                reporter.event("info", f"final model saved to {path}")
-                return LoopResult(status="succeeded", output_path=path, final_metrics=metrics)
-    raise AssertionError("unreachable: the last step always returns")
+            metrics = session.train_metrics(stats, batch.n_tokens, t0)
+        metrics |= session.evaluate(
+            val_examples, lambda: evaluate(model, val_examples, pad_id, device, "eval")
+        )
+        session.end_step(metrics, final)
+    return session.result

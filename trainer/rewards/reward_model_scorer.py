@@ -1,7 +1,7 @@
 """Scalar rewards from a trained reward model (a ``reward_model`` run's checkpoint) for prompt + completion.
 
 A sequence is built and scored exactly as the reward-model loop built and scored its training data
-(``trainer.loops.reward_data.tokenize_group`` and ``trainer.loops.reward_model.sequence_scores``): the
+(``trainer.data.reward.tokenize_group`` and ``trainer.models.sequence_scores``): the
 prompt text tokenized with the tokenizer's special tokens, then the completion without them plus EOS
 (unless EOS is the pad token), the completion keeping its first ``max_length`` tokens and the prompt cut
 from the left to fill the rest; the score is the head's output at the last non-pad token of the
@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from trainer.loops.common import pick_device
-from trainer.loops.reward_data import TokenizedGroup, collate_groups, tokenize_group
-from trainer.loops.reward_model import load_reward_model, read_reward_stats, sequence_scores
+from trainer.data.reward import TokenizedGroup, collate_groups, tokenize_group
+from trainer.models import load_reward_model, pick_device, read_reward_stats, sequence_scores
 
 log = logging.getLogger("rlrun.rewards")
 

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainer.data.prompts import render_prompt
+
 
 @dataclass(frozen=True)
 class TokenizedPair:
@@ -30,16 +32,6 @@ class PairBatch:
     @property
     def n_tokens(self) -> int:
         return int(self.attention_mask.sum())
-
-
-def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any) -> str:
-    """A chat prompt goes through the tokenizer's chat template (or a plain role: content fallback)."""
-    if isinstance(prompt, str):
-        return prompt
-    if getattr(tokenizer, "chat_template", None):
-        text: str = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return text
-    return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
 
 
 def tokenize_pair(

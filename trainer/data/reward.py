@@ -14,7 +14,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from trainer.loops.preference_data import render_prompt
+from trainer.data.prompts import render_prompt
 
 RewardDataKind = Literal["preference", "ranking"]
 

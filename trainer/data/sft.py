@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer.loops.preference_data import render_prompt
+from trainer.data.prompts import render_prompt
 
 IGNORE_INDEX = -100  # the Hugging Face / torch cross_entropy convention for "no loss at this label"
 

@@ -1,0 +1,193 @@
+"""Rollouts and their rewards, shared by the online-RL loops: sample G completions per prompt, score them
+with the verifiers / reward model, refill groups without signal (DAPO), summarise, store samples, and
+evaluate greedily on held-out prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainer.data.prompts import PromptSet
+from trainer.data.sampling import EpochSampler
+from trainer.rewards.composite import CompositeReward, RewardComponent, RewardResult
+from trainer.rewards.reward_model_scorer import RewardModelScorer
+from trainer.rewards.verifiers import Sample
+from trainer.rollout.base import Completion, RolloutEngine, SamplingParams
+from trainer.specs import OnlineRlHyperparameters, RewardSpec
+
+
+def build_reward(specs: Sequence[RewardSpec], resolve_model: Any, device: torch.device) -> CompositeReward:
+    """A CompositeReward for the spec's components (one reward-model scorer at most, loaded once)."""
+    scorer = None
+    for r in specs:
+        if r.name == "reward_model":
+            if scorer is not None:
+                raise ValueError("at most one reward_model component per reward")
+            scorer = RewardModelScorer(resolve_model(r.model), normalize=r.normalize, device=device)
+    components = [RewardComponent(name=r.name, weight=r.weight, params=r.params) for r in specs]
+    return CompositeReward(components, reward_model=scorer)
+
+
+def sampling_params(hp: OnlineRlHyperparameters, *, seed: int, greedy: bool = False) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=hp.max_new_tokens,
+        temperature=hp.temperature,
+        top_p=hp.top_p,
+        top_k=hp.top_k,
+        greedy=greedy or hp.temperature == 0,
+        seed=seed,
+    )
+
+
+def score(
+    completions: list[Completion],
+    prompts: PromptSet,
+    prompt_index: list[int],
+    reward: CompositeReward,
+    max_new_tokens: int,
+) -> RewardResult:
+    """Rewards of completions; ``prompt_index[i]`` is the PromptSet row of completion i."""
+    samples = [
+        Sample(
+            prompt=prompts.texts[j],
+            completion=c.text,
+            row=prompts.rows[j],
+            n_tokens=len(c.token_ids),
+            max_new_tokens=max_new_tokens,
+            truncated=c.finish_reason == "length",
+        )
+        for c, j in zip(completions, prompt_index, strict=True)
+    ]
+    return reward(samples)
+
+
+@dataclass
+class StepRollouts:
+    """The groups a step trains on: completions prompt-major, G per group."""
+
+    completions: list[Completion] = field(default_factory=list)
+    prompt_index: list[int] = field(default_factory=list)
+    total: list[float] = field(default_factory=list)
+    components: dict[str, list[float]] = field(default_factory=dict)
+    failures: int = 0
+    baseline: list[float] = field(default_factory=list)  # ReMax: greedy reward of each completion's prompt
+    groups_sampled: int = 0
+    zero_variance_groups: int = 0
+
+    @property
+    def rewards(self) -> RewardResult:
+        return RewardResult(total=self.total, components=self.components, failures=self.failures)
+
+    def add_group(
+        self, comps: list[Completion], j: int, result: RewardResult, sl: slice, base: float | None
+    ) -> None:
+        self.completions += comps
+        self.prompt_index += [j] * len(comps)
+        self.total += result.total[sl]
+        for name, values in result.components.items():
+            self.components.setdefault(name, []).extend(values[sl])
+        if base is not None:
+            self.baseline += [base] * len(comps)
+
+
+def collect_rollouts(
+    engine: RolloutEngine,
+    prompts: PromptSet,
+    sampler: EpochSampler,
+    reward: CompositeReward,
+    hp: OnlineRlHyperparameters,
+    *,
+    greedy_baseline: bool,
+    seed: int,
+) -> StepRollouts:
+    """``prompts_per_step`` groups of G completions. With dynamic sampling a group whose rewards are all
+    equal (no learning signal) is dropped and more prompts are sampled, up to ``max_refill_rounds`` extra
+    rounds; the step may end with fewer groups, never with a zero-variance one."""
+    G, out = hp.samples_per_prompt, StepRollouts()
+    for round_ in range(1 + (hp.max_refill_rounds if hp.dynamic_sampling else 0)):
+        idx = sampler.next_batch()
+        comps = engine.generate(
+            [prompts.ids[j] for j in idx], G, sampling_params(hp, seed=seed * 1009 + round_)
+        )
+        pidx = [idx[k // G] for k in range(len(comps))]
+        result = score(comps, prompts, pidx, reward, hp.max_new_tokens)
+        out.failures += result.failures
+        baselines: list[float] | None = None
+        if greedy_baseline:  # ReMax: one greedy rollout per prompt, its reward is the baseline
+            greedy = engine.generate(
+                [prompts.ids[j] for j in idx], 1, sampling_params(hp, seed=seed, greedy=True)
+            )
+            baselines = score(greedy, prompts, idx, reward, hp.max_new_tokens).total
+        for g, j in enumerate(idx):
+            sl = slice(g * G, (g + 1) * G)
+            out.groups_sampled += 1
+            flat = max(result.total[sl]) == min(result.total[sl])
+            out.zero_variance_groups += int(flat)
+            if (flat and hp.dynamic_sampling) or len(out.completions) >= hp.prompts_per_step * G:
+                continue
+            out.add_group(comps[sl], j, result, sl, baselines[g] if baselines is not None else None)
+        if len(out.completions) >= hp.prompts_per_step * G:
+            break
+    return out
+
+
+def rollout_metrics(completions: Sequence[Completion], rewards: RewardResult) -> dict[str, float]:
+    """reward/*, response/* for one step's rollouts (plain floats: called at log time)."""
+    total = torch.tensor(rewards.total, dtype=torch.float64)
+    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
+    out = {
+        "reward/mean": float(total.mean()),
+        "reward/std": float(total.std(unbiased=False)),
+        "reward/min": float(total.min()),
+        "reward/max": float(total.max()),
+        "reward/failures": float(rewards.failures),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+    }
+    for name, values in rewards.components.items():
+        out[f"reward/{name}/mean"] = float(torch.tensor(values, dtype=torch.float64).mean())
+    return out
+
+
+def sample_records(
+    completions: Sequence[Completion],
+    prompts: PromptSet,
+    prompt_index: list[int],
+    rewards: RewardResult,
+    limit: int,
+) -> list[dict[str, Any]]:
+    """A few completions with their rewards, for ``GET /v1/runs/{id}/samples``."""
+    out = []
+    for i, (c, j) in enumerate(zip(completions, prompt_index, strict=True)):
+        if i >= limit:
+            break
+        out.append(
+            {
+                "prompt": prompts.texts[j],
+                "completion": c.text,
+                "reward": rewards.total[i],
+                "components": {k: v[i] for k, v in rewards.components.items()},
+                "finish_reason": c.finish_reason,
+            }
+        )
+    return out
+
+
+def evaluate_greedy(
+    engine: RolloutEngine, prompts: PromptSet, reward: CompositeReward, hp: OnlineRlHyperparameters, seed: int
+) -> dict[str, float]:
+    """Greedy completions of held-out prompts scored by ``reward``: ``eval/accuracy`` is its mean
+    (the fraction correct for a 0/1 verifier such as exact_match)."""
+    if not prompts.ids:
+        return {}
+    completions = engine.generate(prompts.ids, 1, sampling_params(hp, seed=seed, greedy=True))
+    result = score(completions, prompts, list(range(len(prompts.ids))), reward, hp.max_new_tokens)
+    lengths = [len(c.token_ids) for c in completions]
+    return {
+        "eval/accuracy": sum(result.total) / len(result.total),
+        "eval/response_length": sum(lengths) / len(lengths),
+    }

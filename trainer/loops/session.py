@@ -1,0 +1,229 @@
+"""The skeleton every training loop shares, written once: start, resume, stop, schedule, cadence, save.
+
+A loop file keeps only what is its own (its data, its step body, its final metrics) and reads like this::
+
+    start = begin(ctx, reporter, spec.model, hp.seed)  # resolve the model, then seed (in that order)
+    model, tokenizer = load(start.model_path)
+    rows = prepare(data)
+    session = TrainingSession(start, hp, model, tokenizer, len(rows))  # optimizer, sampler, resume
+    if session.finished_before:
+        return session.result
+    for step in session.steps():                       # stops (keeping the work) on cancel or pause
+        loss = ...                                     # the loop's own step body
+        session.update(loss)
+        session.end_step(metrics, final=...)           # log; checkpoint when due; final save at the end
+    return session.result
+
+A new run phase that every loop goes through (before the first step, between steps, at the end) is one
+change here; a phase of one run kind is one change in that loop's file.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sized
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoints import Checkpointer, load_trainer_state
+from trainer.data.sampling import EpochSampler
+from trainer.loops.common import (
+    is_due,
+    make_optimizer,
+    seed_everything,
+    set_lr,
+    stop_requested,
+    to_floats,
+    update_or_skip,
+    warmup_constant_lr,
+)
+from trainer.models import load_causal_lm, pick_device
+from trainer.reporting import LoopContext, LoopResult, Reporter
+from trainer.specs import TrainingHyperparameters
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a run starts from: its context and reporter, the model folder to load (the checkpoint when
+    resuming), the data-order generator and the device."""
+
+    ctx: LoopContext
+    reporter: Reporter
+    model_path: str
+    generator: torch.Generator
+    device: torch.device
+
+
+def begin(ctx: LoopContext, reporter: Reporter, model: str, seed: int) -> Start:
+    """Resolve ``model`` (or take the checkpoint being resumed), then seed. Building a tiny preset on first
+    use draws from torch's RNG, so a loop resolves every other model it needs before calling this."""
+    model_path = str(ctx.resume_from) if ctx.resume_from else ctx.resolve_model(model)
+    return Start(ctx, reporter, model_path, seed_everything(seed), pick_device())
+
+
+def load_policy(start: Start) -> tuple[Any, Any]:
+    """The causal LM to train (the checkpoint when resuming) on the run's device, and its tokenizer."""
+    model, tokenizer = load_causal_lm(start.model_path)
+    model.to(start.device)
+    return model, tokenizer
+
+
+@dataclass(frozen=True)
+class Final:
+    """What a loop adds at its last step: metrics over the whole data, files saved with the model, and how
+    the closing event names the model."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    files: dict[str, str] = field(default_factory=dict)
+    label: str = "model"
+    note: str = ""
+
+
+class TrainingSession:
+    """Optimizer, data sampler, checkpoints and resume of one run; steps with stop checks and the LR
+    schedule; logging and checkpoint cadence; the final save.
+
+    ``extra_state`` (set by the loop) returns what else a checkpoint must hold to resume exactly (the KL
+    coefficient, a critic, precomputed reference log-probs); on resume ``extra`` holds what it returned.
+    ``schedule`` maps a step to its learning rate (default: linear warmup, then constant).
+    """
+
+    def __init__(
+        self,
+        start: Start,
+        hp: TrainingHyperparameters,
+        model: Any,
+        tokenizer: Any,
+        n_rows: int,
+        *,
+        batch_size: int | None = None,
+        schedule: Callable[[int], float] | None = None,
+    ):
+        """``n_rows`` rows are sampled ``batch_size`` (default ``hp.batch_size``) at a time."""
+        ctx, reporter = start.ctx, start.reporter
+        self.hp, self.reporter, self.ctx, self.device = hp, reporter, ctx, start.device
+        self.model, self.tokenizer = model, tokenizer
+        self.optimizer = make_optimizer(model, hp.lr, hp.weight_decay)
+        self.sampler = EpochSampler(n_rows, batch_size or hp.batch_size, start.generator)
+        self.generator = start.generator
+        self.checkpointer = Checkpointer(
+            ctx.checkpoint_dir,
+            reporter,
+            keep_last=hp.keep_last_checkpoints,
+            best_metric=hp.best_metric,
+            best_mode=hp.best_mode,
+        )
+        self.schedule = schedule or (
+            lambda s: warmup_constant_lr(s, base_lr=hp.lr, warmup_steps=hp.warmup_steps)
+        )
+        self.extra_state: Callable[[], dict[str, Any]] = dict
+        self.extra: dict[str, Any] = {}
+        self.last_eval: dict[str, float] = {}  # the latest held-out metrics, kept with every checkpoint
+        self.first = self.step = 0
+        self.lr = 0.0
+        self._result: LoopResult | None = None
+        if ctx.resume_from is not None:
+            resumed = load_trainer_state(ctx.resume_from, optimizer=self.optimizer, sampler=self.sampler)
+            self.first = self.step = resumed.step
+            self.extra = resumed.extra
+            reporter.event("info", f"resumed from checkpoint at step {self.first}")
+            if self.first >= hp.max_steps:  # an earlier attempt wrote the final checkpoint
+                self._result = LoopResult(status="succeeded", output_path=ctx.resume_from)
+
+    @property
+    def resumed(self) -> bool:
+        return self.ctx.resume_from is not None
+
+    @property
+    def finished_before(self) -> bool:
+        """True when the checkpoint being resumed is already the final one: nothing is left to do."""
+        return self._result is not None
+
+    @property
+    def result(self) -> LoopResult:
+        if self._result is None:
+            raise RuntimeError("the loop ended before its last step was closed with end_step")
+        return self._result
+
+    def steps(self) -> Iterator[int]:
+        """The steps left, each with its learning rate set; ends early (result: cancelled) when a cancel or
+        pause asks to stop, after a checkpoint of the steps done since the start or the last save."""
+        for step in range(self.first + 1, self.hp.max_steps + 1):
+            if stop_requested(self.reporter, step, self.first, self.checkpointer.saved, self._keep_work):
+                self._result = LoopResult(status="cancelled", output_path=None)
+                return
+            self.step = step
+            self.lr = self.schedule(step)
+            set_lr(self.optimizer, self.lr)
+            yield step
+
+    def _keep_work(self, step: int) -> Path:
+        return self.save(step, self.last_eval)
+
+    @property
+    def log_due(self) -> bool:
+        return is_due(self.step, self.hp.log_every, self.hp.max_steps)
+
+    @property
+    def eval_due(self) -> bool:
+        return is_due(self.step, self.hp.eval_every, self.hp.max_steps)
+
+    @property
+    def last_step(self) -> bool:
+        return self.step == self.hp.max_steps
+
+    def train_metrics(self, stats: dict[str, Any], n_tokens: int, t0: float) -> dict[str, float]:
+        """A step's logged metrics: ``stats`` as floats (one host sync each), the learning rate, and the
+        tokens per second since ``t0``."""
+        return to_floats(stats) | {"lr": self.lr, "perf/tokens_per_s": n_tokens / (time.perf_counter() - t0)}
+
+    def evaluate(self, held_out: Sized, run: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """``run()`` when there is held-out data and an evaluation is due (kept as ``last_eval``), else {}."""
+        if not len(held_out) or not self.eval_due:
+            return {}
+        self.last_eval = run()
+        return self.last_eval
+
+    def update(self, loss: torch.Tensor) -> Any:
+        """One optimizer step on ``loss`` honouring ``on_nonfinite``; returns the pre-clip gradient norm."""
+        return update_or_skip(
+            self.model,
+            self.optimizer,
+            loss,
+            max_grad_norm=self.hp.max_grad_norm,
+            step=self.step,
+            on_nonfinite=self.hp.on_nonfinite,
+            reporter=self.reporter,
+        )
+
+    def end_step(self, metrics: dict[str, float], final: Callable[[], Final] | None = None) -> None:
+        """Log ``metrics``; save a checkpoint when one is due; at the last step run ``final``, log its
+        metrics, save the final model (with its files) and close the run as succeeded."""
+        if metrics:
+            self.reporter.log_metrics(self.step, metrics)
+        if not is_due(self.step, self.hp.checkpoint_every, self.hp.max_steps):
+            return
+        if not self.last_step:
+            self.save(self.step, metrics | self.last_eval)
+            return
+        end = final() if final is not None else Final()
+        if end.metrics:
+            self.reporter.log_metrics(self.step, end.metrics)
+        path = self.save(self.step, metrics | end.metrics | self.last_eval, files=end.files)
+        self.reporter.event("info", f"final {end.label} saved to {path}{end.note}")
+        self._result = LoopResult(status="succeeded", output_path=path, final_metrics=end.metrics or metrics)
+
+    def save(self, step: int, metrics: dict[str, float], files: dict[str, str] | None = None) -> Path:
+        return self.checkpointer.save(
+            step,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            optimizer=self.optimizer,
+            sampler=self.sampler,
+            metrics=metrics,
+            extra=self.extra_state(),
+            files=files,
+        )

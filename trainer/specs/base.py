@@ -1,0 +1,173 @@
+"""What every run spec shares: optimiser, schedule, eval and checkpoint settings; model, datasets,
+queue and validation split. Torch-free (the API imports it)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainer.lr_defaults import default_learning_rate, preset_params_of
+from trainer.specs.refs import (
+    DATASET_REFERENCE,
+    MODEL_REF_DOC,
+    MODEL_REFERENCE,
+    check_model_ref,
+    refuse_nul,
+    spec_references,
+)
+
+# Names of the algorithm registries in trainer/algorithms; a test checks they match the registry keys.
+PreferenceLossName = Literal["sigmoid", "cdpo", "robust", "ipo", "hinge"]
+AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "reinforce_baseline", "remax"]
+PolicyLossName = Literal["ppo_clip", "vanilla"]
+KlEstimatorName = Literal["k1", "k2", "k3", "abs"]
+AggregationName = Literal[
+    "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
+]
+KlControllerName = Literal["fixed", "adaptive"]
+
+LR_DOC = (
+    "AdamW learning rate (after warmup). Default: by the run family and the model's size "
+    "(trainer/lr_defaults.py: 1e-3 for the tiny presets, TRL's and Tülu 3's rates for 1B-70B models); the "
+    "stored spec holds the rate picked."
+)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TrainingHyperparameters(_Frozen):
+    """Optimiser, schedule, evaluation and checkpoint settings shared by every run type."""
+
+    learning_rate: float | None = Field(
+        default=None,
+        gt=0,
+        le=1.0,
+        description=LR_DOC,
+    )
+    family: ClassVar[str] = "online_rl"  # which column of trainer/lr_defaults.py's table
+    weight_decay: float = Field(default=0.0, ge=0, le=10.0, description="AdamW weight decay.")
+    warmup_steps: int = Field(
+        default=0, ge=0, le=1_000_000, description="Linear learning-rate warmup from 0."
+    )
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient norm clip.")
+    batch_size: int = Field(default=8, ge=1, le=4096, description="Examples per optimizer step.")
+    max_steps: int = Field(default=100, ge=1, le=10_000_000, description="Optimizer steps to run.")
+    max_length: int = Field(default=256, ge=2, le=131_072, description="Longest sequence in tokens.")
+    seed: int = Field(
+        default=0, description="Seed for data order and dropout (a tiny preset has fixed weights)."
+    )
+    log_every: int = Field(default=1, ge=1, description="Log training metrics every N steps.")
+    eval_every: int = Field(
+        default=0, ge=0, description="Evaluate on the validation set every N steps (0: only at the end)."
+    )
+    checkpoint_every: int = Field(
+        default=0, ge=0, description="Save a resumable checkpoint every N steps (0: only the final model)."
+    )
+    keep_last_checkpoints: int = Field(
+        default=2, ge=1, le=1000, description="Checkpoints kept, newest first."
+    )
+    best_metric: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_./-]{1,200}$",
+        description="Also keep the checkpoint best by this metric (e.g. `eval/loss`), besides the newest.",
+    )
+    best_mode: Literal["min", "max"] = Field(default="min", description="Whether lower or higher is better.")
+    on_nonfinite: Literal["fail", "skip"] = Field(
+        default="fail",
+        description="NaN/inf loss or gradient: fail the run naming the step, or skip the batch (an event).",
+    )
+
+    @property
+    def lr(self) -> float:
+        """The learning rate to train with: the spec's (given, or picked at submit), else the unknown-size
+        row of the defaults table (a spec built outside the API)."""
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return default_learning_rate(self.family, None)
+
+
+class _RunSpecBase(_Frozen):
+    spec_version: Literal[1] = Field(default=1, description="Version of this spec's schema.")
+    name: str | None = Field(default=None, max_length=200, description="Free-form label.")
+    model: str = Field(min_length=1, description=MODEL_REF_DOC, json_schema_extra=MODEL_REFERENCE)
+    dataset_id: uuid.UUID = Field(description="Training dataset.", json_schema_extra=DATASET_REFERENCE)
+    validation_dataset_id: uuid.UUID | None = Field(
+        default=None,
+        description="Validation dataset of the same kind (evaluated every `eval_every` steps).",
+        json_schema_extra=DATASET_REFERENCE,
+    )
+    queue: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="Worker queue this run is sent to (workers consume one with RLRUN_QUEUE, e.g. `gpu` or "
+        "`cpu`); default: the server's RLRUN_QUEUE.",
+    )
+    validation_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=0.5,
+        description="Hold out this fraction of the training rows (split by `seed`) when no validation set.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_learning_rate(cls, data: Any) -> Any:
+        """A tiny preset's size is known from its name: fill a missing learning rate here. Other models'
+        sizes are read at submit (api/services/references.py: ``with_default_learning_rate``)."""
+        model = data.get("model") if isinstance(data, dict) else None
+        n_params = preset_params_of(model) if isinstance(model, str) else None
+        if n_params is None:
+            return data
+        hp = data.get("hyperparameters", {})
+        given = hp.get("learning_rate") if isinstance(hp, dict) else getattr(hp, "learning_rate", 0)
+        if given is not None:
+            return data
+        rate = default_learning_rate(str(data.get("algorithm", "")), n_params)
+        if isinstance(hp, BaseModel):
+            return {**data, "hyperparameters": hp.model_copy(update={"learning_rate": rate})}
+        return {**data, "hyperparameters": {**hp, "learning_rate": rate}}
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, v: str) -> str:
+        return check_model_ref(v)
+
+    @field_validator("name")
+    @classmethod
+    def _name_without_nul(cls, v: str | None) -> str | None:
+        return refuse_nul(v, "name")  # type: ignore[no-any-return]
+
+    @model_validator(mode="after")
+    def _one_validation_source(self) -> _RunSpecBase:
+        if self.validation_dataset_id is not None and self.validation_fraction > 0:
+            raise ValueError("give validation_dataset_id or validation_fraction, not both")
+        return self
+
+    @property
+    def model_refs(self) -> dict[str, str]:
+        """Every model reference in the spec, by field path (``rewards[0].model``)."""
+        return {r.field: r.value for r in spec_references(self) if r.kind == "model"}
+
+    @property
+    def total_steps(self) -> int:
+        steps: int = self.hyperparameters.max_steps  # type: ignore[attr-defined]
+        return steps
+
+
+class _ReferencedSpecBase(_RunSpecBase):
+    reference_model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Frozen reference model (DPO's implicit reward, the RL KL term); default: the starting "
+        "model. " + MODEL_REF_DOC,
+        json_schema_extra=MODEL_REFERENCE,
+    )
+
+    @field_validator("reference_model")
+    @classmethod
+    def _check_reference(cls, v: str | None) -> str | None:
+        return None if v is None else check_model_ref(v)

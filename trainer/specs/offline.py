@@ -1,0 +1,88 @@
+"""Run specs trained on a fixed dataset: SFT, reward model, DPO."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from trainer.specs.base import (
+    PreferenceLossName,
+    TrainingHyperparameters,
+    _ReferencedSpecBase,
+    _RunSpecBase,
+)
+
+
+class DpoHyperparameters(TrainingHyperparameters):
+    """Direct Preference Optimization (Rafailov et al. 2023) and its loss variants."""
+
+    family: ClassVar[str] = "dpo"
+
+    loss_type: PreferenceLossName = Field(
+        default="sigmoid",
+        description="Preference loss: sigmoid (DPO), cdpo (label smoothing), robust (rDPO), ipo, hinge.",
+    )
+    beta: float = Field(
+        default=0.1, gt=0, le=100.0, description="Strength of the implicit KL constraint to the reference."
+    )
+    label_smoothing: float = Field(
+        default=0.0, ge=0, lt=0.5, description="Assumed label-noise rate; used by cdpo and robust only."
+    )
+    max_prompt_length: int = Field(
+        default=128, ge=1, description="Longest prompt in tokens (cut from the left)."
+    )
+
+    @model_validator(mode="after")
+    def _prompt_fits(self) -> DpoHyperparameters:
+        if self.max_prompt_length >= self.max_length:
+            raise ValueError("max_prompt_length must be smaller than max_length")
+        if self.label_smoothing > 0 and self.loss_type not in ("cdpo", "robust"):
+            raise ValueError("label_smoothing applies only to loss_type 'cdpo' or 'robust'")
+        return self
+
+
+class SftHyperparameters(TrainingHyperparameters):
+    """Supervised fine-tuning: next-token cross-entropy on completion tokens only."""
+
+    family: ClassVar[str] = "sft"
+
+
+class RewardModelHyperparameters(TrainingHyperparameters):
+    """A scalar reward head on the LM, trained with Bradley-Terry pairs or InstructGPT K-wise rankings."""
+
+    family: ClassVar[str] = "reward_model"
+
+    center_coef: float = Field(
+        default=0.0,
+        ge=0,
+        le=10.0,
+        description="Centering regulariser c * mean((s_chosen + s_rejected)^2) (Eisenstein et al. 2023).",
+    )
+    use_margin: bool = Field(
+        default=True, description="Use a preference row's `margin` (if present) in the Bradley-Terry loss."
+    )
+
+
+class DpoSpec(_ReferencedSpecBase):
+    """A DPO run: a policy trained on preference pairs against a frozen reference model."""
+
+    algorithm: Literal["dpo"] = Field(description="Run type.")
+    hyperparameters: DpoHyperparameters = Field(default_factory=DpoHyperparameters)
+    dataset_kinds: ClassVar[tuple[str, ...]] = ("preference",)
+
+
+class SftSpec(_RunSpecBase):
+    """Supervised fine-tuning on prompt/completion pairs or chat conversations."""
+
+    algorithm: Literal["sft"] = Field(description="Run type.")
+    hyperparameters: SftHyperparameters = Field(default_factory=SftHyperparameters)
+    dataset_kinds: ClassVar[tuple[str, ...]] = ("sft",)
+
+
+class RewardModelSpec(_RunSpecBase):
+    """A reward model: the LM with a scalar head, on preference pairs or K-way rankings."""
+
+    algorithm: Literal["reward_model"] = Field(description="Run type.")
+    hyperparameters: RewardModelHyperparameters = Field(default_factory=RewardModelHyperparameters)
+    dataset_kinds: ClassVar[tuple[str, ...]] = ("preference", "ranking")

@@ -1,0 +1,381 @@
+"""Online RL run specs: the group family (GRPO, Dr.GRPO, DAPO, RLOO, REINFORCE, ReMax) and PPO / VC-PPO.
+
+An algorithm name is a preset: it fills the hyperparameters it names (``GROUP_PRESETS``, ``PPO_PRESETS``)
+unless the user gave them. The fill happens before validation (``_with_preset``), so a validated spec is
+complete: no preset field is ever None, loops read every value as it is, and the stored spec is the
+resolved one. Torch-free (the API imports it).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from trainer.specs.base import (
+    AdvantageName,
+    AggregationName,
+    KlControllerName,
+    KlEstimatorName,
+    PolicyLossName,
+    TrainingHyperparameters,
+    _Frozen,
+    _ReferencedSpecBase,
+)
+from trainer.specs.refs import (
+    CRITIC_MODEL_REFERENCE,
+    DATASET_REFERENCE,
+    MODEL_REF_DOC,
+    REWARD_MODEL_REFERENCE,
+    check_model_ref,
+    refuse_nul,
+)
+
+PRESET_MARK = "x-rlrun-preset"
+
+
+def _preset_field_schema(schema: dict[str, Any]) -> None:
+    """A preset field's schema names no default (the algorithm's preset supplies it) and carries a mark."""
+    schema.pop("default", None)
+    schema[PRESET_MARK] = True
+
+
+def preset_field(default: Any, description: str, **constraints: Any) -> Any:
+    """A hyperparameter the algorithm's preset fills when the user leaves it out. ``default`` only serves
+    hyperparameters built outside a spec (the spec always applies its preset first)."""
+    return Field(
+        default=default,
+        description=description + " Default: the algorithm's preset.",
+        json_schema_extra=_preset_field_schema,
+        **constraints,
+    )
+
+
+def _with_preset(data: Any, preset: Mapping[str, Any]) -> Any:
+    """Raw spec input with every preset hyperparameter the user left out (or sent as null) taken from
+    ``preset``; anything else is returned as it is, for validation to refuse."""
+    if not isinstance(data, dict):
+        return data
+    hp = data.get("hyperparameters", {})
+    if isinstance(hp, BaseModel):  # built in Python: only the fields its author set count as given
+        hp = {k: getattr(hp, k) for k in hp.model_fields_set}
+    if not isinstance(hp, dict):
+        return data
+    given = {k: v for k, v in hp.items() if not (k in preset and v is None)}
+    return {**data, "hyperparameters": {**preset, **given}}
+
+
+VerifierName = Literal["exact_match", "numeric", "regex", "format", "length_penalty", "overlong_penalty"]
+GroupAlgorithm = Literal[
+    "grpo", "dr_grpo", "dapo", "rloo", "reinforce", "reinforce_pp", "reinforce_baseline", "remax"
+]
+
+
+class RewardSpec(_Frozen):
+    """One reward component: a rule-based verifier or a reward model, weighted into the total reward."""
+
+    name: VerifierName | Literal["reward_model"] = Field(
+        description="exact_match, numeric (last number, `#### N` or `\\boxed{}`), regex, format "
+        "(<think>...</think><answer>...</answer>), length_penalty, overlong_penalty (DAPO), or reward_model."
+    )
+    weight: float = Field(default=1.0, ge=-100, le=100, description="Multiplier in the weighted sum.")
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description='Verifier keyword arguments, e.g. {"tolerance": 1e-6} for numeric, {"pattern": ...} '
+        'for regex, {"cache_tokens": 16} for overlong_penalty, {"target_tokens": 32} for length_penalty.',
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="reward_model only: `run:<id>` of a reward-model run (`stage:<name>` in a pipeline), or "
+        "a model folder whose config names a `...ForSequenceClassification` architecture.",
+        json_schema_extra=REWARD_MODEL_REFERENCE,
+    )
+    normalize: bool = Field(
+        default=True, description="reward_model only: standardise scores with the run's stored mean and std."
+    )
+
+    @model_validator(mode="after")
+    def _model_iff_reward_model(self) -> RewardSpec:
+        if (self.name == "reward_model") != (self.model is not None):
+            raise ValueError("`model` is required for name 'reward_model' and not allowed otherwise")
+        if self.model is not None:
+            check_model_ref(self.model)
+        return self
+
+    @field_validator("params")
+    @classmethod
+    def _params_without_nul(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return refuse_nul(v, "params")  # type: ignore[no-any-return]
+
+
+class OnlineRlHyperparameters(TrainingHyperparameters):
+    """Online RL: sample -> reward -> advantage -> clipped policy-gradient epochs (see docs/algorithms.md)."""
+
+    max_steps: int = Field(
+        default=100, ge=1, le=1_000_000, description="RL steps (each: rollouts + updates)."
+    )
+    prompts_per_step: int = Field(default=8, ge=1, le=4096, description="Prompts sampled per RL step.")
+    samples_per_prompt: int = Field(default=4, ge=1, le=256, description="Completions per prompt (G).")
+    max_prompt_length: int = Field(
+        default=128, ge=1, le=65_536, description="Prompt tokens (cut from the left)."
+    )
+    max_new_tokens: int = Field(default=64, ge=1, le=65_536, description="Generation budget per completion.")
+    temperature: float = Field(default=1.0, ge=0, le=10, description="Sampling temperature (0: greedy).")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling (0: off).")
+    engine: Literal["hf", "vllm"] = Field(
+        default="hf", description="Rollout engine: hf (transformers generate) or vllm (GPU extra)."
+    )
+    policy_loss: PolicyLossName = preset_field("ppo_clip", "Policy loss: ppo_clip or vanilla.")
+    loss_aggregation: AggregationName = preset_field(
+        "token_mean", "How per-token losses become one number (docs/algorithms.md)."
+    )
+    ppo_epochs: int = Field(default=1, ge=1, le=64, description="Passes over each step's rollouts.")
+    minibatch_size: int | None = Field(
+        default=None, ge=1, description="Completions per optimizer step (default: all of a step's rollouts)."
+    )
+    clip_low: float = Field(
+        default=0.2, gt=0, lt=1, description="PPO clip epsilon below 1 (ratio >= 1 - low)."
+    )
+    clip_high: float = preset_field(0.2, "Clip epsilon above 1; > clip_low is DAPO clip-higher.", gt=0, le=10)
+    dual_clip: float | None = Field(
+        default=None, gt=1, description="Dual-clip constant c > 1 (Ye et al. 2020)."
+    )
+    kl_coef: float = preset_field(0.0, "KL-to-reference coefficient.", ge=0, le=100)
+    kl_estimator: KlEstimatorName = Field(default="k3", description="k1, k2, k3 or abs (Schulman 2020).")
+    kl_placement: Literal["loss", "reward"] = Field(
+        default="loss", description="KL as a loss term (GRPO) or folded into per-token rewards (RLHF recipe)."
+    )
+    kl_controller: KlControllerName = Field(default="fixed", description="fixed, or adaptive (Ziegler 2019).")
+    kl_target: float = Field(default=6.0, gt=0, description="adaptive controller: target KL.")
+    kl_horizon: int = Field(default=10_000, ge=1, description="adaptive controller: horizon.")
+    entropy_coef: float = Field(default=0.0, ge=0, le=10, description="Entropy bonus coefficient.")
+    dynamic_sampling: bool = preset_field(
+        False, "Drop zero-variance groups and sample more prompts to refill (DAPO)."
+    )
+    max_refill_rounds: int = Field(
+        default=3, ge=0, le=32, description="Extra sampling rounds to refill a step."
+    )
+    mask_truncated: bool = Field(default=False, description="Give completions cut at max_new_tokens no loss.")
+    sample_every: int = Field(
+        default=10, ge=0, description="Store sample completions every N steps (0: never)."
+    )
+    samples_to_store: int = Field(default=4, ge=0, le=64, description="How many completions to store then.")
+
+    @model_validator(mode="after")
+    def _fits(self) -> OnlineRlHyperparameters:
+        if self.max_prompt_length + self.max_new_tokens > self.max_length:
+            raise ValueError("max_prompt_length + max_new_tokens must not exceed max_length")
+        if self.dynamic_sampling and self.samples_per_prompt < 2:
+            raise ValueError(
+                "dynamic_sampling needs samples_per_prompt >= 2 (a group of one has no variance)"
+            )
+        return self
+
+
+class GroupRlHyperparameters(OnlineRlHyperparameters):
+    """The group family: advantages from the rewards of the G completions of each prompt (no critic)."""
+
+    advantage: AdvantageName = preset_field("grpo", "Advantage estimator (docs/algorithms.md).")
+
+
+GROUP_PRESETS: dict[str, dict[str, Any]] = {
+    # Shao et al. 2024 (DeepSeekMath): std-normalised group advantage, k3 KL in the loss, 1/|o| per sequence.
+    "grpo": {
+        "advantage": "grpo",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "seq_mean_token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.04,
+        "dynamic_sampling": False,
+    },
+    # Liu et al. 2025: no std division, no length normalisation (constant normaliser), no KL.
+    "dr_grpo": {
+        "advantage": "dr_grpo",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "seq_mean_token_sum_norm",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+    # Yu et al. 2025: clip-higher, token-level loss, dynamic sampling, no KL.
+    "dapo": {
+        "advantage": "grpo",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.28,
+        "kl_coef": 0.0,
+        "dynamic_sampling": True,
+    },
+    "rloo": {
+        "advantage": "rloo",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+    "reinforce": {
+        "advantage": "reinforce",
+        "policy_loss": "vanilla",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+    "reinforce_pp": {
+        "advantage": "reinforce_pp",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+    "reinforce_baseline": {
+        "advantage": "reinforce_baseline",
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+    # Li et al. 2023: the greedy completion's reward is the baseline.
+    "remax": {
+        "advantage": "remax",
+        "policy_loss": "vanilla",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": False,
+    },
+}
+
+
+class _OnlineRlSpecBase(_ReferencedSpecBase):
+    dataset_id: uuid.UUID = Field(
+        description="A dataset of kind `prompts` ({prompt, answer?, meta}).",
+        json_schema_extra=DATASET_REFERENCE,
+    )
+    rewards: list[RewardSpec] = Field(min_length=1, max_length=16, description="Reward components, summed.")
+    eval_rewards: list[RewardSpec] | None = Field(
+        default=None,
+        description="Held-out metric on the validation prompts (greedy), e.g. exact_match; logged as "
+        "`eval/accuracy` every `eval_every` steps. Default: the training rewards.",
+    )
+    dataset_kinds: ClassVar[tuple[str, ...]] = ("prompts",)
+
+
+class GroupRlSpec(_OnlineRlSpecBase):
+    """Group / leave-one-out family: G completions per prompt, advantages from their rewards (no critic)."""
+
+    algorithm: GroupAlgorithm = Field(
+        description="Preset: grpo, dr_grpo, dapo, rloo, reinforce, reinforce_pp, reinforce_baseline, remax. "
+        "Each fills advantage, policy_loss, loss_aggregation, clip_high, kl_coef and dynamic_sampling "
+        "unless given."
+    )
+    hyperparameters: GroupRlHyperparameters = Field(default_factory=GroupRlHyperparameters)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        algorithm = data.get("algorithm") if isinstance(data, dict) else None
+        return _with_preset(data, GROUP_PRESETS[algorithm]) if algorithm in GROUP_PRESETS else data
+
+    @model_validator(mode="after")
+    def _remax_baseline(self) -> GroupRlSpec:
+        if self.hyperparameters.advantage == "remax" and self.algorithm != "remax":
+            raise ValueError(
+                "the remax advantage needs algorithm 'remax' (it adds the greedy baseline rollout)"
+            )
+        return self
+
+
+PpoAlgorithm = Literal["ppo", "vc_ppo"]
+
+
+class PpoHyperparameters(OnlineRlHyperparameters):
+    """PPO with a learned critic and GAE (Schulman et al. 2017; Ouyang et al. 2022), and VC-PPO
+    (Yuan et al. 2025: value pretraining, decoupled and length-adaptive lambda)."""
+
+    samples_per_prompt: int = Field(default=1, ge=1, le=256, description="Completions per prompt.")
+    kl_estimator: KlEstimatorName = Field(default="k1", description="k1, k2, k3 or abs (Schulman 2020).")
+    kl_placement: Literal["loss", "reward"] = Field(
+        default="reward", description="KL folded into per-token rewards (RLHF recipe) or added to the loss."
+    )
+    gamma: float = Field(default=1.0, gt=0, le=1, description="GAE discount.")
+    lam: float = preset_field(0.95, "Actor GAE lambda.", ge=0, le=1)
+    critic_lam: float = preset_field(
+        0.95, "Critic (value target) GAE lambda; VC-PPO decouples it (1.0).", ge=0, le=1
+    )
+    length_adaptive_alpha: float | None = preset_field(
+        None, "VC-PPO: actor lambda per sequence = 1 - 1/(alpha * length); null keeps `lam` fixed.", gt=0
+    )
+    value_clip: float | None = Field(
+        default=0.2, gt=0, description="Clipped value loss range (None: unclipped)."
+    )
+    vf_coef: float = Field(default=0.5, gt=0, le=100, description="Value-loss weight.")
+    critic_learning_rate: float | None = Field(
+        default=None, gt=0, le=1.0, description="Critic AdamW learning rate (default: learning_rate)."
+    )
+    value_pretrain_steps: int = preset_field(
+        0, "Steps that train only the critic before the actor.", ge=0, le=100_000
+    )
+    whiten_advantages: bool = Field(default=True, description="Standardise advantages over valid tokens.")
+
+
+PPO_PRESETS: dict[str, dict[str, Any]] = {
+    "ppo": {
+        "lam": 0.95,
+        "critic_lam": 0.95,
+        "value_pretrain_steps": 0,
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.05,
+        "dynamic_sampling": False,
+    },
+    # Yuan et al. 2025: critic lambda 1 (unbiased value targets), actor lambda adapted to the length,
+    # and the value model pretrained on the initial policy's rollouts before any actor update.
+    "vc_ppo": {
+        "lam": 0.95,
+        "critic_lam": 1.0,
+        "length_adaptive_alpha": 0.05,
+        "value_pretrain_steps": 10,
+        "policy_loss": "ppo_clip",
+        "loss_aggregation": "token_mean",
+        "clip_high": 0.2,
+        "kl_coef": 0.05,
+        "dynamic_sampling": False,
+    },
+}
+
+
+class PpoSpec(_OnlineRlSpecBase):
+    """PPO family: token-level advantages from a critic (value head) with GAE."""
+
+    algorithm: PpoAlgorithm = Field(description="Preset: ppo or vc_ppo (fills the fields left unset).")
+    critic_model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Critic initialisation: default the starting policy with a fresh value head; or a "
+        "reward-model run (`run:<id>`), the InstructGPT recipe. " + MODEL_REF_DOC,
+        json_schema_extra=CRITIC_MODEL_REFERENCE,
+    )
+    hyperparameters: PpoHyperparameters = Field(default_factory=PpoHyperparameters)
+
+    @field_validator("critic_model")
+    @classmethod
+    def _check_critic(cls, v: str | None) -> str | None:
+        return None if v is None else check_model_ref(v)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        hp = data.get("hyperparameters") if isinstance(data, dict) else None
+        if isinstance(hp, dict) and hp.get("advantage") is not None:
+            raise ValueError("PPO takes its advantages from GAE; `advantage` is for the group family")
+        algorithm = data.get("algorithm") if isinstance(data, dict) else None
+        return _with_preset(data, PPO_PRESETS[algorithm]) if algorithm in PPO_PRESETS else data
