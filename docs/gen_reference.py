@@ -289,7 +289,7 @@ def presets_section(doc: Mapping[str, Any]) -> list[str]:
         "## Presets",
         "",
         "An online-RL `algorithm` names a preset that fills the hyperparameters left unset (null); the",
-        "stored spec holds the resolved values. From `trainer/specs.py`:",
+        "stored spec holds the resolved values. From `trainer/specs/online.py`:",
         "",
     ]
     for title, spec_name, presets in (
