@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from api.demo import addition_pairs
-from api.schemas import DatasetRead
 from rlrun import Client
+from rlrun.schemas import DatasetRead
 from tests.factories import jsonl
 
 

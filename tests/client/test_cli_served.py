@@ -20,9 +20,9 @@ import pytest
 
 from api.cli import main
 from api.demo import addition_pairs, free_port
-from api.schemas import DatasetRead, RunRead
 from rlrun import Client
 from rlrun.commands import watch_run
+from rlrun.schemas import DatasetRead, RunRead
 from rlrun.terminal import progress_line
 from tests.client.helpers import dpo
 from tests.factories import jsonl
