@@ -13,11 +13,11 @@ from typing import Any, get_args
 
 import pytest
 
-from api.cli import main
 from api.db import make_engine, make_session_factory
 from api.main import create_app
 from api.settings import Settings
 from rlrun import Client
+from rlrun.cli import main
 from rlrun.commands import KINDS
 from rlrun.formats import kind_mismatch
 from rlrun.schemas import DatasetKind

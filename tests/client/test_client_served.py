@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from api.demo import addition_pairs
 from rlrun import ApiError, Client, WaitTimeout
+from rlrun.demo import addition_pairs
 from rlrun.schemas import CheckpointRead, DatasetRead, EventRead, MetricRead, PipelineRead, RunRead
 from tests.client.helpers import dpo
 from tests.factories import jsonl
