@@ -18,30 +18,10 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from rlrun.schemas import ErrorBody, ErrorDetail, ErrorInfo
 from trainer.specs import ALGORITHMS
 
 log = logging.getLogger("rlrun.api")
-
-
-class ErrorDetail(BaseModel):
-    """One problem: where (``field``, and ``line`` for uploads) and what."""
-
-    message: str
-    field: str | None = None
-    line: int | None = None
-
-
-class ErrorInfo(BaseModel):
-    code: str
-    message: str
-    field: str | None = None
-    details: list[ErrorDetail] | None = None
-
-
-class ErrorBody(BaseModel):
-    """Every error response has this shape."""
-
-    error: ErrorInfo
 
 
 class OpenAIErrorInfo(BaseModel):

@@ -17,7 +17,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from api.errors import ApiError
-from api.ingest import LineError, parse_json_line
 from api.models import Checkpoint, Dataset, Event, Run
 from api.schemas_openai import (
     CheckpointMetrics,
@@ -34,6 +33,7 @@ from api.schemas_openai import (
     SupervisedMethod,
     SupervisedMethodHyperparameters,
 )
+from rlrun.formats import LineError, parse_json_line
 from trainer.lr_defaults import default_learning_rate, preset_params_of
 from trainer.specs import DpoHyperparameters as DpoSpecHyperparameters
 from trainer.specs import DpoSpec, SftSpec

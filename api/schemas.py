@@ -1,108 +1,16 @@
-"""Request and response bodies of the public API."""
+"""Request bodies of the public API. Response bodies are in ``rlrun.schemas``, shared with the client."""
 
 from __future__ import annotations
 
-import uuid
-from datetime import datetime
-from typing import Annotated, Any, Generic, Literal, TypeVar
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from rlrun.schemas import DatasetKind, WebhookEventType
 from trainer.specs import RunSpec, refuse_nul
 
-T = TypeVar("T")
 # Text the API stores: U+0000 is refused (422) on every backend, since PostgreSQL cannot store it.
 NulFreeStr = Annotated[str, AfterValidator(refuse_nul)]
-DatasetKind = Literal["preference", "sft", "ranking", "prompts"]
-SKIPPED_IN_RESPONSE = 100  # skipped lines listed in a dataset's response (all: GET /v1/datasets/{id}/skipped)
-
-
-class _Read(BaseModel):
-    model_config = ConfigDict(from_attributes=True)
-
-
-class Page(BaseModel, Generic[T]):
-    """One page of a list; pass ``next_cursor`` as ``after`` to get the next page."""
-
-    data: list[T]
-    has_more: bool
-    next_cursor: str | None = Field(
-        default=None, description="Opaque cursor for `after`; null on the last page."
-    )
-
-
-class LengthStats(BaseModel):
-    mean: float
-    max: int
-
-
-class DatasetStats(BaseModel):
-    """Computed at upload. Lengths are in characters (the API has no tokenizer)."""
-
-    rows: int
-    exact_duplicates: int = Field(description="Rows identical to an earlier row (after normalisation).")
-    source_formats: dict[str, int] = Field(description="How many lines came in each accepted input format.")
-    lengths: dict[str, LengthStats] = Field(
-        description="Per field: prompt, chosen/rejected (preference), completion (sft), responses and "
-        "candidates per row (ranking), answer (prompts)."
-    )
-    flags: dict[str, int] = Field(
-        description="Rows with a property: empty_pairs, identical_pairs, with_margin (preference); "
-        "empty_completions (sft); duplicate_responses, empty_responses (ranking); with_answer (prompts)."
-    )
-
-
-class SkippedLineRead(_Read):
-    """A line that an upload with `skip_invalid` left out."""
-
-    line: int = Field(description="Its 1-based line number in the file (a JSON body: its index in rows + 1).")
-    reason: str = Field(description="Why it was refused, as the 422 of an atomic upload would say.")
-    field: str | None = Field(default=None, description="The offending field, where there is one.")
-
-
-class DatasetRead(_Read):
-    id: uuid.UUID
-    name: str
-    kind: str
-    kind_detected: bool = Field(
-        default=False,
-        description="True when `kind` was omitted at upload and detected from the keys of the first lines.",
-    )
-    row_count: int
-    skipped_count: int = Field(
-        default=0,
-        description="Lines left out by an upload with `skip_invalid` (always 0 without it: such an upload "
-        "stores every line or none).",
-    )
-    skipped: list[SkippedLineRead] | None = Field(
-        default=None,
-        description=f"The first {SKIPPED_IN_RESPONSE} skipped lines (empty when none), in the upload's "
-        "response and `GET /v1/datasets/{id}`; null in lists. `GET /v1/datasets/{id}/skipped` pages "
-        "through all of them.",
-    )
-    size_bytes: int
-    stats: DatasetStats
-    created_at: datetime
-
-    @model_validator(mode="before")
-    @classmethod
-    def _upload_facts_from_stats(cls, data: Any) -> Any:
-        """A stored dataset keeps ``kind_detected`` and ``skipped_count`` in its stats JSON (the datasets
-        table has no column for them): lift them to the top level when reading the ORM row."""
-        if isinstance(data, dict):
-            return data
-        stats = getattr(data, "stats", None)
-        if not isinstance(stats, dict):
-            return data
-        values = {name: getattr(data, name) for name in cls.model_fields if hasattr(data, name)}
-        values["kind_detected"] = bool(stats.get("kind_detected", False))
-        values["skipped_count"] = int(stats.get("skipped_count", 0))
-        return values
-
-
-class DatasetRowRead(_Read):
-    index: int
-    data: dict[str, Any]
 
 
 class DatasetCreateJson(BaseModel):
@@ -120,64 +28,6 @@ class DatasetCreateJson(BaseModel):
         description="Store the valid rows and list the invalid ones (`skipped_count`, `skipped`) instead of "
         "refusing the whole upload; an upload without one valid row is still refused.",
     )
-
-
-class Progress(BaseModel):
-    step: int
-    total_steps: int | None
-
-
-class RunRead(_Read):
-    id: uuid.UUID
-    name: str | None
-    algorithm: str
-    status: Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
-    spec: dict[str, Any] = Field(
-        description="The run spec as stored at submit, presets applied (the RunSpec it was validated as). "
-        "Returned as stored, not re-validated: a run submitted under an earlier version stays readable."
-    )
-    pipeline_id: uuid.UUID | None = Field(default=None, description="The pipeline this run is a stage of.")
-    stage: str | None = Field(default=None, description="Its stage name in that pipeline.")
-    dataset_id: uuid.UUID | None
-    attempt: int = Field(description="Claims by a worker so far (a resume after a pause counts too).")
-    lost_workers: int = Field(
-        default=0,
-        description="Workers lost while running it (killed, OOM, machine gone); at RLRUN_MAX_ATTEMPTS it "
-        "ends failed. Pausing and resuming never count.",
-    )
-    progress: Progress
-    cancel_requested: bool
-    pause_requested: bool
-    error: str | None = Field(description="One-line reason when the run failed.")
-    output_path: str | None = Field(
-        description="Folder of the final model (Hugging Face format) once succeeded."
-    )
-    created_at: datetime
-    started_at: datetime | None
-    finished_at: datetime | None
-
-
-class MetricRead(_Read):
-    key: str
-    step: int
-    value: float
-    logged_at: datetime | None = Field(description="When it was logged (null in `max_points` chart mode).")
-
-
-class EventRead(_Read):
-    id: int
-    kind: str
-    message: str
-    data: dict[str, Any] | None
-    created_at: datetime
-
-
-class CheckpointRead(_Read):
-    step: int
-    size_bytes: int
-    metrics: dict[str, float] = Field(description="Training and latest eval metrics at that step.")
-    created_at: datetime
-    model_ref: str = Field(description="Use as `model` in another run: `run:<id>@<step>`.")
 
 
 class StageIn(BaseModel):
@@ -233,36 +83,6 @@ class PipelineCreate(BaseModel):
     stages: list[StageIn] = Field(min_length=1, max_length=20)
 
 
-class StageRead(BaseModel):
-    name: str
-    algorithm: str
-    run_id: uuid.UUID | None = Field(description="Null until the stage's inputs have succeeded.")
-    status: str = Field(description="The run's status, or `waiting` before it exists.")
-
-
-class PipelineRead(BaseModel):
-    id: uuid.UUID
-    name: str | None
-    status: Literal["running", "succeeded", "failed", "cancelled"]
-    reason: str | None
-    stages: list[StageRead]
-    created_at: datetime
-    finished_at: datetime | None
-
-
-class SampleRead(_Read):
-    id: int
-    step: int
-    prompt: str
-    completion: str
-    reward: float
-    data: dict[str, Any] = Field(description="Per-component rewards, finish reason, ...")
-    created_at: datetime
-
-
-WebhookEventType = Literal["run.succeeded", "run.failed", "run.cancelled"]
-
-
 def _all_event_types() -> list[WebhookEventType]:
     return ["run.succeeded", "run.failed", "run.cancelled"]
 
@@ -279,40 +99,3 @@ class WebhookCreate(BaseModel):
         min_length=1,
         description="Which ends to announce (default: all three).",
     )
-
-
-class WebhookRead(_Read):
-    id: uuid.UUID
-    url: str
-    description: str | None
-    event_types: list[WebhookEventType]
-    created_at: datetime
-
-
-class WebhookCreated(WebhookRead):
-    secret: str = Field(
-        description="Signing secret (`whsec_...`), shown only now. Verify each delivery's "
-        "`webhook-signature` with it (Standard Webhooks)."
-    )
-
-
-class DeliveryAttempt(BaseModel):
-    at: datetime
-    status_code: int | None = Field(description="The receiver's HTTP status; null when no answer came.")
-    error: str | None = Field(description="Why the attempt failed, when it did.")
-    duration_ms: float
-
-
-class WebhookDeliveryRead(_Read):
-    """One message to one webhook and every attempt to deliver it."""
-
-    id: uuid.UUID
-    message_id: str = Field(description="The `webhook-id` header, the same on every attempt.")
-    run_id: uuid.UUID
-    event_type: WebhookEventType
-    status: Literal["pending", "succeeded", "failed"]
-    attempts: list[DeliveryAttempt]
-    next_attempt_at: datetime | None = Field(description="When the next attempt is due (pending only).")
-    payload: dict[str, Any] = Field(description="The JSON body sent: {type, timestamp, data: run}.")
-    created_at: datetime
-    finished_at: datetime | None

@@ -42,8 +42,8 @@ from starlette.concurrency import run_in_threadpool
 from api.errors import InvalidRequest, TooManyStreams
 from api.models import FINISHED_STATUSES, Event, Metric
 from api.pagination import decode_cursor, encode_cursor
-from api.schemas import EventRead
 from api.services.runs import get_run
+from rlrun.schemas import EventRead
 
 log = logging.getLogger("rlrun.api.stream")
 BATCH = 2000  # rows of each kind per query (and metric points per message)

@@ -1,7 +1,7 @@
 """Seconds per DPO step: rlrun's ``run_dpo`` against TRL's ``DPOTrainer``, same model, data and settings.
 
 Both train the built-in ``tiny:llama-10m`` (random-init Llama, ~11M parameters) from the same folder on
-the same 200 addition preference pairs (``api.demo.addition_pairs``): 8 pairs per step, max_length 64,
+the same 200 addition preference pairs (``rlrun.demo.addition_pairs``): 8 pairs per step, max_length 64,
 AdamW lr 1e-3 constant, beta 0.1, sigmoid loss, fp32 on CPU, no eval and no saving during training.
 
 What is timed, for each, from one clock start to the end of the last optimizer step:
@@ -47,7 +47,7 @@ from unittest import mock
 
 import torch
 
-from api.demo import addition_pairs
+from rlrun.demo import addition_pairs
 from trainer.loops import dpo as dpo_loop
 from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
 from trainer.reporting import LoopContext, MemoryReporter, RunData

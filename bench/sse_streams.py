@@ -55,7 +55,7 @@ from typing import Any
 import httpx
 from sqlalchemy import create_engine, text
 
-from api.demo import addition_pairs, free_port, wait_healthy
+from rlrun.demo import addition_pairs, free_port, wait_healthy
 
 GOAL_P95_MS = 200.0
 GOAL_STEPS_RATIO = 0.8
@@ -85,7 +85,7 @@ def serve(home: Path, env: dict[str, str]) -> Iterator[tuple[httpx.Client, int]]
     full = base | {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port)} | env
     with (home / "serve.log").open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "serve"],
+            [sys.executable, "-m", "rlrun.cli", "serve"],
             env=full,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -1,7 +1,7 @@
 """A typed Python client for the rlrun REST API.
 
-Responses are parsed into the server's own pydantic models (``api.schemas``), so the client cannot drift
-from the API it talks to::
+Responses are parsed into the server's own pydantic models (``rlrun.schemas``, which the API answers
+with), so the client cannot drift from the API it talks to::
 
     from rlrun import Client
 
@@ -29,12 +29,13 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from api.errors import ErrorBody
-from api.schemas import (
+from rlrun.errors import ApiError, ConnectionFailed, RlrunError, WaitTimeout
+from rlrun.schemas import (
     CheckpointRead,
     DatasetKind,
     DatasetRead,
     DatasetRowRead,
+    ErrorBody,
     EventRead,
     MetricRead,
     Page,
@@ -43,7 +44,6 @@ from api.schemas import (
     SampleRead,
     SkippedLineRead,
 )
-from rlrun.errors import ApiError, ConnectionFailed, RlrunError, WaitTimeout
 from rlrun.wire import CHUNK, MultipartFile, Progress, StreamEvent, parse_sse
 
 DEFAULT_URL = "http://127.0.0.1:8000"

@@ -32,14 +32,14 @@ from rlrun.terminal import (
 )
 
 if TYPE_CHECKING:
-    from api.schemas import DatasetRead, RunRead
     from rlrun.client import Client
     from rlrun.errors import ApiError
+    from rlrun.schemas import DatasetRead, RunRead
 
 Handler = Callable[[argparse.Namespace, "Client"], int]
 SPARK_WIDTH = 32
 KEY_LIMIT = 6
-KINDS = ("preference", "sft", "ranking", "prompts")  # = api.schemas.DatasetKind (a test keeps them equal)
+KINDS = ("preference", "sft", "ranking", "prompts")  # = rlrun.schemas.DatasetKind (a test keeps them equal)
 SKIPPED_SHOWN = 5  # skipped lines printed after an upload with --skip-invalid
 LOCAL_LINE_BYTES = 8 * 1024 * 1024  # the server's default RLRUN_MAX_LINE_BYTES, for the local --kind check
 
@@ -182,7 +182,7 @@ def check_kind(path: Path, kind: str) -> None:
     """Raise ``CliError`` if the file's first lines plainly hold another kind of data than ``kind`` (none
     of them reads as ``kind`` and one reads as another kind): refused before a byte is sent, rather than
     after streaming a large file. Lines that fit no kind are left to the server's line-by-line report."""
-    from api.ingest import kind_mismatch, upload_lines
+    from rlrun.formats import kind_mismatch, upload_lines
 
     with path.open("rb") as fh:
         found = kind_mismatch(upload_lines(fh, LOCAL_LINE_BYTES), kind)

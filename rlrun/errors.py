@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from api.errors import ErrorDetail
+from rlrun.schemas import ErrorDetail
 
 
 class RlrunError(Exception):

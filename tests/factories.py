@@ -15,12 +15,12 @@ import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from api.demo import free_port
 from api.deps import get_session, get_session_factory
 from api.ingest import DatasetStatsBuilder
 from api.main import create_app
 from api.models import Dataset, DatasetRow, Run, utcnow
 from api.settings import Settings
+from rlrun.demo import free_port
 from trainer.reporting import LoopContext
 
 

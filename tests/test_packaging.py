@@ -59,7 +59,7 @@ def test_the_files_the_dockerfile_copies_install_a_working_rlrun(tmp_path: Path)
     env = {**os.environ, "PYTHONPATH": str(target)}
     for argv in (["--help"], ["datasets", "upload", "--help"], ["serve", "--help"]):
         out = subprocess.run(
-            [sys.executable, "-c", "import sys; from api.cli import main; sys.exit(main())", *argv],
+            [sys.executable, "-c", "import sys; from rlrun.cli import main; sys.exit(main())", *argv],
             env=env,
             cwd=tmp_path,
             capture_output=True,
@@ -79,7 +79,7 @@ def test_the_files_the_dockerfile_copies_install_a_working_rlrun(tmp_path: Path)
 
 
 def test_every_compose_command_is_an_rlrun_command() -> None:
-    from api.cli import build_parser
+    from rlrun.cli import build_parser
 
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     checked = 0

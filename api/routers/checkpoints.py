@@ -12,9 +12,9 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
 from api.deps import RunDep, SessionDep
-from api.errors import ErrorBody, NotFound
+from api.errors import NotFound
 from api.models import Checkpoint
-from api.schemas import CheckpointRead
+from rlrun.schemas import CheckpointRead, ErrorBody
 from trainer.specs import MAX_STEP
 
 router = APIRouter(prefix="/v1/runs/{run_id}/checkpoints", tags=["checkpoints"])

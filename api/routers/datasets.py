@@ -20,24 +20,17 @@ from api.body_limits import limit_body
 from api.deps import DatasetDep, ProjectDep, SessionDep, SettingsDep
 from api.errors import (
     DatasetRowUnreadable,
-    ErrorBody,
     InvalidRequest,
     UnsupportedMediaType,
     validation_details,
 )
-from api.ingest import MAX_ROW_DEPTH, LineError, detect_upload_kind, upload_lines
 from api.models import Dataset, DatasetRow
 from api.pagination import AfterCursor, decode_cursor, encode_cursor
-from api.schemas import (
-    SKIPPED_IN_RESPONSE,
-    DatasetCreateJson,
-    DatasetRead,
-    DatasetRowRead,
-    Page,
-    SkippedLineRead,
-)
+from api.schemas import DatasetCreateJson
 from api.services.datasets import ingest_dataset, list_skipped
 from api.settings import Settings
+from rlrun.formats import MAX_ROW_DEPTH, LineError, detect_upload_kind, upload_lines
+from rlrun.schemas import SKIPPED_IN_RESPONSE, DatasetRead, DatasetRowRead, ErrorBody, Page, SkippedLineRead
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 

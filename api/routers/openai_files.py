@@ -16,11 +16,11 @@ from api import openai_mapping as mapping
 from api.body_limits import limit_body
 from api.deps import ProjectDep, SessionDep, SettingsDep
 from api.errors import ApiError, DatasetInvalid, FileInUse, OpenAIErrorBody, UnsupportedMediaType
-from api.ingest import text_problem, upload_lines
 from api.models import Dataset
 from api.schemas_openai import FileDeleted, FileList, FileObject
 from api.services import openai_compat as compat
 from api.services.datasets import MAX_NAME_CHARS, ingest_dataset
+from rlrun.formats import text_problem, upload_lines
 
 router = APIRouter(prefix="/v1/files", tags=["openai"])
 _ERRORS: dict[int | str, dict[str, Any]] = {

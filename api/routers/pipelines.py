@@ -8,11 +8,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path
 
 from api.deps import EnqueueDep, ProjectDep, SessionDep, SettingsDep
-from api.errors import ErrorBody
 from api.models import Pipeline, Run
-from api.schemas import PipelineCreate, PipelineRead, StageRead
+from api.schemas import PipelineCreate
 from api.services import pipelines as service
 from api.services.runs import send_committed
+from rlrun.schemas import ErrorBody, PipelineRead, StageRead
 
 router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 422)}

@@ -11,13 +11,13 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from api.deps import EnqueueDep, ProjectDep, RunDep, SessionDep, SettingsDep
-from api.errors import ErrorBody, InvalidRequest
+from api.errors import InvalidRequest
 from api.models import RunSample
 from api.pagination import AfterCursor, decode_cursor, encode_cursor
-from api.schemas import EventRead, MetricRead, Page, RunRead, SampleRead
 from api.services import runs as service
 from api.services.pipelines import advance
 from api.services.runs import run_read as to_read
+from rlrun.schemas import ErrorBody, EventRead, MetricRead, Page, RunRead, SampleRead
 from trainer.specs import MAX_STEP, RunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])

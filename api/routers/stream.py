@@ -23,8 +23,8 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from api.deps import BriefProjectDep, SessionFactoryDep, SettingsDep
-from api.errors import ErrorBody
 from api.stream_hub import Cursor, Message, StreamHub, end_message, poll, sse
+from rlrun.schemas import ErrorBody
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 

@@ -9,12 +9,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Response
 
 from api.deps import ProjectDep, SessionDep, SettingsDep
-from api.errors import ErrorBody
 from api.models import Webhook, WebhookDelivery
 from api.pagination import AfterCursor
-from api.schemas import Page, WebhookCreate, WebhookCreated, WebhookDeliveryRead, WebhookRead
+from api.schemas import WebhookCreate
 from api.services import webhooks as service
 from api.webhook_urls import UrlPolicy
+from rlrun.schemas import ErrorBody, Page, WebhookCreated, WebhookDeliveryRead, WebhookRead
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 422)}

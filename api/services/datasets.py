@@ -11,16 +11,11 @@ from typing import Any
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from api.errors import DatasetInvalid, DatasetNotFound, ErrorDetail, InvalidRequest, PayloadTooLarge
-from api.ingest import (
-    NORMALIZERS,
-    DatasetStatsBuilder,
-    LineError,
-    content_hash,
-    parse_json_line,
-    text_problem,
-)
+from api.errors import DatasetInvalid, DatasetNotFound, InvalidRequest, PayloadTooLarge
+from api.ingest import DatasetStatsBuilder, content_hash
 from api.models import DEFAULT_PROJECT_ID, Dataset, DatasetRow, DatasetSkippedLine
+from rlrun.formats import NORMALIZERS, LineError, parse_json_line, text_problem
+from rlrun.schemas import ErrorDetail
 
 MAX_REPORTED_ERRORS = 20
 INSERT_BATCH = 500

@@ -19,8 +19,8 @@ from api.downsample import minmax_downsample
 from api.errors import IdempotencyConflict, InvalidTransition, RunNotFound, TooManyRuns
 from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Event, Metric, Run, utcnow
 from api.queue import Enqueue
-from api.schemas import MetricRead, Progress, RunRead
 from api.services.references import check_learnable, check_references, with_default_learning_rate
+from rlrun.schemas import MetricRead, Progress, RunRead
 from trainer.specs import AnyRunSpec
 
 log = logging.getLogger("rlrun.runs")

@@ -20,10 +20,11 @@ from sqlalchemy.orm import Session
 from api.errors import ApiError, InvalidRequest, NotFound
 from api.models import FINISHED_STATUSES, Run, Webhook, WebhookDelivery, utcnow
 from api.pagination import decode_cursor, encode_cursor
-from api.schemas import RunRead, WebhookCreate
+from api.schemas import WebhookCreate
 from api.services.runs import run_read
 from api.webhook_signing import new_secret
 from api.webhook_urls import Resolver, UrlPolicy, check_webhook_url, resolve
+from rlrun.schemas import RunRead
 
 MAX_WEBHOOKS_PER_PROJECT = 20
 

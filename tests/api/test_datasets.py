@@ -307,8 +307,8 @@ def test_prompts_kind_keeps_extra_fields_as_meta(session: Session) -> None:
 def test_dataset_kind_names_agree_between_api_and_db() -> None:
     from typing import get_args
 
-    from api.ingest import NORMALIZERS
     from api.models import DATASET_KINDS
-    from api.schemas import DatasetKind
+    from rlrun.formats import NORMALIZERS
+    from rlrun.schemas import DatasetKind
 
     assert set(get_args(DatasetKind)) == set(DATASET_KINDS) == set(NORMALIZERS)

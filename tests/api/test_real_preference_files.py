@@ -15,11 +15,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 import api.services.datasets as datasets_service
-from api.ingest import HH_ASSISTANT, LineError, normalize_preference
 from api.models import Dataset, DatasetRow, DatasetSkippedLine
 from api.services.auth import create_api_key
 from api.services.datasets import ingest_dataset
 from api.settings import Settings
+from rlrun.formats import HH_ASSISTANT, LineError, normalize_preference
 from tests.factories import api_client, jsonl, pair_rows
 
 HH = Path(__file__).resolve().parents[1] / "data" / "hh-rlhf"  # copied from shared/data (MIT)

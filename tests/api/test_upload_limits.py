@@ -23,10 +23,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.deps import get_session, get_session_factory
-from api.ingest import MAX_ROW_DEPTH
 from api.main import create_app
 from api.models import Dataset
 from api.settings import Settings
+from rlrun.formats import MAX_ROW_DEPTH
 from tests.factories import FakeEnqueue, api_client, jsonl, make_dataset, pair_rows, serving
 
 LIMIT = 1024 * 1024  # max_upload_bytes in these tests

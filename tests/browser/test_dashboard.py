@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from api.demo import addition_pairs
+from rlrun.demo import addition_pairs
 from tests.factories import jsonl
 from tests.integration.flow import FINISHED, embedded_server
 

@@ -19,7 +19,7 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
-from api.demo import addition_pairs
+from rlrun.demo import addition_pairs
 from tests.browser import test_dashboard as dashboard
 from tests.browser.test_dashboard import open_page, points, screenshot, submit_dpo, text, wait, wait_run
 from tests.factories import jsonl

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from api.demo import addition_pairs
-from api.schemas import DatasetRead
 from rlrun import Client
+from rlrun.demo import addition_pairs
+from rlrun.schemas import DatasetRead
 from tests.factories import jsonl
 
 

@@ -1,5 +1,5 @@
 """The `rlrun datasets ...` / `rlrun runs ...` commands against a real `rlrun serve` (API + one worker)
-with auth on: `api.cli.main` called in-process, and the entry point in real processes."""
+with auth on: `rlrun.cli.main` called in-process, and the entry point in real processes."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from api.cli import main
-from api.demo import addition_pairs, free_port
-from api.schemas import DatasetRead, RunRead
 from rlrun import Client
+from rlrun.cli import main
 from rlrun.commands import watch_run
+from rlrun.demo import addition_pairs, free_port
+from rlrun.schemas import DatasetRead, RunRead
 from rlrun.terminal import progress_line
 from tests.client.helpers import dpo
 from tests.factories import jsonl
@@ -206,7 +206,7 @@ def test_api_errors_print_the_message_and_field(
 
 def test_the_entry_point_in_real_processes(served: Served, finished_run: RunRead) -> None:
     def rlrun(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "api.cli", *args]
+        cmd = [sys.executable, "-m", "rlrun.cli", *args]
         return subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=60)
 
     listed = rlrun("runs", "list", "--url", served.url, RLRUN_API_KEY=served.key)

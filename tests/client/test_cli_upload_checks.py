@@ -13,14 +13,14 @@ from typing import Any, get_args
 
 import pytest
 
-from api.cli import main
 from api.db import make_engine, make_session_factory
-from api.ingest import kind_mismatch
 from api.main import create_app
-from api.schemas import DatasetKind
 from api.settings import Settings
 from rlrun import Client
+from rlrun.cli import main
 from rlrun.commands import KINDS
+from rlrun.formats import kind_mismatch
+from rlrun.schemas import DatasetKind
 from tests.factories import FakeEnqueue, jsonl, pair_rows, serving
 
 HH_FILE = Path(__file__).resolve().parents[1] / "data" / "hh-rlhf" / "quirks.jsonl"  # real HH lines

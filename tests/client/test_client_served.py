@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from api.demo import addition_pairs
-from api.schemas import CheckpointRead, DatasetRead, EventRead, MetricRead, PipelineRead, RunRead
 from rlrun import ApiError, Client, WaitTimeout
+from rlrun.demo import addition_pairs
+from rlrun.schemas import CheckpointRead, DatasetRead, EventRead, MetricRead, PipelineRead, RunRead
 from tests.client.helpers import dpo
 from tests.factories import jsonl
 from tests.integration.flow import embedded_server

@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.cli import main
-from api.demo import free_port
 from api.models import FINISHED_STATUSES
 from rlrun import ApiError, Client, ConnectionFailed, RlrunError, StreamEvent
+from rlrun.cli import main
 from rlrun.client import FINISHED
 from rlrun.commands import upload_progress
+from rlrun.demo import free_port
 from rlrun.terminal import progress_line
 from rlrun.wire import MultipartFile, parse_sse
 

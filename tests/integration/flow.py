@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from api.demo import addition_pairs, free_port, wait_healthy
+from rlrun.demo import addition_pairs, free_port, wait_healthy
 from tests.factories import jsonl
 
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -76,7 +76,7 @@ def embedded_server(home: Path, env: dict[str, str] | None = None) -> Iterator[h
     env |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port)} | extra
     log = (home / "serve.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "rlrun.cli", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
     )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
@@ -95,7 +95,7 @@ def embedded_server(home: Path, env: dict[str, str] | None = None) -> Iterator[h
 def create_key(home: Path, project: str) -> str:
     """`rlrun keys create` (it writes straight to the server's database), as a user runs it."""
     out = subprocess.run(
-        [sys.executable, "-m", "api.cli", "keys", "create", "--project", project],
+        [sys.executable, "-m", "rlrun.cli", "keys", "create", "--project", project],
         env={k: v for k, v in os.environ.items() if not k.startswith("RLRUN_")} | {"RLRUN_HOME": str(home)},
         capture_output=True,
         text=True,

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.demo import addition_pairs, rl_part
+from rlrun.demo import addition_pairs, rl_part
 from tests.factories import jsonl
 from tests.integration.flow import FINISHED, all_metrics, embedded_server, submit_dpo, upload_pairs, wait_for
 

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from api.demo import addition_pairs, free_port, wait_healthy
 from api.migrate import upgrade_head
+from rlrun.demo import addition_pairs, free_port, wait_healthy
 from tests.conftest import pg_test_database
 from tests.factories import jsonl
 from tests.integration.flow import FINISHED, all_metrics, wait_for
@@ -91,13 +91,13 @@ class Stack:
             self.env,
             home,
         )
-        self.api = Proc("api", [sys.executable, "-m", "api.cli", "serve", "--no-worker"], self.env, home)
+        self.api = Proc("api", [sys.executable, "-m", "rlrun.cli", "serve", "--no-worker"], self.env, home)
         self.workers: list[Proc] = []
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.api_port}", timeout=30)
 
     def start_worker(self) -> Proc:
         w = Proc(
-            f"worker{len(self.workers)}", [sys.executable, "-m", "api.cli", "worker"], self.env, self.home
+            f"worker{len(self.workers)}", [sys.executable, "-m", "rlrun.cli", "worker"], self.env, self.home
         )
         self.workers.append(w.start())
         return w

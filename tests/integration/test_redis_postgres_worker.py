@@ -40,7 +40,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     }
     log = (home / "worker.log").open("wb")
     worker = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "rlrun.cli", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
     )
     try:
         with TestClient(create_app(settings)) as client:

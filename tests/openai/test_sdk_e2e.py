@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai.types.fine_tuning import FineTuningJob
 
-from api.demo import addition_pairs
+from rlrun.demo import addition_pairs
 from tests.factories import jsonl
 from tests.integration.flow import embedded_server
 from tests.openai.helpers import chat_lines, dpo_line

@@ -12,12 +12,12 @@ from kombu.exceptions import OperationalError
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.demo import free_port
 from api.models import Event, Run, utcnow
 from api.queue import BrokerHealth, CeleryEnqueue
 from api.reconciler import ReconcilerThread, reconcile_once
 from api.services.runs import resume_run
 from api.settings import Settings
+from rlrun.demo import free_port
 from tests.factories import FakeEnqueue, make_dataset, make_run
 from trainer.worker import claim_run, pause_claimed_run
 

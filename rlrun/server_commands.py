@@ -1,5 +1,8 @@
-"""``rlrun``: serve (API + one worker), worker, migrate, keys, demo; and, against a running server,
-datasets (upload, list) and runs (create, list, get, watch, cancel)."""
+"""The server's ``rlrun`` commands: serve (API + one worker), worker, migrate, keys, demo.
+
+Each imports the server (``api``, ``trainer``, uvicorn, Celery) inside its function, so building the
+parser and running the client's commands never import them (a test checks it).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from api.settings import Settings
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 def _settings() -> Settings:
@@ -83,7 +84,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     worker = None
     if not args.no_worker:
-        worker = subprocess.Popen([sys.executable, "-m", "api.cli", "worker"], preexec_fn=_die_with_parent)
+        worker = subprocess.Popen([sys.executable, "-m", "rlrun.cli", "worker"], preexec_fn=_die_with_parent)
     reconciler = _start_reconciler(settings)
     dispatcher = _start_webhook_dispatcher(settings)
     try:
@@ -170,17 +171,15 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from api.demo import run_demo
+    from rlrun.demo import run_demo
 
     return run_demo(
         steps=args.steps, keep=args.keep, sft_steps=args.sft_steps, rl_steps=args.rl_steps, rl=not args.no_rl
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every ``rlrun`` command: the server's (serve, worker, migrate, keys, demo) and the client's."""
-    parser = argparse.ArgumentParser(prog="rlrun", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register serve, worker, migrate, keys and demo on the ``rlrun`` parser's subcommands."""
     serve = sub.add_parser("serve", help="API on RLRUN_PORT (8000) plus one worker")
     serve.add_argument("--port", type=int, default=None)
     serve.add_argument("--host", default=None)
@@ -203,18 +202,3 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rl-steps", type=int, default=300, help="GRPO steps")
     demo.add_argument("--no-rl", action="store_true", help="only the DPO part")
     demo.set_defaults(func=cmd_demo)
-    from rlrun.commands import add_client_commands
-
-    add_client_commands(sub)  # datasets ..., runs ...: the REST API's client commands
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    args = build_parser().parse_args(argv)
-    result: int = args.func(args)
-    return result
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,7 @@
 """``rlrun demo``: start the service on the embedded defaults, upload pairs, train DPO, print the numbers.
 
-Talks to the service only over HTTP, exactly as a user would.
+Talks to the service only over HTTP, exactly as a user would. A server command: it starts ``rlrun serve``
+and imports ``api`` (to resume polling metrics after their last page), so only ``rlrun demo`` imports it.
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ def run_demo(
     print(f"rlrun demo: starting API + worker on http://127.0.0.1:{port} (data and logs in {home})")
     log_file = log_path.open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "serve"], env=env, stdout=log_file, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "rlrun.cli", "serve"], env=env, stdout=log_file, stderr=subprocess.STDOUT
     )
     ok = False
     try:
