@@ -17,7 +17,7 @@ from typing import Any
 
 from trainer.rollout.base import Completion, FinishReason, SamplingParams, check_generate_args
 
-INSTALL_HINT = "pip install 'rlrun[vllm]' in a GPU environment (vLLM pins its own torch; see docs/settings.md)"
+INSTALL_HINT = "pip install 'rlrun[vllm]' in a GPU environment (vLLM pins torch; see docs/settings.md)"
 
 # vLLM's finish reasons; "abort" (request cancelled) and anything else is an error, never a rollout.
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "eos", "length": "length"}
