@@ -22,7 +22,7 @@ serve: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy api rlrun trainer/algorithms
+	$(VENV)/bin/mypy api rlrun trainer
 
 test: lint
 	$(VENV)/bin/pytest -q

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import DateTime, Dialect, Engine, MetaData, TypeDecorator, create_engine, event
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
 
 NAMING_CONVENTION = {
@@ -62,6 +63,17 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:
     """Sessions that keep loaded attributes after commit (routes read the row they just wrote)."""
     return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def commit_unless_conflict(session: Session) -> bool:
+    """Commit ``session``; if a constraint refuses the commit (a unique key a concurrent request took
+    first, a row another one still refers to), roll back and answer False."""
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        return False
+    return True
 
 
 class UtcDateTime(TypeDecorator[datetime]):

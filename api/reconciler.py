@@ -11,7 +11,8 @@ broker (when the enqueue can), then, in one short transaction:
    message). After a broker fault (a failed send or ping, a restarted Redis: see ``api.queue``) every
    queued run is sent again on the first pass that reaches the broker, since the broker may have lost
    them all. While the ping fails nothing is sent. A duplicate message is harmless: the claim is atomic.
-Then, after the commit, it sends the ids and advances the pipelines of runs it ended.
+Then it advances the pipelines of the runs it ended and, once all is committed, sends the ids through
+``api.lifecycle.send_committed`` (a failed send leaves a warning event and is a fault, see above).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from datetime import datetime, timedelta
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.lifecycle import recover_lost, send_committed
 from api.models import Run, utcnow
 from api.queue import BROKER_HEALTH, BrokerHealth, Enqueue, Pingable
 from api.services.pipelines import advance
-from api.services.runs import add_event
 
 log = logging.getLogger("rlrun.reconciler")
 
@@ -74,7 +75,7 @@ def reconcile_once(
     # Read after the ping, so a fault it just found (a restarted Redis) is covered by this pass.
     resend_all = None if report.broker_down else health.pending()
     ended_in_pipelines: list[uuid.UUID] = []
-    queues: dict[uuid.UUID, str | None] = {}
+    to_send: list[Run] = []
     with session_factory.begin() as session:
         expired = session.scalars(
             select(Run)
@@ -82,33 +83,13 @@ def reconcile_once(
             .with_for_update(skip_locked=True)
         ).all()
         for run in expired:
-            lost = (
-                f"worker {run.worker_id} lost (lease expired at {run.lease_expires_at:%Y-%m-%d %H:%M:%S} UTC)"
-            )
-            run.worker_id, run.lease_expires_at = None, None
-            run.lost_workers += 1
-            if run.cancel_requested:
-                run.status, run.finished_at = "cancelled", now
-                add_event(session, run.id, "status", "cancelled", {"reason": lost})
-                report.cancelled.append(run.id)
-            elif run.lost_workers >= max_attempts:
-                run.status, run.finished_at = "failed", now
-                run.error = f"{lost}; gave up after losing {run.lost_workers} workers"
-                add_event(session, run.id, "status", "failed", {"error": run.error})
-                report.failed.append(run.id)
-            else:
-                run.status, run.enqueued_at = "queued", None
-                add_event(
-                    session,
-                    run.id,
-                    "status",
-                    "queued",
-                    {"reason": f"{lost}; requeued to resume from its last checkpoint"},
-                )
-                report.requeued.append(run.id)
-            if run.pipeline_id is not None and run.status in ("failed", "cancelled"):
+            status = recover_lost(session, run, now=now, max_attempts=max_attempts)
+            if status is None:
+                continue
+            ended = {"queued": report.requeued, "failed": report.failed, "cancelled": report.cancelled}
+            ended[status].append(run.id)
+            if run.pipeline_id is not None and status in ("failed", "cancelled"):
                 ended_in_pipelines.append(run.pipeline_id)
-            log.warning("run %s: %s -> %s", run.id, lost, run.status)
         if not report.broker_down:
             due = Run.status == "queued"
             if resend_all is None:  # the usual pass: only ids whose message may have been lost
@@ -116,23 +97,18 @@ def reconcile_once(
                 due = and_(due, or_(Run.enqueued_at.is_(None), Run.enqueued_at < stale))
             for run in session.scalars(select(Run).where(due).with_for_update(skip_locked=True)):
                 run.enqueued_at = now
-                report.sent.append(run.id)
-                queues[run.id] = run.spec.get("queue")
+                to_send.append(run)
     for pipeline_id in ended_in_pipelines:
         with session_factory.begin() as session:
-            for run_id in advance(session=session, pipeline_id=pipeline_id):
-                if not report.broker_down:  # else queued unsent: a later pass sends it
-                    report.sent.append(run_id)
-                    queues[run_id] = session.get(Run, run_id).spec.get("queue")  # type: ignore[union-attr]
-    all_sent = True
-    for run_id in report.sent:
-        try:
-            enqueue(run_id, queue=queues.get(run_id))
-        except Exception as exc:  # noqa: BLE001 - a fault: the next pass that reaches the broker re-sends
-            all_sent = False
-            health.fault()
-            log.warning("run %s: re-send failed: %s", run_id, exc)
-    if resend_all is not None and all_sent:
+            created = advance(session=session, pipeline_id=pipeline_id)
+            if not report.broker_down:  # else queued unsent: a later pass sends it
+                to_send += [session.get_one(Run, run_id) for run_id in created]
+    report.sent = [run.id for run in to_send]
+    with session_factory() as session:  # committed above: now send (a failed send leaves a warning)
+        unsent = send_committed(session=session, enqueue=enqueue, runs=to_send)
+    if unsent:  # a fault: the next pass that reaches the broker re-sends every queued run
+        health.fault()
+    if resend_all is not None and not unsent:
         health.settle(resend_all)
         log.info("broker reachable again: re-sent every queued run (%d)", len(report.sent))
     return report

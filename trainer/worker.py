@@ -16,18 +16,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from datetime import datetime, timedelta
+from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
 from celery import Celery
-from sqlalchemy import and_, case, delete, or_, select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from api import lifecycle
 from api.db import make_engine, make_session_factory
 from api.models import Checkpoint, Event, Metric, Run, RunSample, utcnow
 from api.queue import TASK_NAME, CeleryEnqueue, make_celery
@@ -83,42 +84,12 @@ def default_worker_id() -> str:
 
 
 def claim_run(session_factory: SessionFactory, run_id: uuid.UUID, worker_id: str, lease_seconds: int) -> bool:
-    """Atomically take ``run_id`` if it is queued or its lease expired. True if this worker now owns it."""
-
-    def statement(now: datetime) -> Any:
-        return (
-            update(Run)
-            .where(
-                Run.id == run_id,
-                or_(Run.status == "queued", and_(Run.status == "running", Run.lease_expires_at < now)),
-            )
-            .values(
-                status="running",
-                attempt=Run.attempt + 1,
-                # Taking over an expired lease (a redelivery that beat the reconciler) is a lost worker too.
-                lost_workers=Run.lost_workers + case((Run.status == "running", 1), else_=0),
-                worker_id=worker_id,
-                lease_expires_at=now + timedelta(seconds=lease_seconds),
-                started_at=now,
-                step=0,
-            )
-            .execution_options(synchronize_session=False)
-        )
+    """Atomically take ``run_id`` if it is queued or its lease expired (``api.lifecycle.claim``). True if
+    this worker now owns it."""
 
     def claim() -> bool:  # the time is taken at each try: a wait on a busy database must not age the lease
         with session_factory.begin() as session:
-            if _updated(session, statement(utcnow())) != 1:
-                return False
-            attempt = session.scalar(select(Run.attempt).where(Run.id == run_id))
-            session.add(
-                Event(
-                    run_id=run_id,
-                    kind="status",
-                    message="running",
-                    data={"worker": worker_id, "attempt": attempt},
-                )
-            )
-            return True
+            return lifecycle.claim(session, run_id, worker_id, lease_seconds=lease_seconds, now=utcnow())
 
     claimed = retry_busy(f"run {run_id}: claim", claim)
     if claimed:
@@ -378,31 +349,15 @@ def finish_run(
     error: str | None = None,
     output_path: str | None = None,
 ) -> bool:
-    """Set the final status if this worker still owns the run; one event says what happened. Tried again
-    for up to ``FINISH_RETRY_SECONDS`` while SQLite is busy: a run must be able to record its end."""
+    """Set the final status if this worker still owns the run (``api.lifecycle.finish``); one event says
+    what happened. Tried again for up to ``FINISH_RETRY_SECONDS`` while SQLite is busy: a run must be able
+    to record its end."""
 
     def write() -> bool:
         with session_factory.begin() as session:
-            done = (
-                _updated(
-                    session,
-                    update(Run)
-                    .where(Run.id == run_id, Run.worker_id == worker_id, Run.status == "running")
-                    .values(
-                        status=status,
-                        error=error,
-                        output_path=output_path,
-                        finished_at=utcnow(),
-                        lease_expires_at=None,
-                    )
-                    .execution_options(synchronize_session=False),
-                )
-                == 1
+            return lifecycle.finish(
+                session, run_id, worker_id, status=status, error=error, output_path=output_path
             )
-            if done:
-                data = {"error": error} if error else ({"output_path": output_path} if output_path else None)
-                session.add(Event(run_id=run_id, kind="status", message=status, data=data))
-            return done
 
     done = retry_busy(f"run {run_id}: finish", write, seconds=FINISH_RETRY_SECONDS)
     log.info("run %s %s%s", run_id, status, f": {error}" if error else "")
@@ -539,20 +494,12 @@ def _pause_requested(session_factory: SessionFactory, run_id: uuid.UUID) -> bool
 
 
 def pause_claimed_run(session_factory: SessionFactory, run_id: uuid.UUID, worker_id: str) -> None:
-    """The loop stopped for a pause (its checkpoint is saved): release the run as ``paused``."""
+    """The loop stopped for a pause (its checkpoint is saved): release the run as ``paused``
+    (``api.lifecycle.release_paused``)."""
 
-    def write() -> None:
+    def write() -> bool:
         with session_factory.begin() as session:
-            done = _updated(
-                session,
-                update(Run)
-                .where(Run.id == run_id, Run.worker_id == worker_id, Run.status == "running")
-                .values(status="paused", worker_id=None, lease_expires_at=None, pause_requested=False)
-                .execution_options(synchronize_session=False),
-            )
-            if done:
-                step = session.scalar(select(Run.step).where(Run.id == run_id))
-                session.add(Event(run_id=run_id, kind="status", message="paused", data={"step": step}))
+            return lifecycle.release_paused(session, run_id, worker_id)
 
     retry_busy(f"run {run_id}: pause", write, seconds=FINISH_RETRY_SECONDS)
     log.info("run %s paused", run_id)
@@ -561,20 +508,20 @@ def pause_claimed_run(session_factory: SessionFactory, run_id: uuid.UUID, worker
 def advance_pipeline_of(run_id: uuid.UUID, session_factory: SessionFactory, settings: Settings) -> None:
     """If the run is a pipeline stage, start the stages it unblocked (or end the pipeline)."""
 
-    def write() -> dict[uuid.UUID, str | None]:
+    def write() -> list[Run]:
         with session_factory.begin() as session:
             pipeline_id = session.scalar(select(Run.pipeline_id).where(Run.id == run_id))
             created = advance(session=session, pipeline_id=pipeline_id) if pipeline_id else []
-            return {r: session.get(Run, r).spec.get("queue") for r in created}  # type: ignore[union-attr]
+            return [session.get_one(Run, r) for r in created]
 
-    queues = retry_busy(f"run {run_id}: pipeline", write, seconds=FINISH_RETRY_SECONDS)
-    created = list(queues)
-    enqueue = CeleryEnqueue(settings)
-    for new_run in created:
-        try:
-            enqueue(new_run, queue=queues[new_run])
-        except Exception as exc:  # noqa: BLE001 - queued in the DB; the reconciler re-sends it
-            log.warning("run %s: enqueue failed: %s", new_run, exc)
+    created = retry_busy(f"run {run_id}: pipeline", write, seconds=FINISH_RETRY_SECONDS)
+    if not created:
+        return
+    try:
+        with session_factory() as session:
+            lifecycle.send_committed(session=session, enqueue=CeleryEnqueue(settings), runs=created)
+    except Exception:  # noqa: BLE001 - the stages are queued in the DB; the reconciler sends them
+        log.warning("run %s: could not send its pipeline's next stages", run_id, exc_info=True)
 
 
 @lru_cache

@@ -9,11 +9,11 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path
 from fastapi.responses import StreamingResponse
-from sqlalchemy import select
 
 from api.deps import RunDep, SessionDep
 from api.errors import NotFound
 from api.models import Checkpoint
+from api.services import checkpoints as service
 from rlrun.schemas import CheckpointRead, ErrorBody
 from trainer.specs import MAX_STEP
 
@@ -39,8 +39,7 @@ def to_read(ckpt: Checkpoint) -> CheckpointRead:
 @router.get("", response_model=list[CheckpointRead], responses=_ERRORS)
 def list_checkpoints(run: RunDep, session: SessionDep) -> list[CheckpointRead]:
     """The run's kept checkpoints, oldest first (the last one of a succeeded run is its final model)."""
-    rows = session.scalars(select(Checkpoint).where(Checkpoint.run_id == run.id).order_by(Checkpoint.step))
-    return [to_read(c) for c in rows]
+    return [to_read(c) for c in service.list_checkpoints(session=session, run_id=run.id)]
 
 
 def tar_stream(folder: FsPath, arcname: str) -> Iterator[bytes]:
@@ -68,7 +67,7 @@ def download_checkpoint(
     run: RunDep, session: SessionDep, step: Annotated[int, Path(ge=0, le=MAX_STEP)]
 ) -> StreamingResponse:
     """Stream one checkpoint folder (model, tokenizer, trainer state) as a tar archive."""
-    ckpt = session.get(Checkpoint, (run.id, step))
+    ckpt = service.get_checkpoint(session=session, run_id=run.id, step=step)
     folder = FsPath(ckpt.path) if ckpt is not None else None
     if folder is None or not folder.is_dir():
         raise CheckpointNotFound(f"run {run.id} has no checkpoint at step {step}", field="step")

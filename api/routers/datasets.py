@@ -6,13 +6,10 @@ import json
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData, UploadFile
 
@@ -24,10 +21,10 @@ from api.errors import (
     UnsupportedMediaType,
     validation_details,
 )
-from api.models import Dataset, DatasetRow
-from api.pagination import AfterCursor, decode_cursor, encode_cursor
+from api.models import Dataset
+from api.pagination import AfterCursor
 from api.schemas import DatasetCreateJson
-from api.services.datasets import ingest_dataset, list_skipped
+from api.services import datasets as service
 from api.settings import Settings
 from rlrun.formats import MAX_ROW_DEPTH, LineError, detect_upload_kind, upload_lines
 from rlrun.schemas import SKIPPED_IN_RESPONSE, DatasetRead, DatasetRowRead, ErrorBody, Page, SkippedLineRead
@@ -132,10 +129,10 @@ def _detect_kind(upload: _Upload) -> str:
         raise InvalidRequest(f"kind: {exc.message}", field="kind") from None
 
 
-def _ingest(session: Session, settings: Settings, project_id: uuid.UUID, upload: _Upload) -> DatasetRead:
+def _ingest(session: SessionDep, settings: Settings, project_id: uuid.UUID, upload: _Upload) -> DatasetRead:
     """Detect the kind if it was not given, ingest, and read back the first skipped lines (a thread)."""
     kind = upload.kind or _detect_kind(upload)
-    dataset = ingest_dataset(
+    dataset = service.ingest_dataset(
         session=session,
         name=upload.name,
         kind=kind,
@@ -150,11 +147,11 @@ def _ingest(session: Session, settings: Settings, project_id: uuid.UUID, upload:
     return _with_skipped(session, dataset)
 
 
-def _with_skipped(session: Session, dataset: Dataset) -> DatasetRead:
+def _with_skipped(session: SessionDep, dataset: Dataset) -> DatasetRead:
     """The dataset with its first ``SKIPPED_IN_RESPONSE`` skipped lines (one query, only if it has any)."""
     read = DatasetRead.model_validate(dataset)
     first = (
-        list_skipped(session=session, dataset_id=dataset.id, limit=SKIPPED_IN_RESPONSE)
+        service.list_skipped(session=session, dataset_id=dataset.id, limit=SKIPPED_IN_RESPONSE).rows
         if read.skipped_count
         else []
     )
@@ -195,26 +192,8 @@ def list_datasets(
     after: AfterCursor = None,
 ) -> Page[DatasetRead]:
     """List datasets, newest first."""
-    stmt = (
-        select(Dataset)
-        .where(Dataset.project_id == project_id)
-        .order_by(Dataset.created_at.desc(), Dataset.id.desc())
-        .limit(limit + 1)
-    )
-    if after is not None:
-        created, did = decode_cursor(after, 2)
-        try:
-            stmt = stmt.where(
-                (Dataset.created_at < datetime.fromisoformat(created))
-                | ((Dataset.created_at == datetime.fromisoformat(created)) & (Dataset.id < uuid.UUID(did)))
-            )
-        except ValueError:
-            raise InvalidRequest("after: not a cursor returned by this API", field="after") from None
-    rows = list(session.scalars(stmt))
-    more = len(rows) > limit
-    rows = rows[:limit]
-    cursor = encode_cursor(rows[-1].created_at.isoformat(), rows[-1].id) if more else None
-    return Page(data=[DatasetRead.model_validate(d) for d in rows], has_more=more, next_cursor=cursor)
+    found = service.list_datasets(session=session, project_id=project_id, after=after, limit=limit)
+    return found.as_page(DatasetRead.model_validate)
 
 
 @router.get("/{dataset_id}", response_model=DatasetRead, responses=_ERRORS)
@@ -231,17 +210,8 @@ def list_skipped_lines(
     after: AfterCursor = None,
 ) -> Page[SkippedLineRead]:
     """Lines an upload with skip_invalid left out, in line order: number, reason, field."""
-    after_line = None
-    if after is not None:
-        (after_line,) = decode_cursor(after, 1)
-        if not isinstance(after_line, int):
-            raise InvalidRequest("after: not a cursor returned by this API", field="after")
-    rows = list_skipped(session=session, dataset_id=dataset.id, limit=limit + 1, after_line=after_line)
-    more = len(rows) > limit
-    rows = rows[:limit]
-    cursor = encode_cursor(rows[-1].line) if more else None
-    data = [SkippedLineRead.model_validate(r) for r in rows]
-    return Page[SkippedLineRead](data=data, has_more=more, next_cursor=cursor)
+    found = service.list_skipped(session=session, dataset_id=dataset.id, limit=limit, after=after)
+    return found.as_page(SkippedLineRead.model_validate)
 
 
 @router.get("/{dataset_id}/rows", response_model=Page[DatasetRowRead], responses=_ERRORS)
@@ -252,23 +222,9 @@ def list_dataset_rows(
     after: AfterCursor = None,
 ) -> Response:
     """Normalised rows in upload order."""
-    stmt = (
-        select(DatasetRow)
-        .where(DatasetRow.dataset_id == dataset.id)
-        .order_by(DatasetRow.index)
-        .limit(limit + 1)
-    )
-    if after is not None:
-        (last,) = decode_cursor(after, 1)
-        if not isinstance(last, int):
-            raise InvalidRequest("after: not a cursor returned by this API", field="after")
-        stmt = stmt.where(DatasetRow.index > last)
-    rows = list(session.scalars(stmt))
-    more = len(rows) > limit
-    rows = rows[:limit]
-    cursor = encode_cursor(rows[-1].index) if more else None
-    data = [DatasetRowRead.model_validate(r) for r in rows]
-    page = Page[DatasetRowRead](data=data, has_more=more, next_cursor=cursor)
+    rows = service.list_rows(session=session, dataset_id=dataset.id, after=after, limit=limit)
+    data = [DatasetRowRead.model_validate(r) for r in rows.rows]
+    page = Page[DatasetRowRead](data=data, has_more=rows.has_more, next_cursor=rows.next_cursor)
     try:  # serialised here, not by FastAPI after return, so that a row that cannot be is a 409, not a 500
         return Response(page.model_dump_json(), media_type="application/json")
     except (ValueError, RecursionError):

@@ -6,10 +6,9 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
-from sqlalchemy import select
 
 from api.deps import ProjectDep, SessionDep, SettingsDep
-from api.models import Run
+from api.services.runs import succeeded_runs
 from trainer.lr_defaults import preset_params
 from trainer.model_refs import models_in_roots
 from trainer.specs import TINY_PRESETS
@@ -50,12 +49,7 @@ def list_models(
         ModelRead(id=name, created=0, owned_by="local", source="folder")
         for name in models_in_roots(settings.resolved_model_roots, limit=1000)
     ]
-    finished = session.scalars(
-        select(Run)
-        .where(Run.project_id == project_id, Run.status == "succeeded", Run.output_path.is_not(None))
-        .order_by(Run.finished_at.desc(), Run.id.desc())
-        .limit(runs)
-    )
+    finished = succeeded_runs(session=session, project_id=project_id, limit=runs)
     data += [
         ModelRead(
             id=f"run:{run.id}",

@@ -7,16 +7,14 @@ from collections.abc import Iterator
 from typing import IO, Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query, Request
-from sqlalchemy import and_, or_, select
-from sqlalchemy.exc import IntegrityError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from api import openai_mapping as mapping
 from api.body_limits import limit_body
+from api.db import commit_unless_conflict
 from api.deps import ProjectDep, SessionDep, SettingsDep
 from api.errors import ApiError, DatasetInvalid, FileInUse, OpenAIErrorBody, UnsupportedMediaType
-from api.models import Dataset
 from api.schemas_openai import FileDeleted, FileList, FileObject
 from api.services import openai_compat as compat
 from api.services.datasets import MAX_NAME_CHARS, ingest_dataset
@@ -112,29 +110,20 @@ def list_files(
     purpose: Annotated[str | None, Query(description="Only `fine-tune` files exist.")] = None,
 ) -> FileList:
     """The project's fine-tuning files (its sft and preference datasets)."""
-    desc = order == "desc"
-    key = (Dataset.created_at.desc(), Dataset.id.desc()) if desc else (Dataset.created_at, Dataset.id)
-    stmt = (
-        select(Dataset)
-        .where(Dataset.project_id == project_id, Dataset.kind.in_(mapping.FILE_KINDS))
-        .order_by(*key)
-        .limit(limit + 1)
+    found = compat.list_files(
+        session=session,
+        project_id=project_id,
+        after=after,
+        limit=limit,
+        desc=order == "desc",
+        purpose=purpose,
     )
-    if after is not None:
-        anchor = compat.get_file(session=session, file=after, project_id=project_id, param="after")
-        before, same = (
-            (Dataset.created_at < anchor.created_at, Dataset.id < anchor.id)
-            if desc
-            else (Dataset.created_at > anchor.created_at, Dataset.id > anchor.id)
-        )
-        stmt = stmt.where(or_(before, and_(Dataset.created_at == anchor.created_at, same)))
-    rows = list(session.scalars(stmt)) if purpose in (None, "fine-tune") else []
-    data = [mapping.file_object(d) for d in rows[:limit]]
+    data = [mapping.file_object(d) for d in found.rows]
     return FileList(
         data=data,
         first_id=data[0].id if data else None,
         last_id=data[-1].id if data else None,
-        has_more=len(rows) > limit,
+        has_more=found.has_more,
     )
 
 
@@ -150,14 +139,8 @@ def retrieve_file(file_id: FileIdPath, session: SessionDep, project_id: ProjectD
 def delete_file(file_id: FileIdPath, session: SessionDep, project_id: ProjectDep) -> FileDeleted:
     """Delete a file no run or running pipeline uses (409 otherwise: runs keep the data they used)."""
     dataset = compat.get_file(session=session, file=file_id, project_id=project_id, param="file_id")
-    user = compat.file_user(session=session, dataset=dataset)
-    if user is not None:
-        raise FileInUse(f"{file_id} is used by {user} and cannot be deleted", field="file_id")
     dataset_id: uuid.UUID = dataset.id
-    session.delete(dataset)  # its rows go with it (ON DELETE CASCADE)
-    try:
-        session.commit()
-    except IntegrityError:  # a run was submitted on it since the check (runs.dataset_id is RESTRICT)
-        session.rollback()
-        raise FileInUse(f"{file_id} is used by a run and cannot be deleted", field="file_id") from None
+    compat.delete_file(session=session, dataset=dataset, file=file_id)
+    if not commit_unless_conflict(session):  # a run was submitted on it since the check
+        raise FileInUse(f"{file_id} is used by a run and cannot be deleted", field="file_id")
     return FileDeleted(id=mapping.file_id(dataset_id), deleted=True)

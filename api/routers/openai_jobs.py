@@ -6,13 +6,12 @@ import secrets
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request
-from sqlalchemy import and_, or_, select
-from sqlalchemy.orm import Session
 
+from api import lifecycle
 from api import openai_mapping as mapping
 from api.deps import EnqueueDep, ProjectDep, SessionDep, SettingsDep
 from api.errors import ApiError, InvalidTransition, OpenAIErrorBody
-from api.models import Checkpoint, Event, Run
+from api.models import Run
 from api.schemas_openai import (
     FineTuningJob,
     FineTuningJobCreate,
@@ -21,8 +20,7 @@ from api.schemas_openai import (
     JobList,
 )
 from api.services import openai_compat as compat
-from api.services import runs as service
-from api.services.pipelines import advance
+from api.services.pipelines import cancel_run_and_its_pipeline
 
 router = APIRouter(prefix="/v1/fine_tuning/jobs", tags=["openai"])
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -46,7 +44,7 @@ def load_job(
 JobDep = Annotated[Run, Depends(load_job)]
 
 
-def _job(session: Session, run: Run) -> FineTuningJob:
+def _job(session: SessionDep, run: Run) -> FineTuningJob:
     return mapping.job_object(run, compat.job_methods(session=session, run_ids=[run.id]).get(run.id))
 
 
@@ -69,7 +67,7 @@ def create_job(
         max_in_flight=settings.max_runs_in_flight,
     )
     session.commit()
-    service.send_committed(session=session, enqueue=enqueue, runs=[run])
+    lifecycle.send_committed(session=session, enqueue=enqueue, runs=[run])
     return mapping.job_object(run, method)
 
 
@@ -84,24 +82,11 @@ def list_jobs(
     """The project's jobs (its sft and dpo runs), newest first."""
     if any(k == "metadata" or k.startswith("metadata[") for k in request.query_params):
         raise ApiError("filtering jobs by metadata is not supported by rlrun", field="metadata")
-    stmt = (
-        select(Run)
-        .where(Run.project_id == project_id, Run.algorithm.in_(mapping.JOB_ALGORITHMS))
-        .order_by(Run.created_at.desc(), Run.id.desc())
-        .limit(limit + 1)
+    found = compat.list_jobs(session=session, project_id=project_id, after=after, limit=limit)
+    methods = compat.job_methods(session=session, run_ids=[r.id for r in found.rows])
+    return JobList(
+        data=[mapping.job_object(r, methods.get(r.id)) for r in found.rows], has_more=found.has_more
     )
-    if after is not None:
-        anchor = compat.get_job(session=session, job=after, project_id=project_id, param="after")
-        stmt = stmt.where(
-            or_(
-                Run.created_at < anchor.created_at,
-                and_(Run.created_at == anchor.created_at, Run.id < anchor.id),
-            )
-        )
-    rows = list(session.scalars(stmt))
-    page = rows[:limit]
-    methods = compat.job_methods(session=session, run_ids=[r.id for r in page])
-    return JobList(data=[mapping.job_object(r, methods.get(r.id)) for r in page], has_more=len(rows) > limit)
 
 
 @router.get("/{fine_tuning_job_id}", response_model=FineTuningJob, responses=_ERRORS)
@@ -110,7 +95,7 @@ def retrieve_job(run: JobDep, session: SessionDep) -> FineTuningJob:
     return _job(session, run)
 
 
-def _refused(action: str, run: Run, session: Session) -> InvalidTransition:
+def _refused(action: str, run: Run, session: SessionDep) -> InvalidTransition:
     job = _job(session, run)
     state = (
         f"{job.status}, cancel requested" if run.cancel_requested and job.status == "running" else job.status
@@ -124,11 +109,9 @@ def _refused(action: str, run: Run, session: Session) -> InvalidTransition:
 def cancel_job(run: JobDep, session: SessionDep) -> FineTuningJob:
     """Cancel: at once if queued or paused, within one step if running; 409 once it has ended."""
     try:
-        run = service.cancel_run(session=session, run=run)
+        run = cancel_run_and_its_pipeline(session=session, run=run)
     except InvalidTransition:
         raise _refused("cancel", run, session) from None
-    if run.pipeline_id is not None and run.status == "cancelled":
-        advance(session=session, pipeline_id=run.pipeline_id)  # the rest of its pipeline ends too
     session.commit()
     return _job(session, run)
 
@@ -137,7 +120,7 @@ def cancel_job(run: JobDep, session: SessionDep) -> FineTuningJob:
 def pause_job(run: JobDep, session: SessionDep) -> FineTuningJob:
     """Pause: at once if queued; a running job checkpoints and stops before its next step (`pausing`)."""
     try:
-        run = service.pause_run(session=session, run=run)
+        run = lifecycle.pause_run(session=session, run=run)
     except InvalidTransition:
         raise _refused("pause", run, session) from None
     session.commit()
@@ -148,11 +131,11 @@ def pause_job(run: JobDep, session: SessionDep) -> FineTuningJob:
 def resume_job(run: JobDep, session: SessionDep, enqueue: EnqueueDep) -> FineTuningJob:
     """Queue a paused job again; it continues from its last checkpoint. 409 unless paused."""
     try:
-        run = service.resume_run(session=session, run=run)
+        run = lifecycle.resume_run(session=session, run=run)
     except InvalidTransition:
         raise _refused("resume", run, session) from None
     session.commit()
-    service.send_committed(session=session, enqueue=enqueue, runs=[run])
+    lifecycle.send_committed(session=session, enqueue=enqueue, runs=[run])
     return _job(session, run)
 
 
@@ -161,14 +144,8 @@ def list_job_events(
     run: JobDep, session: SessionDep, after: After = None, limit: Annotated[int, Query(ge=1, le=1000)] = 20
 ) -> JobEventList:
     """The job's events, newest first: status changes, checkpoints, warnings, the failure reason."""
-    stmt = select(Event).where(Event.run_id == run.id).order_by(Event.id.desc()).limit(limit + 1)
-    if after is not None:
-        last = mapping.parse_event_id(after)
-        if last is None:
-            raise ApiError(f"after: {after!r} is not an event id (ftevent-...)", field="after")
-        stmt = stmt.where(Event.id < last)
-    rows = list(session.scalars(stmt))
-    return JobEventList(data=[mapping.event_object(e) for e in rows[:limit]], has_more=len(rows) > limit)
+    found = compat.list_job_events(session=session, run_id=run.id, after=after, limit=limit)
+    return JobEventList(data=[mapping.event_object(e) for e in found.rows], has_more=found.has_more)
 
 
 @router.get("/{fine_tuning_job_id}/checkpoints", response_model=JobCheckpointList, responses=_ERRORS)
@@ -176,22 +153,11 @@ def list_job_checkpoints(
     run: JobDep, session: SessionDep, after: After = None, limit: Annotated[int, Query(ge=1, le=1000)] = 10
 ) -> JobCheckpointList:
     """The job's kept checkpoints, newest first; each is usable as `model` (`run:<id>@<step>`)."""
-    stmt = (
-        select(Checkpoint)
-        .where(Checkpoint.run_id == run.id)
-        .order_by(Checkpoint.step.desc())
-        .limit(limit + 1)
-    )
-    if after is not None:
-        step = mapping.parse_checkpoint_step(after)
-        if step is None:
-            raise ApiError(f"after: {after!r} is not a checkpoint id (ftckpt-...)", field="after")
-        stmt = stmt.where(Checkpoint.step < step)
-    rows = list(session.scalars(stmt))
-    data = [mapping.checkpoint_object(c) for c in rows[:limit]]
+    found = compat.list_job_checkpoints(session=session, run_id=run.id, after=after, limit=limit)
+    data = [mapping.checkpoint_object(c) for c in found.rows]
     return JobCheckpointList(
         data=data,
         first_id=data[0].id if data else None,
         last_id=data[-1].id if data else None,
-        has_more=len(rows) > limit,
+        has_more=found.has_more,
     )

@@ -8,38 +8,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path
 
 from api.deps import EnqueueDep, ProjectDep, SessionDep, SettingsDep
-from api.models import Pipeline, Run
+from api.lifecycle import send_committed
 from api.schemas import PipelineCreate
 from api.services import pipelines as service
-from api.services.runs import send_committed
-from rlrun.schemas import ErrorBody, PipelineRead, StageRead
+from api.services.runs import get_runs
+from rlrun.schemas import ErrorBody, PipelineRead
 
 router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 422)}
-
-
-def to_read(session: SessionDep, pipeline: Pipeline) -> PipelineRead:
-    runs = service.stage_runs(session, pipeline.id)
-    stages = []
-    for stage in pipeline.stages:
-        run = runs.get(stage["name"])
-        stages.append(
-            StageRead(
-                name=stage["name"],
-                algorithm=stage["spec"]["algorithm"],
-                run_id=run.id if run else None,
-                status=run.status if run else "waiting",
-            )
-        )
-    return PipelineRead(
-        id=pipeline.id,
-        name=pipeline.name,
-        status=pipeline.status,
-        reason=pipeline.reason,
-        stages=stages,
-        created_at=pipeline.created_at,
-        finished_at=pipeline.finished_at,
-    )
 
 
 @router.post("", status_code=201, response_model=PipelineRead, responses=_ERRORS)
@@ -60,8 +36,8 @@ def create_pipeline(
     )
     created = service.advance(session=session, pipeline_id=pipeline.id)
     session.commit()
-    send_committed(session=session, enqueue=enqueue, runs=[session.get_one(Run, i) for i in created])
-    return to_read(session, pipeline)
+    send_committed(session=session, enqueue=enqueue, runs=get_runs(session=session, run_ids=created))
+    return service.pipeline_read(session, pipeline)
 
 
 @router.get("/{pipeline_id}", response_model=PipelineRead, responses=_ERRORS)
@@ -69,7 +45,7 @@ def read_pipeline(
     pipeline_id: Annotated[uuid.UUID, Path()], session: SessionDep, project_id: ProjectDep
 ) -> PipelineRead:
     """A pipeline with each stage's run and status."""
-    return to_read(
+    return service.pipeline_read(
         session, service.get_pipeline(session=session, pipeline_id=pipeline_id, project_id=project_id)
     )
 
@@ -82,4 +58,4 @@ def cancel_pipeline(
     pipeline = service.get_pipeline(session=session, pipeline_id=pipeline_id, project_id=project_id)
     pipeline = service.cancel_pipeline(session=session, pipeline=pipeline)
     session.commit()
-    return to_read(session, pipeline)
+    return service.pipeline_read(session, pipeline)

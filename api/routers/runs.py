@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import uuid
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query
-from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
 
+from api import lifecycle
+from api.db import commit_unless_conflict
 from api.deps import EnqueueDep, ProjectDep, RunDep, SessionDep, SettingsDep
-from api.errors import InvalidRequest
-from api.models import RunSample
-from api.pagination import AfterCursor, decode_cursor, encode_cursor
+from api.pagination import AfterCursor
 from api.services import runs as service
-from api.services.pipelines import advance
+from api.services.pipelines import cancel_run_and_its_pipeline
 from api.services.runs import run_read as to_read
 from rlrun.schemas import ErrorBody, EventRead, MetricRead, Page, RunRead, SampleRead
 from trainer.specs import MAX_STEP, RunSpec
@@ -50,15 +46,12 @@ def create_run(
         project_id=project_id,
         max_in_flight=settings.max_runs_in_flight,
     )
-    try:
-        session.commit()
-    except IntegrityError:  # a concurrent retry with the same key won the insert
-        session.rollback()
+    if not commit_unless_conflict(session):  # a concurrent retry with the same key won the insert
         existing = service.find_by_idempotency_key(session=session, key=scoped_key or "", spec=spec)
         if existing is None:
-            raise
+            raise RuntimeError(f"run {run.id} was refused by the database, and no run holds its key")
         return to_read(existing)
-    service.send_committed(session=session, enqueue=enqueue, runs=[run])
+    lifecycle.send_committed(session=session, enqueue=enqueue, runs=[run])
     return to_read(run)
 
 
@@ -71,18 +64,8 @@ def list_runs(
     status: Annotated[Status | None, Query(description="Only runs in this status")] = None,
 ) -> Page[RunRead]:
     """List runs, newest first."""
-    key = None
-    if after is not None:
-        created, rid = decode_cursor(after, 2)
-        try:
-            key = (datetime.fromisoformat(created), uuid.UUID(rid))
-        except (TypeError, ValueError):
-            raise InvalidRequest("after: not a cursor returned by this API", field="after") from None
-    rows = service.list_runs(session=session, limit=limit, after=key, status=status, project_id=project_id)
-    more = len(rows) > limit
-    rows = rows[:limit]
-    cursor = encode_cursor(rows[-1].created_at.isoformat(), rows[-1].id) if more else None
-    return Page(data=[to_read(r) for r in rows], has_more=more, next_cursor=cursor)
+    found = service.list_runs(session=session, limit=limit, after=after, status=status, project_id=project_id)
+    return found.as_page(to_read)
 
 
 @router.get("/{run_id}", response_model=RunRead, responses=_ERRORS)
@@ -94,9 +77,7 @@ def read_run(run: RunDep) -> RunRead:
 @router.post("/{run_id}/cancel", response_model=RunRead, responses=_ERRORS)
 def cancel_run(run: RunDep, session: SessionDep) -> RunRead:
     """Cancel a run: at once if queued, within one step if running; 409 once it has ended."""
-    run = service.cancel_run(session=session, run=run)
-    if run.pipeline_id is not None and run.status == "cancelled":
-        advance(session=session, pipeline_id=run.pipeline_id)  # the rest of its pipeline ends too
+    run = cancel_run_and_its_pipeline(session=session, run=run)
     session.commit()
     return to_read(run)
 
@@ -104,7 +85,7 @@ def cancel_run(run: RunDep, session: SessionDep) -> RunRead:
 @router.post("/{run_id}/pause", response_model=RunRead, responses=_ERRORS)
 def pause_run(run: RunDep, session: SessionDep) -> RunRead:
     """Pause a run: at once if queued; a running run saves a checkpoint and stops before its next step."""
-    run = service.pause_run(session=session, run=run)
+    run = lifecycle.pause_run(session=session, run=run)
     session.commit()
     return to_read(run)
 
@@ -112,9 +93,9 @@ def pause_run(run: RunDep, session: SessionDep) -> RunRead:
 @router.post("/{run_id}/resume", response_model=RunRead, responses=_ERRORS)
 def resume_run(run: RunDep, session: SessionDep, enqueue: EnqueueDep) -> RunRead:
     """Queue a paused run again; it continues from its last checkpoint. 409 unless paused."""
-    run = service.resume_run(session=session, run=run)
+    run = lifecycle.resume_run(session=session, run=run)
     session.commit()
-    service.send_committed(session=session, enqueue=enqueue, runs=[run])
+    lifecycle.send_committed(session=session, enqueue=enqueue, runs=[run])
     return to_read(run)
 
 
@@ -150,25 +131,16 @@ def list_metrics(
             ),
             has_more=False,
         )
-    cursor_key = None
-    if after is not None:
-        step, k = decode_cursor(after, 2)
-        if not isinstance(step, int) or not isinstance(k, str):
-            raise InvalidRequest("after: not a cursor returned by this API", field="after")
-        cursor_key = (step, k)
-    rows = service.list_metrics(
+    found = service.list_metrics(
         session=session,
         run_id=run.id,
         keys=key,
         min_step=min_step,
         max_step=max_step,
-        after=cursor_key,
+        after=after,
         limit=limit,
     )
-    more = len(rows) > limit
-    rows = rows[:limit]
-    cursor = encode_cursor(rows[-1].step, rows[-1].key) if more else None
-    return Page(data=[MetricRead.model_validate(m) for m in rows], has_more=more, next_cursor=cursor)
+    return found.as_page(MetricRead.model_validate)
 
 
 @router.get("/{run_id}/metric-keys", response_model=list[str], responses=_ERRORS)
@@ -185,16 +157,8 @@ def list_events(
     after: AfterCursor = None,
 ) -> Page[EventRead]:
     """The run's events in order: status changes, warnings, errors."""
-    last = None
-    if after is not None:
-        (last,) = decode_cursor(after, 1)
-        if not isinstance(last, int):
-            raise InvalidRequest("after: not a cursor returned by this API", field="after")
-    rows = service.list_events(session=session, run_id=run.id, after=last, limit=limit)
-    more = len(rows) > limit
-    rows = rows[:limit]
-    cursor = encode_cursor(rows[-1].id) if more else None
-    return Page(data=[EventRead.model_validate(e) for e in rows], has_more=more, next_cursor=cursor)
+    found = service.list_events(session=session, run_id=run.id, after=after, limit=limit)
+    return found.as_page(EventRead.model_validate)
 
 
 @router.get("/{run_id}/samples", response_model=Page[SampleRead], responses=_ERRORS)
@@ -208,16 +172,5 @@ def list_samples(
     after: AfterCursor = None,
 ) -> Page[SampleRead]:
     """Completions stored during online RL with their rewards (every `sample_every` steps)."""
-    stmt = select(RunSample).where(RunSample.run_id == run.id).order_by(RunSample.id).limit(limit + 1)
-    if step is not None:
-        stmt = stmt.where(RunSample.step == step)
-    if after is not None:
-        (last,) = decode_cursor(after, 1)
-        if not isinstance(last, int):
-            raise InvalidRequest("after: not a cursor returned by this API", field="after")
-        stmt = stmt.where(RunSample.id > last)
-    rows = list(session.scalars(stmt))
-    more = len(rows) > limit
-    rows = rows[:limit]
-    cursor = encode_cursor(rows[-1].id) if more else None
-    return Page(data=[SampleRead.model_validate(r) for r in rows], has_more=more, next_cursor=cursor)
+    found = service.list_samples(session=session, run_id=run.id, step=step, after=after, limit=limit)
+    return found.as_page(SampleRead.model_validate)

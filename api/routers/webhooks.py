@@ -76,7 +76,7 @@ def get_webhook(session: SessionDep, project_id: ProjectDep, webhook_id: Webhook
 @router.delete("/{webhook_id}", status_code=204, responses=_ERRORS)
 def delete_webhook(session: SessionDep, project_id: ProjectDep, webhook_id: WebhookId) -> Response:
     """Remove a webhook and its delivery log; pending deliveries are dropped."""
-    session.delete(_load(session, project_id, webhook_id))
+    service.delete_webhook(session=session, webhook=_load(session, project_id, webhook_id))
     session.commit()
     return Response(status_code=204)
 
@@ -92,5 +92,5 @@ def list_deliveries(
     """The delivery log, newest first: each message with its status and every attempt (HTTP status or
     error, duration)."""
     webhook = _load(session, project_id, webhook_id)
-    rows, cursor = service.list_deliveries(session=session, webhook=webhook, after=after, limit=limit)
-    return Page(data=[_delivery_read(d) for d in rows], has_more=cursor is not None, next_cursor=cursor)
+    found = service.list_deliveries(session=session, webhook=webhook, after=after, limit=limit)
+    return found.as_page(_delivery_read)

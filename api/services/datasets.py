@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from api.errors import DatasetInvalid, DatasetNotFound, InvalidRequest, PayloadTooLarge
 from api.ingest import DatasetStatsBuilder, content_hash
 from api.models import DEFAULT_PROJECT_ID, Dataset, DatasetRow, DatasetSkippedLine
+from api.pagination import Keyset, Slice, paginate
 from rlrun.formats import NORMALIZERS, LineError, parse_json_line, text_problem
 from rlrun.schemas import ErrorDetail
 
@@ -32,6 +33,9 @@ def check_name(name: str) -> None:
 
 
 MAX_STORED_SKIPPED = 10_000  # lines listed by /skipped; past that they are only counted (skipped_count)
+DATASETS_ORDER = Keyset(Dataset.created_at, Dataset.id, desc=True)  # newest first
+ROWS_ORDER = Keyset(DatasetRow.index)
+SKIPPED_ORDER = Keyset(DatasetSkippedLine.line)
 
 
 @dataclass
@@ -163,18 +167,25 @@ def ingest_dataset(
 
 
 def list_skipped(
-    *, session: Session, dataset_id: uuid.UUID, limit: int, after_line: int | None = None
-) -> list[DatasetSkippedLine]:
-    """Skipped lines of a dataset in line order, at most ``limit``, after line ``after_line``."""
-    stmt = (
-        select(DatasetSkippedLine)
-        .where(DatasetSkippedLine.dataset_id == dataset_id)
-        .order_by(DatasetSkippedLine.line)
-        .limit(limit)
-    )
-    if after_line is not None:
-        stmt = stmt.where(DatasetSkippedLine.line > after_line)
-    return list(session.scalars(stmt))
+    *, session: Session, dataset_id: uuid.UUID, limit: int, after: str | None = None
+) -> Slice[DatasetSkippedLine]:
+    """Skipped lines of a dataset in line order, at most ``limit``, after the cursor ``after``."""
+    stmt = select(DatasetSkippedLine).where(DatasetSkippedLine.dataset_id == dataset_id)
+    return paginate(session, stmt, SKIPPED_ORDER, limit=limit, cursor=after)
+
+
+def list_datasets(
+    *, session: Session, project_id: uuid.UUID, after: str | None, limit: int
+) -> Slice[Dataset]:
+    """The project's datasets, newest first."""
+    stmt = select(Dataset).where(Dataset.project_id == project_id)
+    return paginate(session, stmt, DATASETS_ORDER, limit=limit, cursor=after)
+
+
+def list_rows(*, session: Session, dataset_id: uuid.UUID, after: str | None, limit: int) -> Slice[DatasetRow]:
+    """A dataset's normalised rows in upload order."""
+    stmt = select(DatasetRow).where(DatasetRow.dataset_id == dataset_id)
+    return paginate(session, stmt, ROWS_ORDER, limit=limit, cursor=after)
 
 
 def get_dataset(*, session: Session, dataset_id: uuid.UUID, project_id: uuid.UUID | None = None) -> Dataset:

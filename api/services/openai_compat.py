@@ -12,25 +12,35 @@ from pathlib import Path
 from sqlalchemy import Text, cast, or_, select
 from sqlalchemy.orm import Session
 
-from api.errors import ApiError, DatasetNotFound, FileNotFound, JobNotFound, RunNotFound
-from api.models import Dataset, Event, Pipeline, Run
+from api.errors import ApiError, DatasetNotFound, FileInUse, FileNotFound, JobNotFound, RunNotFound
+from api.lifecycle import add_event
+from api.models import Checkpoint, Dataset, Event, Pipeline, Run
 from api.openai_mapping import (
     CREATED_EVENT,
     FILE_KINDS,
     JOB_ALGORITHMS,
     OPENAI_PARAMS,
     job_id,
+    parse_checkpoint_step,
+    parse_event_id,
     parse_file_id,
     parse_job_id,
     plan_job,
 )
+from api.pagination import Keyset, Slice, paginate
 from api.schemas_openai import (
     FineTuningJobCreate,
     Method,
 )
 from api.services.datasets import get_dataset
 from api.services.references import model_params
-from api.services.runs import add_event, get_run, submit_run
+from api.services.runs import RUNS_ORDER, get_run, submit_run
+
+# OpenAI lists newest first, and name the last object seen (not an opaque cursor) as ``after``.
+EVENTS_NEWEST_FIRST = Keyset(Event.id, desc=True)
+CHECKPOINTS_NEWEST_FIRST = Keyset(Checkpoint.step, desc=True)
+FILES_NEWEST_FIRST = Keyset(Dataset.created_at, Dataset.id, desc=True)
+FILES_OLDEST_FIRST = Keyset(Dataset.created_at, Dataset.id)
 
 
 def get_file(*, session: Session, file: str, project_id: uuid.UUID, param: str) -> Dataset:
@@ -69,6 +79,58 @@ def job_methods(*, session: Session, run_ids: Sequence[uuid.UUID]) -> dict[uuid.
         if event.data and event.run_id not in out:
             out[event.run_id] = Method.model_validate(event.data["method"])
     return out
+
+
+def list_jobs(*, session: Session, project_id: uuid.UUID, after: str | None, limit: int) -> Slice[Run]:
+    """The project's jobs (its sft and dpo runs), newest first, after the job ``after``."""
+    key = None
+    if after is not None:
+        anchor = get_job(session=session, job=after, project_id=project_id, param="after")
+        key = RUNS_ORDER.key_of(anchor)
+    stmt = select(Run).where(Run.project_id == project_id, Run.algorithm.in_(JOB_ALGORITHMS))
+    return paginate(session, stmt, RUNS_ORDER, limit=limit, after=key)
+
+
+def list_job_events(*, session: Session, run_id: uuid.UUID, after: str | None, limit: int) -> Slice[Event]:
+    """A job's events, newest first, after the event ``after`` (``ftevent-...``)."""
+    key = None
+    if after is not None:
+        last = parse_event_id(after)
+        if last is None:
+            raise ApiError(f"after: {after!r} is not an event id (ftevent-...)", field="after")
+        key = (last,)
+    stmt = select(Event).where(Event.run_id == run_id)
+    return paginate(session, stmt, EVENTS_NEWEST_FIRST, limit=limit, after=key)
+
+
+def list_job_checkpoints(
+    *, session: Session, run_id: uuid.UUID, after: str | None, limit: int
+) -> Slice[Checkpoint]:
+    """A job's kept checkpoints, newest first, after the checkpoint ``after`` (``ftckpt-...``)."""
+    key = None
+    if after is not None:
+        step = parse_checkpoint_step(after)
+        if step is None:
+            raise ApiError(f"after: {after!r} is not a checkpoint id (ftckpt-...)", field="after")
+        key = (step,)
+    stmt = select(Checkpoint).where(Checkpoint.run_id == run_id)
+    return paginate(session, stmt, CHECKPOINTS_NEWEST_FIRST, limit=limit, after=key)
+
+
+def list_files(
+    *, session: Session, project_id: uuid.UUID, after: str | None, limit: int, desc: bool, purpose: str | None
+) -> Slice[Dataset]:
+    """The project's fine-tuning files (its sft and preference datasets) by creation time, after the file
+    ``after``; none for a ``purpose`` other than ``fine-tune``."""
+    order = FILES_NEWEST_FIRST if desc else FILES_OLDEST_FIRST
+    key = None
+    if after is not None:
+        anchor = get_file(session=session, file=after, project_id=project_id, param="after")
+        key = order.key_of(anchor)
+    if purpose not in (None, "fine-tune"):
+        return Slice(rows=[], has_more=False, next_cursor=None)
+    stmt = select(Dataset).where(Dataset.project_id == project_id, Dataset.kind.in_(FILE_KINDS))
+    return paginate(session, stmt, order, limit=limit, after=key)
 
 
 def create_job(
@@ -115,6 +177,17 @@ def create_job(
     )
     session.flush()
     return run, method
+
+
+def delete_file(*, session: Session, dataset: Dataset, file: str) -> None:
+    """Delete a file's dataset (its rows go with it: ON DELETE CASCADE), unless a run or a running
+    pipeline uses it: ``FileInUse`` (409) naming ``file``, the id the caller gave. A run submitted on it
+    after this check makes the commit fail (``runs.dataset_id`` is RESTRICT); the caller answers that as
+    ``FileInUse`` too."""
+    user = file_user(session=session, dataset=dataset)
+    if user is not None:
+        raise FileInUse(f"{file} is used by {user} and cannot be deleted", field="file_id")
+    session.delete(dataset)
 
 
 def file_user(*, session: Session, dataset: Dataset) -> str | None:

@@ -19,10 +19,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.errors import InvalidRequest, InvalidTransition, NotFound
+from api.lifecycle import add_cancelled_run, add_event, cancel_run
 from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Pipeline, Run, utcnow
 from api.schemas import PipelineCreate
 from api.services.references import check_learnable, check_references
-from api.services.runs import add_event, cancel_run, submit_run
+from api.services.runs import submit_run
+from rlrun.schemas import PipelineRead, StageRead
 from trainer.specs import RunSpec, parse_spec, parse_stage_ref, set_at, spec_references
 
 log = logging.getLogger("rlrun.pipelines")
@@ -87,6 +89,31 @@ def stage_runs(session: Session, pipeline_id: uuid.UUID) -> dict[str, Run]:
     return {r.stage: r for r in runs if r.stage is not None}
 
 
+def pipeline_read(session: Session, pipeline: Pipeline) -> PipelineRead:
+    """The API's pipeline object: each stage with its run and status (``waiting`` before it has one)."""
+    runs = stage_runs(session, pipeline.id)
+    stages = []
+    for stage in pipeline.stages:
+        run = runs.get(stage["name"])
+        stages.append(
+            StageRead(
+                name=stage["name"],
+                algorithm=stage["spec"]["algorithm"],
+                run_id=run.id if run else None,
+                status=run.status if run else "waiting",
+            )
+        )
+    return PipelineRead(
+        id=pipeline.id,
+        name=pipeline.name,
+        status=pipeline.status,
+        reason=pipeline.reason,
+        stages=stages,
+        created_at=pipeline.created_at,
+        finished_at=pipeline.finished_at,
+    )
+
+
 def _finish(pipeline: Pipeline, status: str, reason: str | None) -> None:
     pipeline.status, pipeline.reason, pipeline.finished_at = status, reason, utcnow()
     log.info("pipeline %s %s%s", pipeline.id, status, f": {reason}" if reason else "")
@@ -145,22 +172,16 @@ def _cancelled_stage_run(session: Session, pipeline: Pipeline, stage: dict[str, 
         id=uuid.uuid4(),
         project_id=pipeline.project_id,
         algorithm=spec.algorithm,
-        status="cancelled",
         spec=stage["spec"],
         dataset_id=spec.dataset_id,
         attempt=0,
         step=0,
         total_steps=spec.total_steps,
-        cancel_requested=True,
         created_at=utcnow(),
-        finished_at=utcnow(),
         pipeline_id=pipeline.id,
         stage=stage["name"],
     )
-    session.add(run)
-    session.flush()
-    add_event(session, run.id, "status", "cancelled", {"reason": f"pipeline: {reason}"})
-    return run
+    return add_cancelled_run(session, run, f"pipeline: {reason}")
 
 
 def cancel_pipeline(*, session: Session, pipeline: Pipeline) -> Pipeline:
@@ -177,6 +198,15 @@ def cancel_pipeline(*, session: Session, pipeline: Pipeline) -> Pipeline:
     _finish(pipeline, "cancelled", "cancelled by the user")
     session.flush()
     return pipeline
+
+
+def cancel_run_and_its_pipeline(*, session: Session, run: Run) -> Run:
+    """Cancel a run (api/lifecycle.py); one that ended cancelled at once takes the rest of its pipeline
+    with it (a running one does when its worker stops)."""
+    run = cancel_run(session=session, run=run)
+    if run.pipeline_id is not None and run.status == "cancelled":
+        advance(session=session, pipeline_id=run.pipeline_id)
+    return run
 
 
 def get_pipeline(

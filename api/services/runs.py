@@ -1,54 +1,38 @@
-"""Run lifecycle on the API side: submit, cancel, read. Never commits (the router owns the unit of work).
+"""Runs on the API side: submit, read, list. Never commits (the router owns the unit of work).
 
-Status machine: queued -> running -> succeeded | failed | cancelled; queued -> cancelled. Only the
-worker moves a run out of ``running``; cancel of a running run sets a flag the worker obeys within a step.
+Status changes (cancel, pause, resume, and every other) live in ``api/lifecycle.py``; the names are also
+importable from here, where they used to be.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable, Sequence
-from datetime import datetime
+from collections.abc import Sequence
 from pathlib import Path
 
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.downsample import minmax_downsample
-from api.errors import IdempotencyConflict, InvalidTransition, RunNotFound, TooManyRuns
-from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Event, Metric, Run, utcnow
-from api.queue import Enqueue
+from api.errors import IdempotencyConflict, RunNotFound, TooManyRuns
+from api.lifecycle import add_event as add_event
+from api.lifecycle import add_queued_run
+from api.lifecycle import cancel_run as cancel_run
+from api.lifecycle import pause_run as pause_run
+from api.lifecycle import resume_run as resume_run
+from api.lifecycle import send_committed as send_committed
+from api.models import DEFAULT_PROJECT_ID, Event, Metric, Run, RunSample, utcnow
+from api.pagination import Keyset, Slice, paginate
 from api.services.references import check_learnable, check_references, with_default_learning_rate
 from rlrun.schemas import MetricRead, Progress, RunRead
 from trainer.specs import AnyRunSpec
 
 log = logging.getLogger("rlrun.runs")
-
-
-def add_event(
-    session: Session, run_id: uuid.UUID, kind: str, message: str, data: dict[str, object] | None = None
-) -> None:
-    session.add(Event(run_id=run_id, kind=kind, message=message, data=data))
-
-
-def send_committed(*, session: Session, enqueue: Enqueue, runs: Iterable[Run]) -> None:
-    """Send committed queued runs to the broker (commit, then enqueue: Celery's "Database transactions").
-
-    A send that fails loses nothing: the run stays queued with a warning event, and its ``enqueued_at``
-    is cleared so the next reconciler pass, in any process, sends it again without waiting out
-    ``resend_after_seconds``. Commits only when a send failed."""
-    failed = False
-    for run in runs:
-        try:
-            enqueue(run.id, queue=run.spec.get("queue"))
-        except Exception as exc:  # noqa: BLE001 - any broker failure; the run is safe in the DB
-            log.warning("run %s: enqueue failed: %s", run.id, exc)
-            add_event(session, run.id, "warning", f"could not reach the broker: {type(exc).__name__}")
-            run.enqueued_at = None
-            failed = True
-    if failed:
-        session.commit()
+RUNS_ORDER = Keyset(Run.created_at, Run.id, desc=True)  # newest first
+METRICS_ORDER = Keyset(Metric.step, Metric.key)
+EVENTS_ORDER = Keyset(Event.id)
+SAMPLES_ORDER = Keyset(RunSample.id)
 
 
 def find_by_idempotency_key(*, session: Session, key: str, spec: AnyRunSpec) -> Run | None:
@@ -98,7 +82,6 @@ def submit_run(
         project_id=project_id,
         id=uuid.uuid4(),
         algorithm=spec.algorithm,
-        status="queued",
         spec=spec.model_dump(mode="json"),
         dataset_id=spec.dataset_id,
         idempotency_key=idempotency_key,
@@ -107,20 +90,10 @@ def submit_run(
         total_steps=spec.total_steps,
         cancel_requested=False,
         created_at=utcnow(),
-        enqueued_at=utcnow(),
         pipeline_id=pipeline_id,
         stage=stage,
     )
-    session.add(run)
-    session.flush()
-    add_event(
-        session,
-        run.id,
-        "status",
-        "queued",
-        {"pipeline_id": str(pipeline_id), "stage": stage} if stage else None,
-    )
-    session.flush()
+    add_queued_run(session, run, {"pipeline_id": str(pipeline_id), "stage": stage} if stage else None)
     log.info("run %s queued (%s)", run.id, spec.algorithm)
     return run
 
@@ -133,46 +106,24 @@ def get_run(*, session: Session, run_id: uuid.UUID, project_id: uuid.UUID | None
     return run
 
 
-def cancel_run(*, session: Session, run: Run) -> Run:
-    """A queued or paused run ends cancelled now; a running one gets the flag its worker checks every step."""
-    if run.status in FINISHED_STATUSES:
-        raise InvalidTransition(f"run {run.id} already ended {run.status}", field="status")
-    if run.cancel_requested:
-        return run
-    run.cancel_requested = True
-    if run.status in ("queued", "paused"):
-        run.status = "cancelled"
-        run.finished_at = utcnow()
-        add_event(session, run.id, "status", "cancelled", {"reason": "cancelled before it started"})
-        log.info("run %s cancelled while queued", run.id)
-    else:
-        add_event(session, run.id, "cancel_requested", "cancel requested; the worker stops within one step")
-        log.info("run %s cancel requested", run.id)
-    session.flush()
-    return run
+def get_runs(*, session: Session, run_ids: Sequence[uuid.UUID]) -> list[Run]:
+    """These runs, in this order (those the session made are read from its identity map, not the DB)."""
+    return [session.get_one(Run, run_id) for run_id in run_ids]
 
 
 def list_runs(
     *,
     session: Session,
     limit: int,
-    after: tuple[datetime, uuid.UUID] | None,
+    after: str | None,
     status: str | None,
     project_id: uuid.UUID = DEFAULT_PROJECT_ID,
-) -> list[Run]:
-    """Newest first; ``limit + 1`` rows so the caller can tell whether there is more."""
-    stmt = (
-        select(Run)
-        .where(Run.project_id == project_id)
-        .order_by(Run.created_at.desc(), Run.id.desc())
-        .limit(limit + 1)
-    )
+) -> Slice[Run]:
+    """The project's runs, newest first (``after``: a cursor of the previous page)."""
+    stmt = select(Run).where(Run.project_id == project_id)
     if status is not None:
         stmt = stmt.where(Run.status == status)
-    if after is not None:
-        created, rid = after
-        stmt = stmt.where(or_(Run.created_at < created, and_(Run.created_at == created, Run.id < rid)))
-    return list(session.scalars(stmt))
+    return paginate(session, stmt, RUNS_ORDER, limit=limit, cursor=after)
 
 
 def list_metrics(
@@ -182,27 +133,45 @@ def list_metrics(
     keys: list[str] | None,
     min_step: int | None,
     max_step: int | None,
-    after: tuple[int, str] | None,
+    after: str | None,
     limit: int,
-) -> list[Metric]:
-    """Ordered by (step, key); ``limit + 1`` rows."""
-    stmt = select(Metric).where(Metric.run_id == run_id).order_by(Metric.step, Metric.key).limit(limit + 1)
+) -> Slice[Metric]:
+    """Metric values ordered by (step, key)."""
+    stmt = select(Metric).where(Metric.run_id == run_id)
     if keys:
         stmt = stmt.where(Metric.key.in_(keys))
     if min_step is not None:
         stmt = stmt.where(Metric.step >= min_step)
     if max_step is not None:
         stmt = stmt.where(Metric.step <= max_step)
-    if after is not None:
-        step, key = after
-        stmt = stmt.where(or_(Metric.step > step, and_(Metric.step == step, Metric.key > key)))
-    return list(session.scalars(stmt))
+    return paginate(session, stmt, METRICS_ORDER, limit=limit, cursor=after)
 
 
-def list_events(*, session: Session, run_id: uuid.UUID, after: int | None, limit: int) -> list[Event]:
-    stmt = select(Event).where(Event.run_id == run_id).order_by(Event.id).limit(limit + 1)
-    if after is not None:
-        stmt = stmt.where(Event.id > after)
+def list_events(*, session: Session, run_id: uuid.UUID, after: str | None, limit: int) -> Slice[Event]:
+    """The run's events in the order they were written."""
+    return paginate(
+        session, select(Event).where(Event.run_id == run_id), EVENTS_ORDER, limit=limit, cursor=after
+    )
+
+
+def list_samples(
+    *, session: Session, run_id: uuid.UUID, step: int | None, after: str | None, limit: int
+) -> Slice[RunSample]:
+    """Stored completions in the order they were stored, optionally of one step only."""
+    stmt = select(RunSample).where(RunSample.run_id == run_id)
+    if step is not None:
+        stmt = stmt.where(RunSample.step == step)
+    return paginate(session, stmt, SAMPLES_ORDER, limit=limit, cursor=after)
+
+
+def succeeded_runs(*, session: Session, project_id: uuid.UUID, limit: int) -> list[Run]:
+    """The project's succeeded runs that have a final model, newest first."""
+    stmt = (
+        select(Run)
+        .where(Run.project_id == project_id, Run.status == "succeeded", Run.output_path.is_not(None))
+        .order_by(Run.finished_at.desc(), Run.id.desc())
+        .limit(limit)
+    )
     return list(session.scalars(stmt))
 
 
@@ -235,34 +204,6 @@ def downsampled_metrics(
         kept = minmax_downsample(rows, [r.value for r in rows], max_points)
         out += [MetricRead(key=key, step=r.step, value=r.value, logged_at=None) for r in kept]
     return out
-
-
-def pause_run(*, session: Session, run: Run) -> Run:
-    """A queued run is paused now; a running one checkpoints and stops before its next step."""
-    if run.status not in ("queued", "running") or run.cancel_requested:
-        raise InvalidTransition(
-            f"run {run.id} is {run.status}; only queued or running runs pause", field="status"
-        )
-    if run.status == "queued":
-        run.status = "paused"
-        add_event(session, run.id, "status", "paused", {"reason": "paused before it started"})
-    elif not run.pause_requested:
-        run.pause_requested = True
-        add_event(session, run.id, "pause_requested", "pause requested; the worker checkpoints and stops")
-    session.flush()
-    log.info("run %s pause requested (%s)", run.id, run.status)
-    return run
-
-
-def resume_run(*, session: Session, run: Run) -> Run:
-    """A paused run goes back to the queue; a worker resumes it from its last checkpoint."""
-    if run.status != "paused":
-        raise InvalidTransition(f"run {run.id} is {run.status}; only paused runs resume", field="status")
-    run.status, run.pause_requested, run.enqueued_at = "queued", False, utcnow()
-    add_event(session, run.id, "status", "queued", {"reason": "resumed by the user"})
-    session.flush()
-    log.info("run %s resumed", run.id)
-    return run
 
 
 def run_read(run: Run) -> RunRead:

@@ -17,9 +17,9 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from api.errors import ApiError, InvalidRequest, NotFound
+from api.errors import ApiError, NotFound
 from api.models import FINISHED_STATUSES, Run, Webhook, WebhookDelivery, utcnow
-from api.pagination import decode_cursor, encode_cursor
+from api.pagination import Keyset, Slice, paginate
 from api.schemas import WebhookCreate
 from api.services.runs import run_read
 from api.webhook_signing import new_secret
@@ -27,6 +27,7 @@ from api.webhook_urls import Resolver, UrlPolicy, check_webhook_url, resolve
 from rlrun.schemas import RunRead
 
 MAX_WEBHOOKS_PER_PROJECT = 20
+DELIVERIES_ORDER = Keyset(WebhookDelivery.created_at, WebhookDelivery.id, desc=True)  # newest first
 
 
 class WebhookNotFound(NotFound):
@@ -77,27 +78,17 @@ def list_webhooks(*, session: Session, project_id: uuid.UUID) -> Sequence[Webhoo
     return session.scalars(query).all()
 
 
+def delete_webhook(*, session: Session, webhook: Webhook) -> None:
+    """Remove a webhook; its delivery log goes with it (ON DELETE CASCADE), pending deliveries too."""
+    session.delete(webhook)
+
+
 def list_deliveries(
     *, session: Session, webhook: Webhook, after: str | None, limit: int
-) -> tuple[list[WebhookDelivery], str | None]:
-    """Newest first; the cursor is the last row's (created_at, id)."""
-    query = select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook.id)
-    if after is not None:
-        created, last_id = decode_cursor(after, 2)
-        try:
-            key = (datetime.fromisoformat(created), uuid.UUID(last_id))
-        except ValueError:
-            raise InvalidRequest("after: not a cursor returned by this API", field="after") from None
-        query = query.where(
-            (WebhookDelivery.created_at < key[0])
-            | ((WebhookDelivery.created_at == key[0]) & (WebhookDelivery.id < key[1]))
-        )
-    query = query.order_by(WebhookDelivery.created_at.desc(), WebhookDelivery.id.desc()).limit(limit + 1)
-    rows = list(session.scalars(query).all())
-    more = len(rows) > limit
-    rows = rows[:limit]
-    cursor = encode_cursor(rows[-1].created_at.isoformat(), rows[-1].id) if more and rows else None
-    return rows, cursor
+) -> Slice[WebhookDelivery]:
+    """The webhook's delivery log, newest first."""
+    stmt = select(WebhookDelivery).where(WebhookDelivery.webhook_id == webhook.id)
+    return paginate(session, stmt, DELIVERIES_ORDER, limit=limit, cursor=after)
 
 
 def event_body(run_read: RunRead, event_type: str) -> str:

@@ -123,7 +123,7 @@ def _dataset_examples() -> list[tuple[str, str, Block, Block]]:
 
 
 def test_every_dataset_kind_is_documented() -> None:
-    from api.ingest import DETECT_LINES, KIND_KEYS, MAX_ROW_DEPTH, NORMALIZERS
+    from rlrun.formats import DETECT_LINES, KIND_KEYS, MAX_ROW_DEPTH, NORMALIZERS
 
     text = page("datasets.md")
     examples = _dataset_examples()
@@ -143,7 +143,7 @@ def test_every_dataset_kind_is_documented() -> None:
 
 
 def test_dataset_kinds_match_the_api() -> None:
-    from api.ingest import NORMALIZERS
+    from rlrun.formats import NORMALIZERS
 
     body = openapi()["paths"]["/v1/datasets"]["post"]["requestBody"]["content"]
     kinds = body["multipart/form-data"]["schema"]["properties"]["kind"]["enum"]
@@ -155,7 +155,7 @@ def test_dataset_kinds_match_the_api() -> None:
     [pytest.param(*e, id=f"{e[0]}-{e[1]}") for e in _dataset_examples()],
 )
 def test_dataset_example_is_accepted_as_documented(kind: str, fmt: str, line: Block, stored: Block) -> None:
-    from api.ingest import NORMALIZERS, parse_json_line
+    from rlrun.formats import NORMALIZERS, parse_json_line
 
     assert len(line.body.strip().split("\n")) == 1, f"datasets.md line {line.line}: an example is one line"
     row, got = NORMALIZERS[kind](parse_json_line(line.body.strip().encode()))
