@@ -161,6 +161,9 @@ def add_cancelled_run(session: Session, run: Run, reason: str) -> Run:
 
 # The worker's transitions (by id: the worker holds no loaded row)
 
+# A run that is claimed, ends, pauses or loses its worker is in no long phase (``Run.phase``).
+NO_PHASE: dict[str, Any] = {"phase": None, "phase_done": None, "phase_total": None}
+
 
 def claim(session: Session, run_id: uuid.UUID, worker_id: str, *, lease_seconds: int, now: datetime) -> bool:
     """Take ``run_id`` if it is queued or its lease expired: ``running``, held by ``worker_id`` until
@@ -173,6 +176,7 @@ def claim(session: Session, run_id: uuid.UUID, worker_id: str, *, lease_seconds:
         "lease_expires_at": now + timedelta(seconds=lease_seconds),
         "started_at": now,
         "step": 0,
+        **NO_PHASE,
     }
     expired = or_(Run.status == "queued", Run.lease_expires_at < now)
     sources = ("queued", "running")
@@ -196,7 +200,13 @@ def finish(
     says what happened (the error, or the output path)."""
     if status not in FINISHED_STATUSES:
         raise ValueError(f"a run ends succeeded, failed or cancelled, not {status!r}")
-    values = {"error": error, "output_path": output_path, "finished_at": utcnow(), "lease_expires_at": None}
+    values = {
+        "error": error,
+        "output_path": output_path,
+        "finished_at": utcnow(),
+        "lease_expires_at": None,
+        **NO_PHASE,
+    }
     if not _move(
         session, run_id, sources=("running",), to=status, guard=[Run.worker_id == worker_id], values=values
     ):
@@ -208,7 +218,7 @@ def finish(
 
 def release_paused(session: Session, run_id: uuid.UUID, worker_id: str) -> bool:
     """The loop stopped for a pause (its checkpoint is saved): ``paused``, held by no worker."""
-    values = {"worker_id": None, "lease_expires_at": None, "pause_requested": False}
+    values = {"worker_id": None, "lease_expires_at": None, "pause_requested": False, **NO_PHASE}
     if not _move(
         session, run_id, sources=("running",), to="paused", guard=[Run.worker_id == worker_id], values=values
     ):
@@ -230,7 +240,12 @@ def recover_lost(session: Session, run: Run, *, now: datetime, max_attempts: int
     expiry = run.lease_expires_at
     lost = f"worker {run.worker_id} lost (lease expired at {expiry:%Y-%m-%d %H:%M:%S} UTC)"
     lost_workers = run.lost_workers + 1
-    values: dict[str, Any] = {"worker_id": None, "lease_expires_at": None, "lost_workers": lost_workers}
+    values: dict[str, Any] = {
+        "worker_id": None,
+        "lease_expires_at": None,
+        "lost_workers": lost_workers,
+        **NO_PHASE,
+    }
     if run.cancel_requested:
         to, data = "cancelled", {"reason": lost}
         values["finished_at"] = now

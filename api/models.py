@@ -116,6 +116,7 @@ class Run(Base):
         CheckConstraint(_one_of("status", RUN_STATUSES), name="status"),
         Index("ix_runs_created_at_id", "created_at", "id"),
         Index("ix_runs_status", "status"),
+        Index("ix_runs_warning_count", "warning_count"),
         # The webhook dispatcher's scan: finished runs whose webhooks are not yet queued (few rows).
         Index(
             "ix_runs_unannounced",
@@ -150,6 +151,18 @@ class Run(Base):
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
     pause_requested: Mapped[bool] = mapped_column(Boolean, default=False, server_default=sa_false())
     step: Mapped[int] = mapped_column(Integer, default=0)
+    phase: Mapped[str | None] = mapped_column(
+        String(32), nullable=True, doc="The long phase a running run is in (model_load, reference, ...)."
+    )
+    phase_done: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    phase_total: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    warnings: Mapped[list[dict[str, Any]]] = mapped_column(
+        JsonType,
+        default=list,
+        server_default=text("'[]'"),
+        doc="[{code, step, message}] its health checks raised, each code once.",
+    )
+    warning_count: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     total_steps: Mapped[int | None] = mapped_column(Integer, nullable=True)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     output_path: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -125,9 +125,29 @@ class DatasetRowRead(_Read):
     data: dict[str, Any]
 
 
+PHASES = ("model_load", "tokenize", "reference", "rollouts", "eval", "final_metrics", "checkpoint")
+
+
 class Progress(BaseModel):
     step: int
     total_steps: int | None
+    phase: str | None = Field(
+        default=None,
+        description="The long phase the run is in, while one is under way (one of "
+        + ", ".join(PHASES)
+        + "); null during training steps and once the run has ended.",
+    )
+    done: int | None = Field(default=None, description="Items of the phase done so far (rows, batches).")
+    total: int | None = Field(default=None, description="Items in the phase; null when not known.")
+
+
+WARNING_CODES = ("zero_advantage", "loss_diverging", "kl_diverging", "reward_collapse", "nonfinite_skipped")
+
+
+class RunWarningRead(BaseModel):
+    code: Literal["zero_advantage", "loss_diverging", "kl_diverging", "reward_collapse", "nonfinite_skipped"]
+    step: int = Field(description="The step at which the rule fired.")
+    message: str
 
 
 class RunRead(_Read):
@@ -149,6 +169,11 @@ class RunRead(_Read):
         "ends failed. Pausing and resuming never count.",
     )
     progress: Progress
+    warnings: list[RunWarningRead] = Field(
+        default_factory=list,
+        description="What the run's health checks flagged while it trained (each code once; README, "
+        '"Warnings"): no learning signal, a diverging loss or KL, collapsed rewards, skipped updates.',
+    )
     cancel_requested: bool
     pause_requested: bool
     error: str | None = Field(description="One-line reason when the run failed.")

@@ -62,9 +62,15 @@ def list_runs(
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     after: AfterCursor = None,
     status: Annotated[Status | None, Query(description="Only runs in this status")] = None,
+    flagged: Annotated[
+        bool | None,
+        Query(description="true: only runs with warnings (`warnings` not empty); false: only runs without"),
+    ] = None,
 ) -> Page[RunRead]:
     """List runs, newest first."""
-    found = service.list_runs(session=session, limit=limit, after=after, status=status, project_id=project_id)
+    found = service.list_runs(
+        session=session, limit=limit, after=after, status=status, project_id=project_id, flagged=flagged
+    )
     return found.as_page(to_read)
 
 
@@ -76,7 +82,9 @@ def read_run(run: RunDep) -> RunRead:
 
 @router.post("/{run_id}/cancel", response_model=RunRead, responses=_ERRORS)
 def cancel_run(run: RunDep, session: SessionDep) -> RunRead:
-    """Cancel a run: at once if queued, within one step if running; 409 once it has ended."""
+    """Cancel a run: at once if queued; a running run stops within seconds, in a step or in a long phase
+    (loading, tokenising, reference pass, rollouts, evaluation, final metrics, checkpoint writing);
+    409 once it has ended."""
     run = cancel_run_and_its_pipeline(session=session, run=run)
     session.commit()
     return to_read(run)
@@ -84,7 +92,8 @@ def cancel_run(run: RunDep, session: SessionDep) -> RunRead:
 
 @router.post("/{run_id}/pause", response_model=RunRead, responses=_ERRORS)
 def pause_run(run: RunDep, session: SessionDep) -> RunRead:
-    """Pause a run: at once if queued; a running run saves a checkpoint and stops before its next step."""
+    """Pause a run: at once if queued; a running run stops within seconds (between steps it first saves a
+    checkpoint of the steps since the last one; inside a long phase it resumes from its last checkpoint)."""
     run = lifecycle.pause_run(session=session, run=run)
     session.commit()
     return to_read(run)

@@ -25,7 +25,7 @@ from api.lifecycle import send_committed as send_committed
 from api.models import DEFAULT_PROJECT_ID, Event, Metric, Run, RunSample, utcnow
 from api.pagination import Keyset, Slice, paginate
 from api.services.references import check_learnable, check_references, with_default_learning_rate
-from rlrun.schemas import MetricRead, Progress, RunRead
+from rlrun.schemas import MetricRead, Progress, RunRead, RunWarningRead
 from trainer.specs import AnyRunSpec
 
 log = logging.getLogger("rlrun.runs")
@@ -118,11 +118,15 @@ def list_runs(
     after: str | None,
     status: str | None,
     project_id: uuid.UUID = DEFAULT_PROJECT_ID,
+    flagged: bool | None = None,
 ) -> Slice[Run]:
-    """The project's runs, newest first (``after``: a cursor of the previous page)."""
+    """The project's runs, newest first (``after``: a cursor of the previous page); ``flagged``: only
+    runs with (True) or without (False) warnings."""
     stmt = select(Run).where(Run.project_id == project_id)
     if status is not None:
         stmt = stmt.where(Run.status == status)
+    if flagged is not None:
+        stmt = stmt.where(Run.warning_count > 0 if flagged else Run.warning_count == 0)
     return paginate(session, stmt, RUNS_ORDER, limit=limit, cursor=after)
 
 
@@ -217,7 +221,14 @@ def run_read(run: Run) -> RunRead:
         dataset_id=run.dataset_id,
         attempt=run.attempt,
         lost_workers=run.lost_workers,
-        progress=Progress(step=run.step, total_steps=run.total_steps),
+        progress=Progress(
+            step=run.step,
+            total_steps=run.total_steps,
+            phase=run.phase,
+            done=run.phase_done,
+            total=run.phase_total,
+        ),
+        warnings=[RunWarningRead.model_validate(w) for w in run.warnings or []],
         cancel_requested=run.cancel_requested,
         pause_requested=run.pause_requested,
         error=run.error,
