@@ -165,19 +165,26 @@ class Runs(_Namespace):
         return _parse(RunRead, self._client.request("POST", "/v1/runs", json=body, headers=headers))
 
     def list(
-        self, *, status: str | None = None, limit: int | None = None, after: str | None = None
+        self,
+        *,
+        status: str | None = None,
+        limit: int | None = None,
+        after: str | None = None,
+        flagged: bool | None = None,
     ) -> Page[RunRead]:
-        """One page, newest first, optionally only runs in ``status``."""
-        resp = self._client.request(
-            "GET", "/v1/runs", params=_params(status=status, limit=limit, after=after)
-        )
-        return _parse(Page[RunRead], resp)
+        """One page, newest first, optionally only runs in ``status``; ``flagged`` True: only runs with
+        health warnings (``warnings`` not empty), False: only runs without, None: both."""
+        params = _params(status=status, limit=limit, after=after, flagged=flagged)
+        return _parse(Page[RunRead], self._client.request("GET", "/v1/runs", params=params))
 
-    def iter(self, *, status: str | None = None, page_size: int = 100) -> Iterator[RunRead]:
-        """Every run (newest first), fetching pages as it goes."""
+    def iter(
+        self, *, status: str | None = None, flagged: bool | None = None, page_size: int = 100
+    ) -> Iterator[RunRead]:
+        """Every run (newest first; ``status`` and ``flagged`` as for :meth:`list`), fetching pages as it
+        goes."""
         after: str | None = None
         while True:
-            page = self.list(status=status, limit=page_size, after=after)
+            page = self.list(status=status, limit=page_size, after=after, flagged=flagged)
             yield from page.data
             if not page.has_more:
                 return

@@ -20,14 +20,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from rlrun.terminal import (
+    HealthWarning,
     WatchState,
     format_value,
     human_bytes,
     key_metrics,
     percent,
+    phase_text,
+    progress_cell,
     progress_line,
     redraw,
     status_line,
+    warning_text,
     watch_frame,
 )
 
@@ -92,6 +96,9 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     create.set_defaults(func=_command(cmd_runs_create))
     runs_list = runs_sub.add_parser("list", parents=[common], help="runs, newest first")
     runs_list.add_argument("--status", default=None, help="only runs in this status")
+    runs_list.add_argument(
+        "--flagged", action="store_true", help="only runs with health warnings (marked ⚠n in the list)"
+    )
     runs_list.add_argument("--limit", type=int, default=20)
     runs_list.add_argument("--all", action="store_true", help="every run (all pages)")
     runs_list.add_argument("--json", action="store_true", help="the API's JSON")
@@ -285,24 +292,33 @@ def cmd_runs_create(args: argparse.Namespace, client: Client) -> int:
 
 
 def cmd_runs_list(args: argparse.Namespace, client: Client) -> int:
+    flagged = True if args.flagged else None
     if args.all:
-        runs, more = list(client.runs.iter(status=args.status)), False
+        runs, more = list(client.runs.iter(status=args.status, flagged=flagged)), False
     else:
-        page = client.runs.list(status=args.status, limit=args.limit)
+        page = client.runs.list(status=args.status, limit=args.limit, flagged=flagged)
         runs, more = page.data, page.has_more
     if args.json:
         print(json.dumps([r.model_dump(mode="json") for r in runs], indent=2))
         return 0
-    print(f"{'ID':36}  {'STATUS':9}  {'ALGORITHM':18}  {'STEP':>13}  {'CREATED':16}  NAME")
-    for r in runs:
-        step = (
-            f"{r.progress.step}/{r.progress.total_steps}" if r.progress.total_steps else str(r.progress.step)
-        )
-        created = f"{r.created_at:%Y-%m-%d %H:%M}"
-        print(f"{r.id}  {r.status:9}  {r.algorithm:18}  {step:>13}  {created}  {r.name or ''}".rstrip())
+    print(runs_table(runs))
     if more:
         print(f"(more: --limit {args.limit * 2} or --all)", file=sys.stderr)
     return 0
+
+
+def runs_table(runs: list[RunRead]) -> str:
+    """``runs list``: a header, then one line per run; ``⚠n`` in WARN for a run with n warnings, and
+    PROGRESS as :func:`rlrun.terminal.progress_cell` has it (its long phase while one is under way)."""
+    lines = [f"{'ID':36}  {'STATUS':9}  {'ALGORITHM':18}  {'PROGRESS':>16}  {'WARN':4}  {'CREATED':16}  NAME"]
+    for r in runs:
+        p = r.progress
+        progress = progress_cell(p.step, p.total_steps, p.phase, p.done, p.total)
+        flag = f"⚠{len(r.warnings)}" if r.warnings else ""
+        created = f"{r.created_at:%Y-%m-%d %H:%M}"
+        line = f"{r.id}  {r.status:9}  {r.algorithm:18}  {progress:>16}  {flag:4}  {created}  {r.name or ''}"
+        lines.append(line.rstrip())
+    return "\n".join(lines)
 
 
 def cmd_runs_get(args: argparse.Namespace, client: Client) -> int:
@@ -318,8 +334,14 @@ def cmd_runs_get(args: argparse.Namespace, client: Client) -> int:
 
 
 def run_summary(run: RunRead, last_metrics: dict[str, float]) -> str:
-    """``runs get``: one ``label  value`` line per fact, then the last value of each key metric."""
+    """``runs get``: one ``label  value`` line per fact, then the last value of each key metric. Inside a
+    long phase a ``phase`` line (``reference log-probs 120/1300``) stands for ``progress`` until the first
+    step, and follows it after; each warning is a line (``zero_advantage at step 3: ...``)."""
     progress = run.progress
+    steps = progress_cell(progress.step, progress.total_steps)
+    progress_rows = [] if progress.phase is not None and progress.step == 0 else [("progress", steps)]
+    if progress.phase is not None:
+        progress_rows.append(("phase", phase_text(progress.phase, progress.done, progress.total)))
     rows = [
         ("id", str(run.id)),
         ("name", run.name or "-"),
@@ -330,10 +352,7 @@ def run_summary(run: RunRead, last_metrics: dict[str, float]) -> str:
             "status",
             run.status + (" (cancel requested)" if run.cancel_requested and run.status == "running" else ""),
         ),
-        (
-            "progress",
-            f"{progress.step}/{progress.total_steps}" if progress.total_steps else str(progress.step),
-        ),
+        *progress_rows,
         ("attempt", str(run.attempt)),
     ]
     if run.pipeline_id:
@@ -348,12 +367,37 @@ def run_summary(run: RunRead, last_metrics: dict[str, float]) -> str:
         rows.append(("output", run.output_path))
     if run.error:
         rows.append(("error", run.error))
+    for i, w in enumerate(health_warnings(run)):
+        rows.append(("warnings" if i == 0 else "", warning_text(w)))
     lines = [f"{label:<10}{value}" for label, value in rows]
     if last_metrics:
         width = max(len(k) for k in last_metrics)
         lines.append("metrics   (last values)")
         lines += [f"  {k:<{width}}  {format_value(v)}" for k, v in last_metrics.items()]
     return "\n".join(lines)
+
+
+def health_warnings(run: RunRead) -> list[HealthWarning]:
+    return [HealthWarning(w.code, w.step, w.message) for w in run.warnings]
+
+
+def watch_state(run: RunRead, series: dict[str, list[float]]) -> WatchState:
+    """What the ``runs watch`` frame shows of ``run`` and its key ``series``."""
+    return WatchState(
+        run_id=str(run.id),
+        status=run.status,
+        step=run.progress.step,
+        total_steps=run.progress.total_steps,
+        algorithm=run.algorithm,
+        model=str(run.spec.get("model", "-")),
+        name=run.name,
+        error=run.error,
+        series=series,
+        phase=run.progress.phase,
+        phase_done=run.progress.done,
+        phase_total=run.progress.total,
+        warnings=health_warnings(run),
+    )
 
 
 def cmd_runs_cancel(args: argparse.Namespace, client: Client) -> int:
@@ -392,17 +436,7 @@ def watch_run(client: Client, run_id: str, *, interval: float = 1.0, out: TextIO
     while True:
         run = client.runs.get(run_id)  # status first: once it has ended, the metrics read next are complete
         keys = key_metrics(client.runs.metric_keys(run_id), KEY_LIMIT)
-        state = WatchState(
-            run_id=str(run.id),
-            status=run.status,
-            step=run.progress.step,
-            total_steps=run.progress.total_steps,
-            algorithm=run.algorithm,
-            model=str(run.spec.get("model", "-")),
-            name=run.name,
-            error=run.error,
-            series=_series(client, run_id, keys, max_points=2 * SPARK_WIDTH),
-        )
+        state = watch_state(run, _series(client, run_id, keys, max_points=2 * SPARK_WIDTH))
         width = shutil.get_terminal_size((120, 24)).columns
         if tty:
             frame = watch_frame(state, width=width, spark_width=SPARK_WIDTH)

@@ -1,4 +1,5 @@
-"""Pure text rendering for the CLI: sparklines, progress bars and the ``runs watch`` frame.
+"""Pure text rendering for the CLI: sparklines, progress bars, a run's long phase and health warnings, and
+the ``runs watch`` frame.
 
 Plain values in, strings out: nothing here reads the clock, the terminal or the network, so every
 function is tested against hand-derived strings.
@@ -9,6 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import NamedTuple
 
 BLOCKS = "▁▂▃▄▅▆▇█"
 FLAT = BLOCKS[3]  # a constant series: a level line, not mistaken for "at its minimum"
@@ -39,6 +42,19 @@ KEY_WORDS = ("reward", "loss", "kl", "accuracy", "margin", "entropy")
 # One value at the end (final/*) or bookkeeping: never drawn as a sparkline.
 SKIPPED_PREFIXES = ("final/", "perf/")
 SKIPPED_KEYS = ("lr",)
+# The long phases a run goes through besides its steps (rlrun.schemas.PHASES; a test keeps them equal), as
+# the CLI and the dashboard (api/static/app.js: PHASE_LABELS) name them.
+PHASE_LABELS: Mapping[str, str] = MappingProxyType(
+    {
+        "model_load": "loading model",
+        "tokenize": "tokenising",
+        "reference": "reference log-probs",
+        "rollouts": "rollouts",
+        "eval": "evaluating",
+        "final_metrics": "final metrics",
+        "checkpoint": "writing checkpoint",
+    }
+)
 
 
 def resample(values: Sequence[float], width: int) -> list[float]:
@@ -118,9 +134,52 @@ def key_metrics(keys: Sequence[str], limit: int = 6) -> list[str]:
     return (preferred + rest)[:limit]
 
 
+def phase_label(phase: str) -> str:
+    """The phase's name for people (:data:`PHASE_LABELS`); an unknown one with its underscores as spaces."""
+    return PHASE_LABELS.get(phase, phase.replace("_", " "))
+
+
+def phase_text(phase: str, done: int | None, total: int | None) -> str:
+    """``reference log-probs 120/1300``; with no known total ``loading model…``, or ``tokenising… 1200
+    done`` once items are counted."""
+    label = phase_label(phase)
+    if total is None:
+        return f"{label}…" + (f" {done} done" if done else "")
+    return f"{label} {done or 0}/{total}"
+
+
+def progress_cell(
+    step: int,
+    total_steps: int | None,
+    phase: str | None = None,
+    done: int | None = None,
+    total: int | None = None,
+) -> str:
+    """A run's progress in one short cell (``runs list``): ``5/10``; inside a long phase its code and
+    percent, ``reference 9%``, or ``model_load…`` with no known total."""
+    if phase is None:
+        return f"{step}/{total_steps}" if total_steps else str(step)
+    return f"{phase} {percent(done or 0, total)}%" if total is not None else f"{phase}…"
+
+
+class HealthWarning(NamedTuple):
+    """One of a run's warnings (``RunRead.warnings``): the rule's code, the step it fired at, its message."""
+
+    code: str
+    step: int
+    message: str
+
+
+def warning_text(warning: HealthWarning) -> str:
+    """``zero_advantage at step 3: <message>``."""
+    return f"{warning.code} at step {warning.step}: {warning.message}"
+
+
 @dataclass(frozen=True)
 class WatchState:
-    """What one ``runs watch`` frame shows: the run and its key series (values in step order)."""
+    """What one ``runs watch`` frame shows: the run, its long phase while one is under way (``phase`` with
+    ``phase_done`` of ``phase_total`` items, the total None when unknown), its warnings and its key series
+    (values in step order)."""
 
     run_id: str
     status: str
@@ -131,6 +190,38 @@ class WatchState:
     name: str | None = None
     error: str | None = None
     series: Mapping[str, Sequence[float]] = field(default_factory=dict)
+    phase: str | None = None
+    phase_done: int | None = None
+    phase_total: int | None = None
+    warnings: Sequence[HealthWarning] = ()
+
+
+def _step_text(state: WatchState) -> str:
+    return f"{state.step}/{state.total_steps}" if state.total_steps else str(state.step)
+
+
+def progress_lines(state: WatchState, bar_width: int = 24) -> list[str]:
+    """The frame's ``step`` line and, inside a long phase, its ``phase`` line (the phase alone while no
+    step has been taken: ``step 0/N`` says nothing then)::
+
+        phase   reference log-probs 120/1300  ██░░░░░░░░░░░░░░░░░░░░░░    9%
+    """
+    lines = []
+    if state.phase is None or state.step > 0:
+        if state.total_steps:
+            done = bar(state.step, state.total_steps, bar_width)
+            pct = percent(state.step, state.total_steps)
+            lines.append(f"step    {_step_text(state)}  {done}  {pct:3d}%")
+        else:
+            lines.append(f"step    {state.step}")
+    if state.phase is not None:
+        line = f"phase   {phase_text(state.phase, state.phase_done, state.phase_total)}"
+        if state.phase_total is not None:
+            done_items = state.phase_done or 0
+            pct = percent(done_items, state.phase_total)
+            line += f"  {bar(done_items, state.phase_total, bar_width)}  {pct:3d}%"
+        lines.append(line)
+    return lines
 
 
 def watch_frame(state: WatchState, *, width: int = 100, bar_width: int = 24, spark_width: int = 32) -> str:
@@ -140,15 +231,13 @@ def watch_frame(state: WatchState, *, width: int = 100, bar_width: int = 24, spa
     status  running
     step    5/10  ████████████░░░░░░░░░░░░   50%
     loss      0.6931  ▁▃▅█
+    warning zero_advantage at step 3: <message>
+
+    (the step line as :func:`progress_lines` has it; one ``warning`` line per warning)
     """
     title = "  ".join(p for p in (f"run {state.run_id}", state.algorithm, state.model) if p)
     lines = [title + (f"  ({state.name})" if state.name else ""), f"status  {state.status}"]
-    if state.total_steps:
-        done = bar(state.step, state.total_steps, bar_width)
-        pct = percent(state.step, state.total_steps)
-        lines.append(f"step    {state.step}/{state.total_steps}  {done}  {pct:3d}%")
-    else:
-        lines.append(f"step    {state.step}")
+    lines += progress_lines(state, bar_width)
     if state.series:
         name_width = max(len(k) for k in state.series)
         for key, values in state.series.items():
@@ -156,16 +245,21 @@ def watch_frame(state: WatchState, *, width: int = 100, bar_width: int = 24, spa
             lines.append(f"{key:<{name_width}}  {last:>10}  {sparkline(values, spark_width)}".rstrip())
     else:
         lines.append("(no metrics yet)")
+    lines += [f"warning {warning_text(w)}" for w in state.warnings]
     if state.error:
         lines.append(f"error   {state.error}")
     return "\n".join(line[:width] for line in lines)
 
 
 def status_line(state: WatchState) -> str:
-    """One plain line per change when the output is not a terminal: ``running  step 5/10  loss=0.6931``."""
-    step = f"step {state.step}/{state.total_steps}" if state.total_steps else f"step {state.step}"
+    """One plain line per change when the output is not a terminal: ``running  step 5/10  loss=0.6931``;
+    inside a long phase its text instead of ``step 0`` (after the step once there is one); the warnings'
+    codes last (``warnings=zero_advantage,kl_diverging``)."""
+    step = f"step {_step_text(state)}" if state.phase is None or state.step > 0 else ""
+    phase = phase_text(state.phase, state.phase_done, state.phase_total) if state.phase is not None else ""
     values = "  ".join(f"{k}={format_value(v[-1])}" for k, v in state.series.items() if v)
-    return "  ".join(p for p in (state.status, step, values) if p)
+    flagged = "warnings=" + ",".join(w.code for w in state.warnings) if state.warnings else ""
+    return "  ".join(p for p in (state.status, step, phase, values, flagged) if p)
 
 
 def redraw(frame: str, previous_lines: int) -> str:

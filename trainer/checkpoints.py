@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -24,6 +25,7 @@ import torch
 
 if TYPE_CHECKING:
     from trainer.data.sampling import EpochSampler
+    from trainer.phases import Phase
 
 STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.json"
@@ -37,6 +39,8 @@ class CheckpointSink(Protocol):
     ) -> None: ...
 
     def checkpoint_removed(self, step: int) -> None: ...
+
+    def phase(self, name: str, total: int | None = None) -> AbstractContextManager[Phase]: ...
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -120,6 +124,41 @@ class Checkpointer:
         renamed into place and announced, so a reader never sees the model without them."""
         target = step_dir(self.root, step)
         tmp = self.root / f".tmp-step-{step:08d}"
+        # The files are the long part (a 7B model: tens of seconds), watched as the ``checkpoint`` phase; a
+        # stop inside it removes the half-written folder. Announcing the checkpoint comes after the phase.
+        with self.sink.phase("checkpoint"):
+            try:
+                self._write(tmp, target, step, model, tokenizer, optimizer, sampler, metrics, extra, files)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        clean = {k: float(v) for k, v in metrics.items()}
+        self.saved[step] = clean
+        self.sink.checkpoint_saved(step, target, folder_size(target), clean)
+        for old in sorted(
+            steps_to_prune(
+                self.saved, keep_last=self.keep_last, best_metric=self.best_metric, best_mode=self.best_mode
+            )
+        ):
+            shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
+            del self.saved[old]
+            self.sink.checkpoint_removed(old)
+        return target
+
+    @staticmethod
+    def _write(
+        tmp: Path,
+        target: Path,
+        step: int,
+        model: Any,
+        tokenizer: Any,
+        optimizer: torch.optim.Optimizer,
+        sampler: EpochSampler,
+        metrics: Mapping[str, float],
+        extra: dict[str, Any] | None,
+        files: Mapping[str, str] | None,
+    ) -> None:
+        """Write the checkpoint's files under ``tmp``, then rename it into place as ``target``."""
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp)
@@ -138,17 +177,6 @@ class Checkpointer:
         (tmp / METRICS_FILE).write_text(json.dumps(clean, sort_keys=True))
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
-        self.saved[step] = clean
-        self.sink.checkpoint_saved(step, target, folder_size(target), clean)
-        for old in sorted(
-            steps_to_prune(
-                self.saved, keep_last=self.keep_last, best_metric=self.best_metric, best_mode=self.best_mode
-            )
-        ):
-            shutil.rmtree(step_dir(self.root, old), ignore_errors=True)
-            del self.saved[old]
-            self.sink.checkpoint_removed(old)
-        return target
 
 
 def load_trainer_state(

@@ -4,9 +4,13 @@ typed), plus what a loop is given: its data and its context."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Literal, Protocol
+
+from trainer.phases import Counter, Phase, RunStopped
 
 
 class Reporter(Protocol):
@@ -29,6 +33,13 @@ class Reporter(Protocol):
 
     def should_stop(self) -> bool:
         """True once the run was cancelled; loops check it every step."""
+
+    def phase(self, name: str, total: int | None = None) -> AbstractContextManager[Phase]:
+        """Open a long phase (``trainer/phases.py``): its progress is shown, and a stop asked for while it
+        runs ends it by raising ``RunStopped`` out of it."""
+
+    def warn(self, code: str, step: int, message: str) -> None:
+        """The run's health checks flagged ``code`` at ``step`` (kept with the run, once per code)."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +69,13 @@ class LoopResult:
 
 @dataclass
 class MemoryReporter:
-    """Keeps everything in lists (tests); ``stop_after`` simulates a cancel after N should_stop calls."""
+    """Keeps everything in lists (tests); ``stop_after`` simulates a cancel after N should_stop calls,
+    ``stop_in_phase`` a stop that lands the first time that phase opens."""
 
     stop_after: int | None = None
+    stop_in_phase: str | None = None
+    phases: list[Counter] = field(default_factory=list)
+    warnings: list[tuple[str, int, str]] = field(default_factory=list)
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
     events: list[tuple[str, str, dict[str, Any] | None]] = field(default_factory=list)
     checkpoints: dict[int, Path] = field(default_factory=dict)
@@ -86,5 +101,30 @@ class MemoryReporter:
         self.checks += 1
         return self.stop_after is not None and self.checks > self.stop_after
 
+    def phase(self, name: str, total: int | None = None) -> AbstractContextManager[Phase]:
+        counter = Counter(name, total)
+        self.phases.append(counter)
+        return _MemoryPhase(counter, stop=name == self.stop_in_phase)
+
+    def warn(self, code: str, step: int, message: str) -> None:
+        if all(code != c for c, _, _ in self.warnings):
+            self.warnings.append((code, step, message))
+            self.events.append(("warning", message, {"code": code, "step": step}))
+
     def series(self, key: str) -> list[float]:
         return [v for _, k, v in self.metrics if k == key]
+
+
+class _MemoryPhase(AbstractContextManager[Counter]):
+    def __init__(self, counter: Counter, *, stop: bool):
+        self.counter, self.stop = counter, stop
+
+    def __enter__(self) -> Counter:
+        if self.stop:
+            raise RunStopped(f"stop requested during {self.counter.name}")
+        return self.counter
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        return None

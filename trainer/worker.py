@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
@@ -37,8 +38,10 @@ from api.services.pipelines import advance
 from api.settings import Settings, get_settings
 from trainer.data.sampling import split_validation
 from trainer.models import resolve_model
-from trainer.reporting import LoopContext, RunData
+from trainer.phases import Phase, RunStopped
+from trainer.reporting import LoopContext, LoopResult, RunData
 from trainer.specs import AnyRunSpec, parse_run_ref, parse_run_ref_step, parse_spec
+from trainer.stop_watch import StopWatch
 
 log = logging.getLogger("rlrun.worker")
 SessionFactory = sessionmaker[Session]
@@ -161,6 +164,67 @@ class DbReporter:
         self.buffer: dict[tuple[str, int], dict[str, Any]] = {}
         self.step = 0
         self.last_flush = time.monotonic()
+        self.watch = StopWatch(self.should_stop, self.write_progress)
+        self.progress_events: dict[str, float] = {}  # phase -> when its last progress event was written
+
+    progress_event_seconds = 10.0
+
+    def phase(self, name: str, total: int | None = None) -> AbstractContextManager[Phase]:
+        """A long phase watched by ``self.watch`` (start it first): progress shown, stops land in it."""
+        return self.watch.phase(name, total)
+
+    def write_progress(self, state: tuple[str, int, int | None] | None) -> None:
+        """The open phase on the run's row (None: none); a ``progress`` event when a phase first shows
+        and every ``progress_event_seconds`` after. Runs in the watcher's thread."""
+        name, done, total = state if state is not None else (None, None, None)
+
+        def write() -> None:
+            with self.sf.begin() as session:
+                stmt = (
+                    update(Run)
+                    .where(Run.id == self.run_id, Run.worker_id == self.worker_id, Run.status == "running")
+                    .values(phase=name, phase_done=done, phase_total=total)
+                    .execution_options(synchronize_session=False)
+                )
+                if _updated(session, stmt) and name is not None and event_due:
+                    of = f"/{total}" if total is not None else ""
+                    session.add(
+                        Event(
+                            run_id=self.run_id,
+                            kind="progress",
+                            message=f"{name} {done}{of}",
+                            data={"phase": name, "done": done, "total": total},
+                        )
+                    )
+
+        now = time.monotonic()
+        last_event = self.progress_events.get(name or "", -1e9)
+        event_due = name is not None and now - last_event >= self.progress_event_seconds
+        retry_busy(f"run {self.run_id}: progress", write, seconds=self.stop_check_seconds)
+        if event_due and name is not None:
+            self.progress_events[name] = now
+
+    def warn(self, code: str, step: int, message: str) -> None:
+        """Add ``{code, step, message}`` to the run's warnings (once per code: a resumed attempt that
+        raises it again adds nothing) and a ``warning`` event."""
+
+        def write() -> None:
+            with self.sf.begin() as session:
+                run = session.get(Run, self.run_id)
+                if run is None or any(w.get("code") == code for w in run.warnings or []):
+                    return
+                run.warnings = [*(run.warnings or []), {"code": code, "step": step, "message": message}]
+                run.warning_count = len(run.warnings)
+                session.add(
+                    Event(
+                        run_id=self.run_id,
+                        kind="warning",
+                        message=message,
+                        data={"code": code, "step": step},
+                    )
+                )
+
+        retry_busy(f"run {self.run_id}: warning", write)
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         now = utcnow()
@@ -425,9 +489,11 @@ def execute_run(
     reporter = DbReporter(session_factory, run_id, worker_id, settings.lease_seconds)
     keeper = LeaseKeeper(session_factory, run_id, worker_id, settings.lease_seconds)
     keeper.start()
+    reporter.watch.start()
     try:
         return _execute_claimed(run_id, session_factory, settings, loops, worker_id, reporter)
     finally:
+        reporter.watch.close()
         keeper.stop()
 
 
@@ -460,6 +526,10 @@ def _execute_claimed(
         )
         result = loops[spec.algorithm](spec, data, reporter, ctx)
         reporter.flush()
+    except RunStopped:  # a cancel or pause landed inside a long phase: nothing to keep since the last save
+        reporter.event("info", "stopped during a long phase: cancel or pause requested")
+        reporter.flush()
+        result = LoopResult(status="cancelled", output_path=None)
     except LeaseLost as exc:
         log.warning("run %s: %s; stopping without touching it", run_id, exc)
         return None

@@ -13,6 +13,10 @@ const ALGORITHMS = ["sft", "reward_model", "dpo", "grpo", "dr_grpo", "dapo", "rl
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777",
   "#4b5563", "#65a30d"];
 const KEY_METRICS = ["reward/mean", "loss"]; // the runs table shows the first one a run has
+// The long phases a run goes through besides its steps (rlrun.schemas.PHASES), named as the CLI names them
+// (rlrun/terminal.py: PHASE_LABELS).
+const PHASE_LABELS = { model_load: "loading model", tokenize: "tokenising", reference: "reference log-probs",
+  rollouts: "rollouts", eval: "evaluating", final_metrics: "final metrics", checkpoint: "writing checkpoint" };
 const CHART_POINTS = 500; // max_points per key when (re)loading a series
 const SVGNS = "http://www.w3.org/2000/svg";
 
@@ -110,6 +114,52 @@ function progressBar(step, total, attrs = {}) {
   return h("div", { class: "progress", ...attrs },
     h("div", { class: "progress-bar" }, h("div", { class: "progress-fill", style: `width:${pct.toFixed(1)}%` })),
     h("span", { class: "progress-text", "data-testid": "progress-text" }, `${step} / ${total ?? "?"}`));
+}
+function fmtCount(n) { return Number(n).toLocaleString("en-US"); }
+function phaseLabel(phase) { return PHASE_LABELS[phase] || String(phase).replace(/_/g, " "); }
+const known = (v) => v !== null && v !== undefined;
+/** "reference log-probs 120 / 1,300"; with no known total "loading model…" (or "tokenising… 1,200 done"). */
+function phaseText(p) {
+  if (known(p.total)) return `${phaseLabel(p.phase)} ${fmtCount(p.done ?? 0)} / ${fmtCount(p.total)}`;
+  return `${phaseLabel(p.phase)}…${p.done ? ` ${fmtCount(p.done)} done` : ""}`;
+}
+/** Percent done of the phase (or of the steps), as a number; null when its total is unknown. */
+function progressPct(p) {
+  if (p.phase) return known(p.total) ? (p.total ? Math.min(100, (100 * (p.done ?? 0)) / p.total) : 100) : null;
+  return p.total_steps ? Math.min(100, (100 * p.step) / p.total_steps) : null;
+}
+/** A run's progress as one line of text: its steps, or its long phase while one is under way (the steps
+    after it once the run has taken one: an evaluation between steps). */
+function progressText(p) {
+  const steps = `${p.step} / ${p.total_steps ?? "?"}`;
+  if (!p.phase) return steps;
+  return p.step > 0 ? `${phaseText(p)} · step ${steps}` : phaseText(p);
+}
+/** A run's progress bar: filled by its steps, or by the items of its long phase while one is under way
+    (an unknown total: a moving stripe). The text always names the phase, so colour is not the signal. */
+function progressView(p, attrs = {}) {
+  if (!p.phase) return progressBar(p.step, p.total_steps, attrs);
+  const pct = progressPct(p);
+  const fill = h("div", { class: "progress-fill", style: pct === null ? null : `width:${pct.toFixed(1)}%` });
+  return h("div", { class: `progress in-phase${pct === null ? " indeterminate" : ""}`, "data-phase": p.phase, ...attrs },
+    h("div", { class: "progress-bar" }, fill),
+    h("span", { class: "progress-text", "data-testid": "progress-text" }, progressText(p)));
+}
+/** "⚠ 2" for a run its health checks flagged (null for none); its accessible name and tooltip list the codes. */
+function warningBadge(warnings) {
+  if (!warnings || !warnings.length) return null;
+  const label = `${warnings.length} warning${warnings.length > 1 ? "s" : ""}: ${warnings.map((w) => w.code).join(", ")}`;
+  return h("span", { class: "badge warn-badge", "data-testid": "warning-badge", role: "img", "aria-label": label,
+    title: label }, `⚠ ${warnings.length}`);
+}
+/** The run page's list of warnings, each with its code, step and message in plain text (null for none). */
+function warningsList(warnings) {
+  if (!warnings || !warnings.length) return null;
+  return h("section", { class: "warnings", "data-testid": "run-warnings", "aria-labelledby": "run-warnings-title" },
+    h("h2", { id: "run-warnings-title" }, `⚠ Warnings (${warnings.length})`),
+    h("ul", {}, warnings.map((w) => h("li", { "data-testid": "run-warning", "data-code": w.code },
+      h("code", { class: "warn-code" }, w.code), h("span", { class: "muted small nowrap" }, `at step ${w.step}`),
+      h("span", { class: "msg" }, w.message)))));
 }
 
 /* ---------- API ---------- */
@@ -661,7 +711,8 @@ route();
 
 async function runsPage(ctx, main, params) {
   document.title = "Runs · rlrun";
-  const filters = { status: params.get("status") || "", algorithm: params.get("algorithm") || "" };
+  const filters = { status: params.get("status") || "", algorithm: params.get("algorithm") || "",
+    flagged: ["true", "false"].includes(params.get("flagged")) ? params.get("flagged") : "" };
   const selected = new Set();
   const keyMetric = new Map(); // run id -> {key, value, final}
   const rowCache = new Map(); // run id -> {sig, tr}
@@ -673,8 +724,13 @@ async function runsPage(ctx, main, params) {
     h("option", { value: "" }, "all statuses"), STATUSES.map((st) => h("option", { value: st }, st)));
   const algoSel = h("select", { id: "filter-algorithm", "data-testid": "filter-algorithm" },
     h("option", { value: "" }, "all algorithms"), ALGORITHMS.map((a) => h("option", { value: a }, a)));
+  // ?flagged= of GET /v1/runs: runs with (or without) health warnings
+  const flaggedSel = h("select", { id: "filter-flagged", "data-testid": "filter-flagged", "aria-label": "health warnings" },
+    h("option", { value: "" }, "with or without warnings"), h("option", { value: "true" }, "⚠ flagged: with warnings"),
+    h("option", { value: "false" }, "without warnings"));
   statusSel.value = filters.status;
   algoSel.value = filters.algorithm;
+  flaggedSel.value = filters.flagged;
   const compareBtn = h("button", { class: "primary", "data-testid": "compare-button", disabled: true,
     onclick: () => { location.hash = `#/compare?runs=${[...selected].map(enc).join(",")}`; } }, "Compare");
   const count = h("span", { class: "muted", "data-testid": "runs-count" });
@@ -684,12 +740,13 @@ async function runsPage(ctx, main, params) {
       "Key metric", "Created", "Duration"].map((t) => h("th", {}, t)))), tbody);
   const more = h("button", { "data-testid": "load-more", hidden: true, onclick: () => load(false) }, "Load more");
   main.append(h("div", { class: "page-head" }, h("h1", {}, "Runs"), count),
-    h("div", { class: "toolbar" }, statusSel, algoSel, compareBtn,
+    h("div", { class: "toolbar" }, statusSel, algoSel, flaggedSel, compareBtn,
       h("span", { class: "muted hint" }, "tick runs to overlay a metric")),
     h("div", { class: "card flush" }, table), more);
 
-  const syncUrl = () => history.replaceState(null, "", `#/runs${qs({ status: filters.status, algorithm: filters.algorithm })}`);
+  const syncUrl = () => history.replaceState(null, "", `#/runs${qs(filters)}`);
   statusSel.addEventListener("change", () => { filters.status = statusSel.value; syncUrl(); load(true); });
+  flaggedSel.addEventListener("change", () => { filters.flagged = flaggedSel.value; syncUrl(); load(true); });
   algoSel.addEventListener("change", () => { filters.algorithm = algoSel.value; syncUrl(); render(); });
 
   function updateCompare() {
@@ -704,13 +761,14 @@ async function runsPage(ctx, main, params) {
     if (!shown.length) {
       rowCache.clear();
       fill(tbody, h("tr", {}, h("td", { colspan: 9, class: "empty" },
-        runs.length ? "No run matches the filters." : "No runs yet: submit one with POST /v1/runs (see the README).")));
+        runs.length || filters.status || filters.flagged ? "No run matches the filters."
+          : "No runs yet: submit one with POST /v1/runs (see the README).")));
       return;
     }
     // rows are rebuilt only when what they show changed, so a checkbox being clicked stays in place
     const trs = shown.map((r) => {
       const km = keyMetric.get(r.id);
-      const sig = JSON.stringify([r.status, r.name, r.progress, km && km.key, km && km.value,
+      const sig = JSON.stringify([r.status, r.name, r.progress, r.warnings, km && km.key, km && km.value,
         fmtAge(r.created_at), fmtDuration(runDuration(r))]);
       const cached = rowCache.get(r.id);
       if (cached && cached.sig === sig) return cached.tr;
@@ -734,10 +792,10 @@ async function runsPage(ctx, main, params) {
     h("td", {}, h("a", { href: `#/runs/${r.id}` }, runLabel(r)),
       r.name ? h("span", { class: "muted mono small" }, ` ${shortId(r.id)}`) : null,
       r.stage ? h("span", { class: "muted small" }, ` · stage ${r.stage}`) : null),
-    h("td", {}, badge(r.status, { "data-testid": "status" })),
+    h("td", { class: "nowrap" }, badge(r.status, { "data-testid": "status" }), " ", warningBadge(r.warnings)),
     h("td", {}, r.algorithm),
     h("td", { class: "small" }, modelRef(r.spec && r.spec.model)),
-    h("td", {}, progressBar(r.progress.step, r.progress.total_steps)),
+    h("td", {}, progressView(r.progress)),
     h("td", { "data-testid": "key-metric" }, km && km.key
       ? [h("span", { class: "muted small" }, `${km.key} `), h("b", {}, fmtNum(km.value))] : "–"),
     h("td", { title: fmtTime(r.created_at) }, fmtAge(r.created_at)),
@@ -759,7 +817,8 @@ async function runsPage(ctx, main, params) {
   }
 
   async function load(reset) {
-    const page = await api(`/v1/runs${qs({ limit: 50, status: filters.status, after: reset ? null : nextCursor })}`);
+    const page = await api(`/v1/runs${qs({ limit: 50, status: filters.status, flagged: filters.flagged,
+      after: reset ? null : nextCursor })}`);
     if (!ctx.alive) return;
     runs = reset ? page.data : runs.concat(page.data);
     hasMore = page.has_more;
@@ -771,7 +830,7 @@ async function runsPage(ctx, main, params) {
   async function refresh() {
     const limit = Math.min(200, Math.max(50, runs.length));
     try {
-      const page = await api(`/v1/runs${qs({ limit, status: filters.status })}`);
+      const page = await api(`/v1/runs${qs({ limit, status: filters.status, flagged: filters.flagged })}`);
       if (!ctx.alive) return;
       runs = page.data;
       hasMore = page.has_more;
@@ -822,7 +881,6 @@ async function runPage(ctx, main, runId) {
 
   function renderHeader() {
     const done = FINISHED.has(run.status);
-    const total = run.progress.total_steps;
     const cancelBtn = done ? null : h("button", {
       class: confirmCancel ? "danger" : "", id: "cancel-run", "data-testid": "cancel-button",
       disabled: run.cancel_requested, onclick: onCancel,
@@ -846,10 +904,9 @@ async function runPage(ctx, main, runId) {
         h("a", { class: "button", href: `#/compare?runs=${run.id}` }, "Compare…"),
         cancelBtn),
       h("div", { class: "mono muted small" }, run.id),
-      h("div", { class: "run-progress", id: "run-progress", "data-testid": "progress" },
-        progressBar(run.progress.step, total),
-        h("span", { class: "muted small" }, total ? `${((100 * run.progress.step) / total).toFixed(0)}%` : "")),
+      h("div", { class: "run-progress", id: "run-progress", "data-testid": "progress" }, progressParts()),
       run.error ? h("div", { class: "error-box", "data-testid": "run-error" }, run.error) : null,
+      warningsList(run.warnings),
       h("dl", { class: "facts" }, facts.map(([k, v, cls]) => h("div", { class: cls }, h("dt", {}, k), h("dd", {}, v)))),
       pipelineBox);
   }
@@ -923,14 +980,16 @@ async function runPage(ctx, main, runId) {
     drawCharts();
   }
 
+  /** Add one event to the list; false if it was there already. */
   function addEvent(e) {
-    if (eventIds.has(e.id)) return;
+    if (eventIds.has(e.id)) return false;
     eventIds.add(e.id);
     const nearBottom = eventsBox.scrollHeight - eventsBox.scrollTop - eventsBox.clientHeight < 30;
     eventsList.append(h("li", { class: `event kind-${e.kind}`, title: e.data ? JSON.stringify(e.data) : "" },
       h("time", { title: fmtTime(e.created_at) }, fmtClock(e.created_at)),
       h("span", { class: `kind kind-${e.kind}` }, e.kind), h("span", { class: "msg" }, e.message)));
     if (nearBottom) eventsBox.scrollTop = eventsBox.scrollHeight;
+    return true;
   }
 
   async function loadEvents() {
@@ -1010,6 +1069,10 @@ async function runPage(ctx, main, runId) {
     const es = new FetchEventSource(`${base}/stream`);
     ctx.cleanups.push(() => es.close());
     let ckptTimer = null;
+    let runTimer = null;
+    // The stream tells neither when a long phase ends nor a warning's message: read the run again after a burst.
+    const refreshSoon = () => { clearTimeout(runTimer); runTimer = setTimeout(() => ctx.alive && refreshRun(), 300); };
+    ctx.cleanups.push(() => clearTimeout(runTimer));
     const setLive = (state) => { if (liveState !== state) { liveState = state; renderHeader(); } };
     es.onopen = () => setLive("live");
     es.onerror = () => { if (ctx.alive && liveState) setLive(es.readyState === FetchEventSource.CLOSED ? "" : "reconnecting"); };
@@ -1025,11 +1088,19 @@ async function runPage(ctx, main, runId) {
         const total = run.progress.total_steps;
         run.progress.step = total ? Math.min(maxStep, total) : maxStep;
         updateProgress();
+        if (run.progress.phase) refreshSoon(); // a step was taken: the phase shown has probably ended
       }
     });
     es.addEventListener("event", (msg) => {
       const e = JSON.parse(msg.data);
-      addEvent(e);
+      // The stream starts with the run's past events: only those the page had not loaded tell of now.
+      if (!addEvent(e)) return;
+      if (e.kind === "progress" && e.data) {
+        const { phase = null, done = null, total = null } = e.data;
+        run.progress = { ...run.progress, phase, done, total };
+        updateProgress();
+      }
+      if (e.kind === "warning") refreshSoon();
       if (e.kind === "checkpoint") {
         clearTimeout(ckptTimer);
         ckptTimer = setTimeout(() => ctx.alive && loadCheckpoints().catch(() => {}), 300);
@@ -1038,7 +1109,9 @@ async function runPage(ctx, main, runId) {
     es.addEventListener("status", (msg) => {
       const st = JSON.parse(msg.data);
       Object.assign(run, { status: st.status, error: st.error });
-      run.progress = { step: Math.max(run.progress.step, st.step), total_steps: st.total_steps };
+      // the status message has no phase fields: keep the phase, which only a running run is in
+      const phase = st.status === "running" ? {} : { phase: null, done: null, total: null };
+      run.progress = { ...run.progress, step: Math.max(run.progress.step, st.step), total_steps: st.total_steps, ...phase };
       renderHeader();
       if (FINISHED.has(st.status)) refreshRun();
     });
@@ -1049,11 +1122,14 @@ async function runPage(ctx, main, runId) {
     });
   }
 
+  function progressParts() {
+    const pct = progressPct(run.progress);
+    return [progressView(run.progress), h("span", { class: "muted small" }, pct === null ? "" : `${pct.toFixed(0)}%`)];
+  }
+
   function updateProgress() {
     const box = header.querySelector("#run-progress");
-    const total = run.progress.total_steps;
-    if (box) fill(box, progressBar(run.progress.step, total),
-      h("span", { class: "muted small" }, total ? `${((100 * run.progress.step) / total).toFixed(0)}%` : ""));
+    if (box) fill(box, progressParts());
   }
 
   async function refreshRun() {
@@ -1147,7 +1223,7 @@ async function comparePage(ctx, main, params) {
   const chart = new Chart({ testid: "compare-chart", title: key || "no metric", height: 320 });
   const summary = h("tbody");
   main.append(card(null, chart.el), card("Runs", h("table", { class: "table compact", "data-testid": "compare-table" },
-    h("thead", {}, h("tr", {}, ["", "Run", "Status", "Algorithm", "Model", "Learning rate", "Steps", "Last", "Min", "Max"]
+    h("thead", {}, h("tr", {}, ["", "Run", "Status", "Algorithm", "Model", "Learning rate", "Progress", "Last", "Min", "Max"]
       .map((t) => h("th", {}, t)))), summary)));
 
   async function load() {
@@ -1164,9 +1240,10 @@ async function comparePage(ctx, main, params) {
       const vals = d.points.map((p) => p[1]);
       const hp = (r.spec && r.spec.hyperparameters) || {};
       return h("tr", { "data-run-id": r.id }, h("td", {}, h("i", { class: "swatch", style: `background:${d.color}` })),
-        h("td", {}, h("a", { href: d.href }, runLabel(r))), h("td", {}, badge(r.status)), h("td", {}, r.algorithm),
+        h("td", {}, h("a", { href: d.href }, runLabel(r))),
+        h("td", { class: "nowrap" }, badge(r.status), " ", warningBadge(r.warnings)), h("td", {}, r.algorithm),
         h("td", { class: "mono small" }, r.spec.model), h("td", { class: "num" }, fmtNum(hp.learning_rate)),
-        h("td", { class: "num" }, `${r.progress.step} / ${r.progress.total_steps ?? "?"}`),
+        h("td", { class: "num", "data-testid": "compare-progress" }, progressText(r.progress)),
         h("td", { class: "num" }, vals.length ? fmtNum(vals[vals.length - 1]) : "–"),
         h("td", { class: "num" }, vals.length ? fmtNum(Math.min(...vals)) : "–"),
         h("td", { class: "num" }, vals.length ? fmtNum(Math.max(...vals)) : "–"));

@@ -24,7 +24,7 @@ def test_submit_stores_queued_run_commits_then_enqueues(session: Session) -> Non
     assert resp.status_code == 201, resp.text
     body = resp.json()
     assert body["status"] == "queued" and body["algorithm"] == "dpo"
-    assert body["progress"] == {"step": 0, "total_steps": 3}
+    assert body["progress"] == {"step": 0, "total_steps": 3, "phase": None, "done": None, "total": None}
     assert body["spec"]["hyperparameters"]["beta"] == 0.2
     assert body["spec"]["hyperparameters"]["loss_type"] == "sigmoid"  # defaults are filled in and stored
     assert enqueue.sent == [uuid.UUID(body["id"])]
@@ -143,6 +143,28 @@ def test_list_filters_by_status_and_pages_without_overlap(session: Session) -> N
     assert p1["has_more"] and len(set(got)) == 4
     assert [uuid.UUID(r["id"]) for r in failed["data"] if uuid.UUID(r["id"]) in ours] == [made[1].id]
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "status"
+
+
+def test_flagged_lists_runs_with_warnings_and_the_run_shows_them_and_its_phase(session: Session) -> None:
+    ds = make_dataset(session)
+    warning = {"code": "zero_advantage", "step": 3, "message": "no learning signal at steps 1-3"}
+    flagged = make_run(session, ds, status="running", warnings=[warning], warning_count=1)
+    flagged.phase, flagged.phase_done, flagged.phase_total = "reference", 120, 1300
+    clean = make_run(session, ds)
+    session.flush()
+    with api_client(session) as client:
+        only_flagged = client.get("/v1/runs", params={"flagged": "true", "limit": 200}).json()["data"]
+        unflagged = client.get("/v1/runs", params={"flagged": "false", "limit": 200}).json()["data"]
+        one = client.get(f"/v1/runs/{flagged.id}").json()
+        bad = client.get("/v1/runs", params={"flagged": "maybe"})
+    assert str(flagged.id) in {r["id"] for r in only_flagged} and str(clean.id) not in {
+        r["id"] for r in only_flagged
+    }
+    assert all(r["warnings"] for r in only_flagged) and not any(r["warnings"] for r in unflagged)
+    assert str(clean.id) in {r["id"] for r in unflagged}
+    assert one["warnings"] == [warning]
+    assert one["progress"] == {"step": 0, "total_steps": 3, "phase": "reference", "done": 120, "total": 1300}
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "flagged"
 
 
 def test_cancel_queued_running_and_finished(session: Session) -> None:

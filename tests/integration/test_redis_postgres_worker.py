@@ -61,7 +61,10 @@ def test_dpo_run_succeeds_with_metrics_in_postgres(stack: TestClient) -> None:
     run = submit_dpo(stack, ds["id"], steps=20)
     done = wait_for(stack, run["id"], lambda r: r["status"] in FINISHED)
     assert done["status"] == "succeeded", done
-    assert done["progress"] == {"step": 20, "total_steps": 20} and done["attempt"] == 1
+    assert (
+        done["progress"] == {"step": 20, "total_steps": 20, "phase": None, "done": None, "total": None}
+        and done["attempt"] == 1
+    )
     assert Path(done["output_path"], "model.safetensors").exists()
     metrics = all_metrics(stack, run["id"])
     loss_steps = sorted(m["step"] for m in metrics if m["key"] == "loss")

@@ -79,7 +79,13 @@ def test_an_ended_run_is_posted_signed_with_the_run_object(committing_factory: s
         payload = ReferenceVerifier(secret).verify(request.body, request.headers)
         assert payload["type"] == "run.succeeded"
         assert payload["data"]["id"] == str(run_id) and payload["data"]["status"] == "succeeded"
-        assert payload["data"]["progress"] == {"step": 3, "total_steps": 3}
+        assert payload["data"]["progress"] == {
+            "step": 3,
+            "total_steps": 3,
+            "phase": None,
+            "done": None,
+            "total": None,
+        }
         assert request.path == "/hooks/rlrun" and request.headers["content-type"] == "application/json"
         (delivery,) = deliveries(committing_factory, hook_id)
         assert delivery.status == "succeeded" and request.headers["webhook-id"] == delivery.message_id

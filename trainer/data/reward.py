@@ -8,6 +8,7 @@ A dataset is either *preference* rows ``{"prompt", "chosen", "rejected", "margin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -102,14 +103,22 @@ def tokenize_group(
 
 
 def tokenize_groups(
-    rows: list[dict[str, Any]], kind: RewardDataKind, tokenizer: Any, *, max_length: int
+    rows: list[dict[str, Any]],
+    kind: RewardDataKind,
+    tokenizer: Any,
+    *,
+    max_length: int,
+    advance: Callable[[int], None] | None = None,
 ) -> list[TokenizedGroup]:
+    """Every row as a TokenizedGroup; ``advance(1)`` is called after each (progress)."""
     out = []
     for i, row in enumerate(rows):
         try:
             out.append(tokenize_group(row, kind, tokenizer, max_length=max_length))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{kind} row {i}: {exc}") from exc
+        if advance is not None:
+            advance(1)
     return out
 
 

@@ -1,15 +1,19 @@
 """DPO run: a policy trained on preference pairs against a frozen reference (Rafailov et al. 2023).
 
-Reads top to bottom: load -> tokenize -> reference log-probs (once) -> steps (eval, checkpoints) -> final.
-The reference model never changes, so its sequence log-probs are computed once for every pair before
-training instead of in a second forward pass at every step (TRL's ``precompute_ref_log_probs``); when
-the reference is the starting model this also means no second copy of the model is kept in memory. The
-precomputed values travel in each checkpoint, so a resumed run never needs the reference again.
+Reads top to bottom: load -> tokenize -> steps (reference log-probs, eval, checkpoints) -> final.
+The reference never changes, so each pair's reference log-probs are computed once and kept
+(``ReferenceLogps``). ``reference_mode`` says when: ``lazy`` (default) computes those of the pairs a step
+uses when a step first uses them, from a frozen copy of the reference, so step 1 starts at once on any
+dataset size; ``precompute`` computes every pair's before step 1 (TRL's ``precompute_ref_log_probs``) and
+keeps no reference in memory while training. The values computed so far travel in each checkpoint, so a
+resumed run reads exactly the values an uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import copy
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,10 +23,13 @@ from trainer.algorithms.logprobs import token_logprobs
 from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossFn, PreferenceParams
 from trainer.data.preference import PairBatch, TokenizedPair, collate_pairs, tokenize_pair
 from trainer.loops.common import to_floats
-from trainer.loops.session import Final, TrainingSession, begin, load_policy
+from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy
 from trainer.models import load_causal_lm
+from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import DpoSpec
+
+REFERENCE_BATCH = 16  # pairs per no-grad pass (reference log-probs, evaluation)
 
 
 def sequence_logps(model: Any, batch: PairBatch, device: torch.device) -> Tensor:
@@ -37,18 +44,52 @@ def sequence_logps(model: Any, batch: PairBatch, device: torch.device) -> Tensor
 
 @torch.no_grad()
 def all_pair_logps(
-    model: Any, pairs: list[TokenizedPair], pad_id: int, batch_size: int, device: torch.device
+    model: Any,
+    pairs: Sequence[TokenizedPair],
+    pad_id: int,
+    batch_size: int,
+    device: torch.device,
+    progress: Phase | None = None,
 ) -> Tensor:
-    """(N, 2) [chosen, rejected] sequence log-probs of every pair, in eval mode."""
+    """(N, 2) [chosen, rejected] sequence log-probs of every pair, in eval mode; ``progress`` counts pairs."""
     was_training = model.training
     model.eval()
     out = [torch.zeros(0, 2)]
     for i in range(0, len(pairs), batch_size):
         chunk = pairs[i : i + batch_size]
-        logps = sequence_logps(model, collate_pairs(chunk, pad_id), device)
+        logps = sequence_logps(model, collate_pairs(list(chunk), pad_id), device)
         out.append(torch.stack([logps[: len(chunk)], logps[len(chunk) :]], dim=1).cpu())
+        if progress is not None:
+            progress.advance(len(chunk))
     model.train(was_training)
     return torch.cat(out)
+
+
+class ReferenceLogps:
+    """Reference log-probs [chosen, rejected] of a list of pairs, each computed the first time it is
+    asked for (``compute(indices)``, as one ``reference`` phase) and kept. ``state_dict`` / ``load`` carry
+    what is known through checkpoints: a value is computed once per run, resumes included."""
+
+    def __init__(self, n: int, compute: Callable[[list[int], Phase], Tensor], reporter: Reporter):
+        self.values = torch.zeros(n, 2)
+        self.known = torch.zeros(n, dtype=torch.bool)
+        self.compute, self.reporter = compute, reporter
+
+    def get(self, idx: Sequence[int]) -> Tensor:
+        """(len(idx), 2) values of pairs ``idx``, computing the missing ones now (in ``idx``'s order)."""
+        index = torch.as_tensor(list(idx), dtype=torch.long)
+        missing = list(dict.fromkeys(i for i in index.tolist() if not self.known[i]))
+        if missing:
+            with self.reporter.phase("reference", len(missing)) as progress:
+                self.values[missing] = self.compute(missing, progress)
+            self.known[missing] = True
+        return self.values[index]
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"values": self.values, "known": self.known}
+
+    def load(self, state: dict[str, Tensor]) -> None:
+        self.values, self.known = state["values"].clone(), state["known"].clone()
 
 
 def pair_stats(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float) -> dict[str, Tensor]:
@@ -64,82 +105,124 @@ def pair_stats(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float) 
 
 def evaluate(
     model: Any,
-    pairs: list[TokenizedPair],
+    pairs: Sequence[TokenizedPair],
     ref: Tensor,
     pad_id: int,
     device: torch.device,
     loss_fn: PreferenceLossFn,
     params: PreferenceParams,
     prefix: str,
+    progress: Phase | None = None,
 ) -> dict[str, float]:
-    """``<prefix>/*`` metrics over ``pairs`` with the current policy (no grad)."""
-    logps = all_pair_logps(model, pairs, pad_id, 64, device)
+    """``<prefix>/*`` metrics over ``pairs`` (reference log-probs ``ref``) with the current policy."""
+    logps = all_pair_logps(model, pairs, pad_id, REFERENCE_BATCH, device, progress)
     chosen_logratio, rejected_logratio = logps[:, 0] - ref[:, 0], logps[:, 1] - ref[:, 1]
     stats = pair_stats(chosen_logratio, rejected_logratio, params.beta)
     stats["loss"] = loss_fn(chosen_logratio, rejected_logratio, params).mean()
     return {f"{prefix}/{k}": v for k, v in to_floats(stats).items()}
 
 
-def reference_logps(
-    spec: DpoSpec,
-    policy: Any,
-    pair_sets: list[list[TokenizedPair]],
-    pad_id: int,
-    ctx: LoopContext,
-    device: torch.device,
-) -> list[Tensor]:
-    """(N, 2) reference log-probs for each list of pairs, from the reference model (default: the start)."""
-    batch = max(spec.hyperparameters.batch_size, 8)
-    if spec.reference_model is None or spec.reference_model == spec.model:
-        return [all_pair_logps(policy, pairs, pad_id, batch, device) for pairs in pair_sets]
-    reference, _ = load_causal_lm(ctx.resolve_model(spec.reference_model))
-    reference.to(device)
-    logps = [all_pair_logps(reference, pairs, pad_id, batch, device) for pairs in pair_sets]
-    del reference  # needed only for this pass
-    return logps
+class Reference:
+    """The frozen reference model, made or loaded only when a value must be computed: in ``lazy`` mode a
+    copy of the starting policy (taken before step 1) or the ``reference_model``; when resuming, loaded
+    from the run's start (the resumed checkpoint is not the reference)."""
+
+    def __init__(self, path: str, reporter: Reporter, device: torch.device, model: Any | None = None):
+        self.path, self.reporter, self.device, self.model = path, reporter, device, model
+
+    def get(self) -> Any:
+        if self.model is None:
+            with self.reporter.phase("model_load"):
+                self.model, _ = load_causal_lm(self.path)
+                self.model.to(self.device).eval().requires_grad_(False)
+        return self.model
 
 
 def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
     """Train ``spec.model`` with the preference loss ``spec.hyperparameters.loss_type``."""
     hp = spec.hyperparameters
+    same_reference = spec.reference_model is None or spec.reference_model == spec.model
+    ref_path = ctx.resolve_model(spec.reference_model or spec.model)  # before seeding, as ``begin`` says
     start = begin(ctx, reporter, spec.model, hp.seed)
     model, tokenizer = load_policy(start)
     pad_id, device = tokenizer.pad_token_id, start.device
 
-    def tokenize(rows: list[dict[str, Any]]) -> list[TokenizedPair]:
-        return [
-            tokenize_pair(r, tokenizer, max_length=hp.max_length, max_prompt_length=hp.max_prompt_length)
-            for r in rows
-        ]
+    with reporter.phase("tokenize", len(data.train) + len(data.validation)) as progress:
 
-    pairs, val_pairs = tokenize(data.train), tokenize(data.validation)
+        def tokenize(rows: list[dict[str, Any]]) -> list[TokenizedPair]:
+            out = []
+            for r in rows:
+                out.append(
+                    tokenize_pair(
+                        r, tokenizer, max_length=hp.max_length, max_prompt_length=hp.max_prompt_length
+                    )
+                )
+                progress.advance()
+            return out
+
+        pairs, val_pairs = tokenize(data.train), tokenize(data.validation)
     loss_fn = PREFERENCE_LOSSES[hp.loss_type]
     params = PreferenceParams(beta=hp.beta, label_smoothing=hp.label_smoothing)
     session = TrainingSession(start, hp, model, tokenizer, len(pairs))
     if session.finished_before:
         return session.result
-    if session.resumed:
-        ref, val_ref = session.extra["ref_logps"]
-    else:
-        ref, val_ref = reference_logps(spec, model, [pairs, val_pairs], pad_id, ctx, device)
-    session.extra_state = lambda: {"ref_logps": (ref, val_ref)}
+
+    # The reference: the starting policy itself before step 1 (precompute), a frozen copy of it (lazy), or
+    # the reference_model; after a resume, loaded from the start only if a value is still missing.
+    fresh_start = not session.resumed and same_reference
+    precompute = hp.reference_mode == "precompute"
+    reference = Reference(ref_path, reporter, device, model if precompute and fresh_start else None)
+    if not precompute and fresh_start:
+        reference.model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def computer(rows: list[TokenizedPair]) -> Callable[[list[int], Phase], Tensor]:
+        def compute(idx: list[int], progress: Phase) -> Tensor:
+            return all_pair_logps(
+                reference.get(), [rows[i] for i in idx], pad_id, REFERENCE_BATCH, device, progress
+            )
+
+        return compute
+
+    ref = ReferenceLogps(len(pairs), computer(pairs), reporter)
+    val_ref = ReferenceLogps(len(val_pairs), computer(val_pairs), reporter)
+    if "ref_logps" in session.extra:
+        ref.load(session.extra["ref_logps"]["train"])
+        val_ref.load(session.extra["ref_logps"]["validation"])
+    session.extra_state = lambda: {
+        "ref_logps": {"train": ref.state_dict(), "validation": val_ref.state_dict()}
+    }
+    val_idx = eval_rows(len(val_pairs), hp.eval_max_rows, hp.seed)
+    final_idx = eval_rows(len(pairs), hp.eval_max_rows, hp.seed)
+    held_out = [val_pairs[i] for i in val_idx]
+    if precompute:
+        ref.get(range(len(pairs)))
+        val_ref.get(val_idx)
+        reference.model = None  # not needed again: every value a step or an evaluation reads is known
     reporter.event(
         "info",
         f"training on {len(pairs)} pairs ({len(val_pairs)} validation) for "
-        f"{hp.max_steps} steps on {device.type}",
+        f"{hp.max_steps} steps on {device.type}; reference log-probs: {hp.reference_mode}",
     )
     model.train()
 
-    def final() -> Final:  # every training pair, with the trained policy: did it learn the data?
-        return Final(evaluate(model, pairs, ref, pad_id, device, loss_fn, params, "final"))
+    def final(progress: Phase) -> Final:  # training pairs (up to eval_max_rows), with the trained policy
+        rows = [pairs[i] for i in final_idx]
+        return Final(
+            evaluate(model, rows, ref.get(final_idx), pad_id, device, loss_fn, params, "final", progress)
+        )
+
+    def evaluate_held_out(progress: Phase) -> dict[str, float]:
+        return evaluate(
+            model, held_out, val_ref.get(val_idx), pad_id, device, loss_fn, params, "eval", progress
+        )
 
     for _ in session.steps():
         t0 = time.perf_counter()
         idx = session.sampler.next_batch()
+        ref_batch = ref.get(idx).to(device)
         batch = collate_pairs([pairs[i] for i in idx], pad_id)
         logps = sequence_logps(model, batch, device)
         chosen, rejected = logps[: len(idx)], logps[len(idx) :]
-        ref_batch = ref[idx].to(device)
         chosen_logratio, rejected_logratio = chosen - ref_batch[:, 0], rejected - ref_batch[:, 1]
         loss = loss_fn(chosen_logratio, rejected_logratio, params).mean()
         grad_norm = session.update(loss)
@@ -154,8 +237,6 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
                 "logps/rejected": rejected.detach().mean(),
             }
             metrics = session.train_metrics(stats, batch.n_tokens, t0)
-        metrics |= session.evaluate(
-            val_pairs, lambda: evaluate(model, val_pairs, val_ref, pad_id, device, loss_fn, params, "eval")
-        )
+        metrics |= session.evaluate(held_out, evaluate_held_out)
         session.end_step(metrics, final)
     return session.result

@@ -275,8 +275,9 @@ def load_actor_critic(start: Start, critic_path: str) -> tuple[Any, Any, Any]:
     new log-probs agree before any update). The critic loads first, so a fresh value head is drawn from the
     freshly seeded RNG (as in the reward-model loop); when resuming, its trained weights come later from
     the checkpoint."""
-    critic, critic_tok = load_reward_model(critic_path)
-    policy, tokenizer = load_causal_lm(start.model_path)
+    with start.reporter.phase("model_load"):
+        critic, critic_tok = load_reward_model(critic_path)
+        policy, tokenizer = load_causal_lm(start.model_path)
     if critic_tok.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"the critic {critic_path!r} has a different tokenizer from the policy")
     return policy.to(start.device).eval(), tokenizer, critic.to(start.device).eval()

@@ -10,8 +10,8 @@ loss once (``REWARD_LOSSES``): Bradley-Terry with optional margin and centring f
 eq. 1, Llama 2 eq. 2), the K-wise ranking loss over all C(K, 2) pairs for rankings.
 
 The final checkpoint also holds ``reward_stats.json``: the mean and std of the trained model's scores over
-every response of the validation set (the training set when there is none), so a later run can
-normalise rewards (``read_reward_stats``).
+every response of the validation set (the training set when there is none), at most ``eval_max_rows`` rows
+of it, so a later run can normalise rewards (``read_reward_stats``).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from trainer.data.reward import (
     tokenize_groups,
 )
 from trainer.loops.common import to_floats
-from trainer.loops.session import Final, TrainingSession, begin
+from trainer.loops.session import Final, TrainingSession, begin, eval_rows
 from trainer.models import REWARD_STATS_FILE, load_reward_model, sequence_scores
+from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import RewardModelSpec
 
@@ -109,9 +110,15 @@ class Scored:
 
 @torch.no_grad()
 def score_groups(
-    model: Any, groups: list[TokenizedGroup], pad_id: int, device: torch.device, batch_groups: int
+    model: Any,
+    groups: list[TokenizedGroup],
+    pad_id: int,
+    device: torch.device,
+    batch_groups: int,
+    progress: Phase | None = None,
 ) -> Scored:
-    """Score every response of ``groups`` in eval mode (no grad), ``batch_groups`` groups per pass."""
+    """Score every response of ``groups`` in eval mode (no grad), ``batch_groups`` groups per pass;
+    ``progress`` counts groups."""
     was_training = model.training
     model.eval()
     k_max = max(len(g.sequences) for g in groups)
@@ -121,6 +128,8 @@ def score_groups(
         pad = k_max - batch.mask.shape[1]
         chunks.append(F.pad(group_scores(model, batch, device).cpu(), (0, pad)))
         masks.append(F.pad(batch.mask, (0, pad)))
+        if progress is not None:
+            progress.advance(len(batch.mask))
     model.train(was_training)
     margins = None
     if any(g.margin is not None for g in groups):
@@ -156,15 +165,23 @@ def run_reward_model(
     # Resolve, seed, then load: the fresh score head is drawn from the seeded RNG, so it is the same
     # whether or not the preset was already built.
     start = begin(ctx, reporter, spec.model, hp.seed)
-    model, tokenizer = load_reward_model(start.model_path)
-    model.to(start.device)
+    with reporter.phase("model_load"):
+        model, tokenizer = load_reward_model(start.model_path)
+        model.to(start.device)
     pad_id, device = tokenizer.pad_token_id, start.device
 
     kind = detect_kind(data.train)
     if data.validation and detect_kind(data.validation) != kind:
         raise ValueError(f"the training rows are {kind} rows but the validation rows are not")
-    groups = tokenize_groups(data.train, kind, tokenizer, max_length=hp.max_length)
-    val_groups = tokenize_groups(data.validation, kind, tokenizer, max_length=hp.max_length)
+    with reporter.phase("tokenize", len(data.train) + len(data.validation)) as progress:
+        groups = tokenize_groups(
+            data.train, kind, tokenizer, max_length=hp.max_length, advance=progress.advance
+        )
+        val_groups = tokenize_groups(
+            data.validation, kind, tokenizer, max_length=hp.max_length, advance=progress.advance
+        )
+    val_groups = [val_groups[i] for i in eval_rows(len(val_groups), hp.eval_max_rows, hp.seed)]
+    final_groups = [groups[i] for i in eval_rows(len(groups), hp.eval_max_rows, hp.seed)]
     loss_fn = REWARD_LOSSES[kind]
     params = RewardLossParams(use_margin=hp.use_margin, center_coef=hp.center_coef)
     session = TrainingSession(start, hp, model, tokenizer, len(groups))
@@ -180,11 +197,12 @@ def run_reward_model(
     model.train()
     val_scored: Scored | None = None
 
-    def final() -> Final:  # score statistics of the trained model, stored with it
+    def final(progress: Phase) -> Final:  # score statistics of the trained model, stored with it
         if val_scored is not None:
             source, scored = "validation", val_scored
         else:
-            source, scored = "train", score_groups(model, groups, pad_id, device, EVAL_BATCH_GROUPS)
+            source = "train"
+            scored = score_groups(model, final_groups, pad_id, device, EVAL_BATCH_GROUPS, progress)
         stats = reward_stats(scored, source)
         metrics = {
             "final/score_mean": stats["mean"],
@@ -194,9 +212,9 @@ def run_reward_model(
         files = {REWARD_STATS_FILE: json.dumps(stats, indent=1)}
         return Final(metrics, files, label="reward model", note=f" (score stats from {source})")
 
-    def evaluate_held_out() -> dict[str, float]:  # its scores also give the final statistics
+    def evaluate_held_out(progress: Phase) -> dict[str, float]:  # its scores also give the final statistics
         nonlocal val_scored
-        val_scored = score_groups(model, val_groups, pad_id, device, EVAL_BATCH_GROUPS)
+        val_scored = score_groups(model, val_groups, pad_id, device, EVAL_BATCH_GROUPS, progress)
         return evaluate(val_scored, loss_fn, params, "eval")
 
     for _ in session.steps():

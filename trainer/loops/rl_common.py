@@ -27,7 +27,7 @@ from trainer.loops.rollouts import (
     evaluate_greedy,
     sample_records,
 )
-from trainer.loops.session import Start, TrainingSession
+from trainer.loops.session import Start, TrainingSession, eval_rows
 from trainer.models import load_causal_lm
 from trainer.reporting import LoopContext, RunData
 from trainer.rewards.composite import CompositeReward
@@ -69,22 +69,35 @@ def prepare_rl(
     """Load the reference, start the rollout engine, build the rewards and tokenize the prompts."""
     hp = spec.hyperparameters
     reference = None
-    if ref_path is not None:
-        reference, _ = load_causal_lm(ref_path)
-        reference.to(start.device).eval().requires_grad_(False)
-    engine = make_engine(hp.engine, model=policy, tokenizer=tokenizer, model_path=start.model_path)
-    reward = build_reward(spec.rewards, ctx.resolve_model, start.device)
-    eval_reward = (
-        build_reward(spec.eval_rewards, ctx.resolve_model, start.device) if spec.eval_rewards else reward
-    )
+    with start.reporter.phase("model_load"):
+        if ref_path is not None:
+            reference, _ = load_causal_lm(ref_path)
+            reference.to(start.device).eval().requires_grad_(False)
+        engine = make_engine(hp.engine, model=policy, tokenizer=tokenizer, model_path=start.model_path)
+        reward = build_reward(spec.rewards, ctx.resolve_model, start.device)
+        eval_reward = (
+            build_reward(spec.eval_rewards, ctx.resolve_model, start.device) if spec.eval_rewards else reward
+        )
+    held_out = [data.validation[i] for i in eval_rows(len(data.validation), hp.eval_max_rows, hp.seed)]
+    with start.reporter.phase("tokenize", len(data.train) + len(held_out)) as progress:
+        prompts = tokenize_prompts(data.train, tokenizer, hp.max_prompt_length)
+        progress.advance(len(data.train))
+        val_prompts = tokenize_prompts(held_out, tokenizer, hp.max_prompt_length)
     return RlParts(
         reference=reference,
         engine=engine,
         reward=reward,
         eval_reward=eval_reward,
-        prompts=tokenize_prompts(data.train, tokenizer, hp.max_prompt_length),
-        val_prompts=tokenize_prompts(data.validation, tokenizer, hp.max_prompt_length),
+        prompts=prompts,
+        val_prompts=val_prompts,
     )
+
+
+def evaluate_held_out(session: TrainingSession, parts: RlParts, hp: OnlineRlHyperparameters) -> None:
+    """Greedy held-out accuracy of the current policy (the ``eval`` phase), kept as ``last_eval``."""
+    with session.reporter.phase("eval", len(parts.val_prompts.ids)):
+        parts.engine.sync_weights(session.model)
+        session.last_eval = evaluate_greedy(parts.engine, parts.val_prompts, parts.eval_reward, hp, hp.seed)
 
 
 def kl_controller(hp: OnlineRlHyperparameters, session: TrainingSession) -> KLController:
@@ -96,7 +109,7 @@ def kl_controller(hp: OnlineRlHyperparameters, session: TrainingSession) -> KLCo
 def evaluate_start(session: TrainingSession, parts: RlParts, hp: OnlineRlHyperparameters) -> None:
     """Held-out accuracy of the starting policy at step 0, so a curve shows what RL added."""
     if parts.val_prompts.ids and session.first == 0:
-        session.last_eval = evaluate_greedy(parts.engine, parts.val_prompts, parts.eval_reward, hp, hp.seed)
+        evaluate_held_out(session, parts, hp)
         session.reporter.log_metrics(0, session.last_eval)
 
 
@@ -105,16 +118,17 @@ def sample_step(
 ) -> tuple[StepRollouts, float]:
     """This step's rollouts from the current policy, and the seconds they took."""
     t0 = time.perf_counter()
-    parts.engine.sync_weights(session.model)
-    ro = collect_rollouts(
-        parts.engine,
-        parts.prompts,
-        session.sampler,
-        parts.reward,
-        hp,
-        greedy_baseline=greedy_baseline,
-        seed=hp.seed * 100_003 + session.step,
-    )
+    with session.reporter.phase("rollouts"):
+        parts.engine.sync_weights(session.model)
+        ro = collect_rollouts(
+            parts.engine,
+            parts.prompts,
+            session.sampler,
+            parts.reward,
+            hp,
+            greedy_baseline=greedy_baseline,
+            seed=hp.seed * 100_003 + session.step,
+        )
     return ro, time.perf_counter() - t0
 
 
@@ -148,10 +162,10 @@ def close_rl_step(
     """Eval when due, a warning for skipped updates, stored samples when due (``annotate`` may add to each
     record), then the session's end of step (log, checkpoint, final save)."""
     if parts.val_prompts.ids and session.eval_due:
-        parts.engine.sync_weights(session.model)
-        session.last_eval = evaluate_greedy(parts.engine, parts.val_prompts, parts.eval_reward, hp, hp.seed)
+        evaluate_held_out(session, parts, hp)
         metrics |= session.last_eval
     if float(stats.get("skipped_updates", 0.0)) > 0:
+        session.skipped_updates += 1
         session.reporter.event(
             "warning", f"step {session.step}: non-finite loss or gradient; those updates were skipped"
         )

@@ -41,7 +41,9 @@ from trainer.loops.common import (
     warmup_constant_lr,
 )
 from trainer.models import load_causal_lm, pick_device
+from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter
+from trainer.run_health import RunHealth
 from trainer.specs import TrainingHyperparameters
 
 
@@ -66,9 +68,19 @@ def begin(ctx: LoopContext, reporter: Reporter, model: str, seed: int) -> Start:
 
 def load_policy(start: Start) -> tuple[Any, Any]:
     """The causal LM to train (the checkpoint when resuming) on the run's device, and its tokenizer."""
-    model, tokenizer = load_causal_lm(start.model_path)
-    model.to(start.device)
+    with start.reporter.phase("model_load"):
+        model, tokenizer = load_causal_lm(start.model_path)
+        model.to(start.device)
     return model, tokenizer
+
+
+def eval_rows(n: int, max_rows: int, seed: int) -> list[int]:
+    """Which of ``n`` rows an evaluation reads: all of them, or ``max_rows`` drawn without replacement
+    with ``seed`` (the same rows at every evaluation of a run), in their original order."""
+    if n <= max_rows:
+        return list(range(n))
+    gen = torch.Generator().manual_seed(seed)
+    return sorted(torch.randperm(n, generator=gen)[:max_rows].tolist())
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,8 @@ class TrainingSession:
         self.last_eval: dict[str, float] = {}  # the latest held-out metrics, kept with every checkpoint
         self.first = self.step = 0
         self.lr = 0.0
+        self.health = RunHealth()
+        self.skipped_updates = 0  # batches skipped as non-finite in the current step
         self._result: LoopResult | None = None
         if ctx.resume_from is not None:
             resumed = load_trainer_state(ctx.resume_from, optimizer=self.optimizer, sampler=self.sampler)
@@ -155,7 +169,7 @@ class TrainingSession:
             if stop_requested(self.reporter, step, self.first, self.checkpointer.saved, self._keep_work):
                 self._result = LoopResult(status="cancelled", output_path=None)
                 return
-            self.step = step
+            self.step, self.skipped_updates = step, 0
             self.lr = self.schedule(step)
             set_lr(self.optimizer, self.lr)
             yield step
@@ -180,16 +194,18 @@ class TrainingSession:
         tokens per second since ``t0``."""
         return to_floats(stats) | {"lr": self.lr, "perf/tokens_per_s": n_tokens / (time.perf_counter() - t0)}
 
-    def evaluate(self, held_out: Sized, run: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """``run()`` when there is held-out data and an evaluation is due (kept as ``last_eval``), else {}."""
+    def evaluate(self, held_out: Sized, run: Callable[[Phase], dict[str, float]]) -> dict[str, float]:
+        """``run(progress)`` when there is held-out data and an evaluation is due (kept as ``last_eval``),
+        else {}; it runs as the ``eval`` phase over ``len(held_out)`` rows."""
         if not len(held_out) or not self.eval_due:
             return {}
-        self.last_eval = run()
+        with self.reporter.phase("eval", len(held_out)) as progress:
+            self.last_eval = run(progress)
         return self.last_eval
 
     def update(self, loss: torch.Tensor) -> Any:
         """One optimizer step on ``loss`` honouring ``on_nonfinite``; returns the pre-clip gradient norm."""
-        return update_or_skip(
+        norm = update_or_skip(
             self.model,
             self.optimizer,
             loss,
@@ -198,23 +214,38 @@ class TrainingSession:
             on_nonfinite=self.hp.on_nonfinite,
             reporter=self.reporter,
         )
+        if not torch.isfinite(norm):
+            self.skipped_updates += 1
+        return norm
 
-    def end_step(self, metrics: dict[str, float], final: Callable[[], Final] | None = None) -> None:
-        """Log ``metrics``; save a checkpoint when one is due; at the last step run ``final``, log its
-        metrics, save the final model (with its files) and close the run as succeeded."""
+    def end_step(self, metrics: dict[str, float], final: Callable[[Phase], Final] | None = None) -> None:
+        """Log ``metrics`` (and the warnings the run's health rules raise on them); save a checkpoint when
+        one is due; at the last step run ``final`` (the ``final_metrics`` phase), log its metrics, save the
+        final model (with its files) and close the run as succeeded."""
         if metrics:
             self.reporter.log_metrics(self.step, metrics)
+        self.check_health(metrics)
         if not is_due(self.step, self.hp.checkpoint_every, self.hp.max_steps):
             return
         if not self.last_step:
             self.save(self.step, metrics | self.last_eval)
             return
-        end = final() if final is not None else Final()
+        end = Final()
+        if final is not None:
+            with self.reporter.phase("final_metrics") as progress:
+                end = final(progress)
         if end.metrics:
             self.reporter.log_metrics(self.step, end.metrics)
         path = self.save(self.step, metrics | end.metrics | self.last_eval, files=end.files)
         self.reporter.event("info", f"final {end.label} saved to {path}{end.note}")
         self._result = LoopResult(status="succeeded", output_path=path, final_metrics=end.metrics or metrics)
+
+    def check_health(self, metrics: dict[str, float]) -> None:
+        """Feed the step's metrics to the health rules (``trainer/run_health.py``); each warning they
+        raise goes to the run (``Reporter.warn``)."""
+        seen = metrics | {"skipped_updates": float(self.skipped_updates)} if self.skipped_updates else metrics
+        for warning in self.health.observe(self.step, seen):
+            self.reporter.warn(warning.code, warning.step, warning.message)
 
     def save(self, step: int, metrics: dict[str, float], files: dict[str, str] | None = None) -> Path:
         return self.checkpointer.save(

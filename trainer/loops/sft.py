@@ -17,9 +17,12 @@ from torch import Tensor
 from trainer.algorithms.logprobs import token_logprobs
 from trainer.data.sft import SftBatch, TokenizedExample, collate_examples, tokenize_example
 from trainer.loops.common import to_floats
-from trainer.loops.session import Final, TrainingSession, begin, load_policy
+from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy
+from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import SftSpec
+
+EVAL_BATCH = 64  # examples per no-grad evaluation pass
 
 
 def completion_sums(
@@ -58,15 +61,23 @@ def forward(model: Any, batch: SftBatch, device: torch.device) -> tuple[Tensor, 
 
 @torch.no_grad()
 def evaluate(
-    model: Any, examples: list[TokenizedExample], pad_id: int, device: torch.device, prefix: str
+    model: Any,
+    examples: list[TokenizedExample],
+    pad_id: int,
+    device: torch.device,
+    prefix: str,
+    progress: Phase | None = None,
 ) -> dict[str, float]:
     """``<prefix>/loss`` and ``<prefix>/token_accuracy`` over every completion token of ``examples``."""
     was_training = model.training
     model.eval()
     nll, hits, count = torch.zeros(()), torch.zeros(()), torch.zeros(())
-    for i in range(0, len(examples), 64):
-        b_nll, b_hits, b_count = forward(model, collate_examples(examples[i : i + 64], pad_id), device)
+    for i in range(0, len(examples), EVAL_BATCH):
+        chunk = examples[i : i + EVAL_BATCH]
+        b_nll, b_hits, b_count = forward(model, collate_examples(chunk, pad_id), device)
         nll, hits, count = nll + b_nll.cpu(), hits + b_hits.cpu(), count + b_count.cpu()
+        if progress is not None:
+            progress.advance(len(chunk))
     model.train(was_training)
     count = count.clamp(min=1)
     return to_floats({f"{prefix}/loss": nll / count, f"{prefix}/token_accuracy": hits / count})
@@ -79,10 +90,18 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     model, tokenizer = load_policy(start)
     pad_id, device = tokenizer.pad_token_id, start.device
 
-    def tokenize(rows: list[dict[str, Any]]) -> list[TokenizedExample]:
-        return [tokenize_example(r, tokenizer, max_length=hp.max_length) for r in rows]
+    with reporter.phase("tokenize", len(data.train) + len(data.validation)) as progress:
 
-    examples, val_examples = tokenize(data.train), tokenize(data.validation)
+        def tokenize(rows: list[dict[str, Any]]) -> list[TokenizedExample]:
+            out = []
+            for r in rows:
+                out.append(tokenize_example(r, tokenizer, max_length=hp.max_length))
+                progress.advance()
+            return out
+
+        examples, val_examples = tokenize(data.train), tokenize(data.validation)
+    held_out = [val_examples[i] for i in eval_rows(len(val_examples), hp.eval_max_rows, hp.seed)]
+    final_rows = [examples[i] for i in eval_rows(len(examples), hp.eval_max_rows, hp.seed)]
     session = TrainingSession(start, hp, model, tokenizer, len(examples))
     if session.finished_before:
         return session.result
@@ -93,8 +112,8 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     )
     model.train()
 
-    def final() -> Final:  # every training example, with the trained model: did it learn the data?
-        return Final(evaluate(model, examples, pad_id, device, "final"))
+    def final(progress: Phase) -> Final:  # training examples (up to eval_max_rows): did it learn the data?
+        return Final(evaluate(model, final_rows, pad_id, device, "final", progress))
 
     for _ in session.steps():
         t0 = time.perf_counter()
@@ -112,7 +131,7 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
             }
             metrics = session.train_metrics(stats, batch.n_tokens, t0)
         metrics |= session.evaluate(
-            val_examples, lambda: evaluate(model, val_examples, pad_id, device, "eval")
+            held_out, lambda progress: evaluate(model, held_out, pad_id, device, "eval", progress)
         )
         session.end_step(metrics, final)
     return session.result

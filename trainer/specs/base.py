@@ -67,6 +67,14 @@ class TrainingHyperparameters(_Frozen):
     checkpoint_every: int = Field(
         default=0, ge=0, description="Save a resumable checkpoint every N steps (0: only the final model)."
     )
+    eval_max_rows: int = Field(
+        default=256,
+        ge=1,
+        le=10_000_000,
+        description="Most rows an evaluation reads: held-out metrics every `eval_every` steps and the "
+        "`final/*` metrics over the training rows use at most this many (drawn once with the seed), so "
+        "they take seconds, not minutes, on a large dataset.",
+    )
     keep_last_checkpoints: int = Field(
         default=2, ge=1, le=1000, description="Checkpoints kept, newest first."
     )

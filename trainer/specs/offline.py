@@ -32,6 +32,13 @@ class DpoHyperparameters(TrainingHyperparameters):
     max_prompt_length: int = Field(
         default=128, ge=1, description="Longest prompt in tokens (cut from the left)."
     )
+    reference_mode: Literal["lazy", "precompute"] = Field(
+        default="lazy",
+        description="lazy: the reference log-probs of the pairs a step uses are computed when a step first "
+        "uses them (a frozen copy of the reference is kept meanwhile), so step 1 starts at once; "
+        "precompute: every pair's before step 1 (no reference kept in memory while training). Either way "
+        "the values computed travel in checkpoints, so a resumed run reads the same ones.",
+    )
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> DpoHyperparameters:
