@@ -16,7 +16,7 @@ yet"):
     succeeded, failed, cancelled: final.
 
 A running run is never moved by the API: cancel and pause of a running run set ``cancel_requested`` or
-``pause_requested``, which its worker obeys within one step (``finish`` as cancelled, ``release_paused``).
+``pause_requested``, which its worker obeys within seconds (``finish`` as cancelled, ``release_paused``).
 
 Every change is one conditional UPDATE (``... WHERE status IN (its sources)``, plus the worker's
 ownership or the lease's expiry where that matters) and its event is added only when the row matched, so
@@ -284,7 +284,7 @@ def cancel_run(*, session: Session, run: Run) -> Run:
                 session.flush()
                 return run
         elif _set_flag(session, run, "cancel_requested"):
-            message = "cancel requested; the worker stops within one step"
+            message = "cancel requested; the worker stops within seconds"
             add_event(session, run.id, "cancel_requested", message)
             log.info("run %s cancel requested", run.id)
             session.flush()

@@ -194,7 +194,7 @@ class Runs(_Namespace):
         return _parse(RunRead, self._client.request("GET", f"/v1/runs/{run_id}"))
 
     def cancel(self, run_id: Id) -> RunRead:
-        """Queued: cancelled at once; running: within one step (``cancel_requested``); ended: 409."""
+        """Queued: cancelled at once; running: within seconds (``cancel_requested``); ended: 409."""
         return _parse(RunRead, self._client.request("POST", f"/v1/runs/{run_id}/cancel"))
 
     def pause(self, run_id: Id) -> RunRead:

@@ -405,7 +405,7 @@ def cmd_runs_cancel(args: argparse.Namespace, client: Client) -> int:
     if run.status == "cancelled":
         print(f"run {run.id} cancelled")
     else:
-        print(f"run {run.id}: cancel requested ({run.status}); it stops within one step")
+        print(f"run {run.id}: cancel requested ({run.status}); it stops within seconds")
     return 0
 
 

@@ -107,7 +107,7 @@ def _refused(action: str, run: Run, session: SessionDep) -> InvalidTransition:
 
 @router.post("/{fine_tuning_job_id}/cancel", response_model=FineTuningJob, responses=_ERRORS)
 def cancel_job(run: JobDep, session: SessionDep) -> FineTuningJob:
-    """Cancel: at once if queued or paused, within one step if running; 409 once it has ended."""
+    """Cancel: at once if queued or paused, within seconds if running; 409 once it has ended."""
     try:
         run = cancel_run_and_its_pipeline(session=session, run=run)
     except InvalidTransition:
@@ -118,7 +118,8 @@ def cancel_job(run: JobDep, session: SessionDep) -> FineTuningJob:
 
 @router.post("/{fine_tuning_job_id}/pause", response_model=FineTuningJob, responses=_ERRORS)
 def pause_job(run: JobDep, session: SessionDep) -> FineTuningJob:
-    """Pause: at once if queued; a running job checkpoints and stops before its next step (`pausing`)."""
+    """Pause: at once if queued; a running job stops within seconds, checkpointing first between steps
+    (`pausing`)."""
     try:
         run = lifecycle.pause_run(session=session, run=run)
     except InvalidTransition:

@@ -277,7 +277,7 @@ def test_a_cancel_that_finds_the_run_claimed_meanwhile_asks_the_worker_to_stop(
         assert row(s, run.id)[:4] == ("running", True, False, "w")  # the claim stands; the worker stops
         assert [(e.kind, e.message) for e in events(s, run.id)] == [
             ("status", "running"),
-            ("cancel_requested", "cancel requested; the worker stops within one step"),
+            ("cancel_requested", "cancel requested; the worker stops within seconds"),
         ]
 
 

@@ -154,7 +154,7 @@ def test_cancel_then_watch_exits_1(
     assert main(["runs", "cancel", str(run_id), "--url", served.url]) == 0
     assert capsys.readouterr().out in (
         f"run {run_id} cancelled\n",
-        f"run {run_id}: cancel requested (running); it stops within one step\n",
+        f"run {run_id}: cancel requested (running); it stops within seconds\n",
     )
     assert main(["runs", "watch", str(run_id), "--interval", "0.2", "--url", served.url]) == 1
     out, err = capsys.readouterr()

@@ -193,3 +193,22 @@ def test_skipped_nonfinite_batches_are_flagged(
         loop_ctx(tiny_cache, tmp_path),
     )
     assert [(code, step) for code, step, _ in reporter.warnings] == [("nonfinite_skipped", 2)]
+
+
+def test_a_checkpoint_from_before_reference_mode_still_resumes(tiny_cache: Path, tmp_path: Path) -> None:
+    data = RunData(train=PAIRS)
+    spec = dpo_spec(max_steps=4, checkpoint_every=2, keep_last_checkpoints=5)
+    first = MemoryReporter(stop_after=2)
+    run_dpo(spec, data, first, loop_ctx(tiny_cache, tmp_path))
+    state_file = first.checkpoints[2] / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    train = state["extra"]["ref_logps"]["train"]
+    # The old layout: a (train, validation) tuple of (N, 2) tensors, every pair precomputed.
+    full = torch.full((len(PAIRS), 2), -5.0)
+    full[train["known"]] = train["values"][train["known"]]
+    state["extra"]["ref_logps"] = (full, torch.zeros(0, 2))
+    torch.save(state, state_file)
+    resumed = MemoryReporter()
+    result = run_dpo(spec, data, resumed, loop_ctx(tiny_cache, tmp_path, resume_from=first.checkpoints[2]))
+    assert result.status == "succeeded"
+    assert phase_totals(resumed, "reference") == []  # every value came from the checkpoint

@@ -185,9 +185,15 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
 
     ref = ReferenceLogps(len(pairs), computer(pairs), reporter)
     val_ref = ReferenceLogps(len(val_pairs), computer(val_pairs), reporter)
-    if "ref_logps" in session.extra:
-        ref.load(session.extra["ref_logps"]["train"])
-        val_ref.load(session.extra["ref_logps"]["validation"])
+    saved = session.extra.get("ref_logps")
+    if isinstance(saved, tuple):  # a checkpoint written before reference_mode: every value precomputed
+        saved = {
+            key: {"values": v, "known": torch.ones(len(v), dtype=torch.bool)}
+            for key, v in zip(("train", "validation"), saved, strict=True)
+        }
+    if saved is not None:
+        ref.load(saved["train"])
+        val_ref.load(saved["validation"])
     session.extra_state = lambda: {
         "ref_logps": {"train": ref.state_dict(), "validation": val_ref.state_dict()}
     }

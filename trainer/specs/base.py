@@ -68,7 +68,7 @@ class TrainingHyperparameters(_Frozen):
         default=0, ge=0, description="Save a resumable checkpoint every N steps (0: only the final model)."
     )
     eval_max_rows: int = Field(
-        default=256,
+        default=128,
         ge=1,
         le=10_000_000,
         description="Most rows an evaluation reads: held-out metrics every `eval_every` steps and the "
