@@ -6,6 +6,7 @@ import torch
 from trainer.algorithms.aggregation import (
     AGGREGATIONS,
     aggregate,
+    batch_normaliser,
     get_aggregation,
     masked_mean,
     masked_whiten,
@@ -94,6 +95,25 @@ def test_seq_modes_microbatch_accumulation(mode: str) -> None:
 def test_sum_norm_microbatch_accumulation() -> None:
     full, acc = split_grads("seq_mean_token_sum_norm", 6.0, max_len=8)  # all 6 rows count
     torch.testing.assert_close(acc, full)
+
+
+@pytest.mark.parametrize("mode", sorted(AGGREGATIONS))
+def test_batch_normaliser_makes_micro_batches_add_up_to_the_batch_per_token(mode: str) -> None:
+    """Every token's gradient, not only a shared weight's: the normaliser is the whole batch's (valid
+    tokens; non-empty rows for the seq means, fully masked rows excluded; all B rows for the sum-norm)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, generator=g, dtype=F64, requires_grad=True)
+    mask = torch.arange(5).unsqueeze(0) < torch.tensor([5, 0, 3, 0, 2, 4]).unsqueeze(1)  # 2 empty rows
+    hand = {"token_mean": 14.0, "seq_mean_token_mean": 4.0, "seq_mean_token_sum": 4.0}
+    norm = batch_normaliser(mask, mode)
+    assert float(norm) == hand.get(mode, 6.0)  # seq_mean_token_sum_norm: B = 6
+    full = aggregate(x**2, mask, mode, max_len=7)
+    (g_full,) = torch.autograd.grad(full, x)
+    parts = [slice(0, 2), slice(2, 3), slice(3, 6)]
+    total = sum(aggregate(x[r] ** 2, mask[r], mode, normaliser=norm, max_len=7) for r in parts)
+    (g_acc,) = torch.autograd.grad(total, x)
+    torch.testing.assert_close(total, full, atol=1e-6, rtol=0)
+    torch.testing.assert_close(g_acc, g_full, atol=1e-6, rtol=0)
 
 
 def test_registry() -> None:

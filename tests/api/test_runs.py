@@ -45,6 +45,12 @@ def test_bad_specs_are_refused_with_the_field_named_and_store_nothing(session: S
         "algorithm": {**dpo_spec(ds.id), "algorithm": "dpoo"},
         "hyperparameters.loss_type": {**dpo_spec(ds.id), "hyperparameters": {"loss_type": "nope"}},
         "hyperparameters": {**dpo_spec(ds.id), "hyperparameters": {"label_smoothing": 0.1}},
+        "hyperparameters.micro_batch_size": {
+            **dpo_spec(ds.id),
+            "hyperparameters": {"batch_size": 8, "micro_batch_size": 3},
+        },
+        "hyperparameters.eval_max_rows": {**dpo_spec(ds.id), "hyperparameters": {"eval_max_rows": 0}},
+        "hyperparameters.reference_mode": {**dpo_spec(ds.id), "hyperparameters": {"reference_mode": "eager"}},
     }
     with api_client(session) as client:
         for field, body in cases.items():

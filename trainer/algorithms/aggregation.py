@@ -5,9 +5,11 @@ Every mode has the call shape ``fn(per_token, mask, *, normaliser, max_len) -> 0
 
 Gradient accumulation. With the default (local) denominators, averaging micro-batch losses is *not* the
 full-batch loss when micro-batches hold different numbers of tokens (or non-empty rows). Pass
-``normaliser`` = the count over the whole minibatch (total valid tokens for ``token_mean``, number of
-sequences for the ``seq_*`` modes) and *sum* the micro-batch losses: the accumulated gradient then equals
-the full-batch gradient exactly.
+``normaliser`` = ``batch_normaliser(mask, mode)`` of the whole batch (its valid tokens for
+``token_mean``; its rows with at least one valid token for ``seq_mean_token_mean`` and
+``seq_mean_token_sum``; all its rows, B, for ``seq_mean_token_sum_norm``) to every micro-batch and *sum*
+the micro-batch losses: the accumulated gradient then equals the full-batch gradient exactly (tested to
+1e-6, fully masked rows included).
 
 Masked positions contribute 0 through ``torch.where``, so a NaN or inf in a padded position cannot reach
 the value (its upstream gradient may still be NaN if the op that produced it has an infinite derivative).
@@ -77,7 +79,8 @@ def seq_mean_token_mean(
     Args:
         per_token: (B, T) loss.
         mask: (B, T) bool/0-1.
-        normaliser: number of sequences; None = rows with at least one valid token here (at least 1).
+        normaliser: N; None = rows with at least one valid token here (at least 1), which is what a
+            micro-batch must be given for the whole batch (``batch_normaliser``).
         max_len: unused.
 
     Returns:
@@ -102,7 +105,8 @@ def seq_mean_token_sum(
     Args:
         per_token: (B, T) loss.
         mask: (B, T) bool/0-1.
-        normaliser: number of sequences; None = rows with at least one valid token here (at least 1).
+        normaliser: N; None = rows with at least one valid token here (at least 1), which is what a
+            micro-batch must be given for the whole batch (``batch_normaliser``).
         max_len: unused.
 
     Returns:
@@ -126,8 +130,8 @@ def seq_mean_token_sum_norm(
     Args:
         per_token: (B, T) loss.
         mask: (B, T) bool/0-1.
-        normaliser: number of sequences; None = B (every row, empty or not: the denominator must not
-            depend on the content).
+        normaliser: N; None = B, every row, empty or not (the denominator must not depend on the
+            content); a micro-batch is given the whole batch's B (``batch_normaliser``).
         max_len: the constant length divisor, normally the generation budget (max new tokens). None = T,
             which is only constant if batches are padded to a fixed length.
 
@@ -136,8 +140,11 @@ def seq_mean_token_sum_norm(
 
     Formula: ``(1/N) sum_b sum_t m_bt x_bt / L``, L = max_len.
     Source: Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective" (Dr. GRPO),
-        Sec. 3, which replaces GRPO's 1/|o_i| by a constant. verl's "seq-mean-token-sum-norm" omits the
-        1/N (a constant factor when B is fixed).
+        Sec. 3, which replaces GRPO's 1/|o_i| by a constant. verl's "seq-mean-token-sum-norm" divides
+        each sequence's token sum by ``loss_scale_factor`` (default: the mask's padded length T, which
+        is constant only when batches are padded to a fixed length; here ``max_len``) and averages over
+        the global batch size, as here; its early versions (``agg_loss`` before the global-batch
+        denominators) summed over sequences with no 1/B.
     Degenerate: a fully masked row contributes 0 (and counts in the default N).
     """
     x, _ = _masked(per_token, mask)
@@ -174,6 +181,32 @@ def aggregate(
         ValueError: if ``mode`` is unknown; the message lists the valid names.
     """
     return get_aggregation(mode)(per_token, mask, normaliser=normaliser, max_len=max_len)
+
+
+def batch_normaliser(mask: Tensor, mode: str) -> Tensor:
+    """The denominator ``mode`` uses over a whole batch, to give every micro-batch of it (the module
+    docstring, "Gradient accumulation").
+
+    Args:
+        mask: (B, T) bool/0-1 of the whole batch.
+        mode: an ``AGGREGATIONS`` name.
+
+    Returns:
+        0-dim float tensor: valid tokens (``token_mean``); rows with a valid token
+        (``seq_mean_token_mean``, ``seq_mean_token_sum``); B (``seq_mean_token_sum_norm``). At least 1.
+
+    Formula: with micro-batches k, ``sum_k agg(x_k, m_k; N) = agg(x, m)`` when N is this count, since each
+    mode is ``(1/N) * (a sum over rows)``.
+    Source: the denominators of each mode's own formula; verl ``agg_loss`` with global batch info.
+    Degenerate: an all-masked batch gives 1 for the token and non-empty-row counts (its loss is 0).
+    """
+    get_aggregation(mode)  # refuses an unknown name, listing the valid ones
+    valid = mask.to(torch.bool)
+    if mode == "token_mean":
+        return valid.sum().to(torch.float32).clamp(min=1)
+    if mode == "seq_mean_token_sum_norm":
+        return torch.tensor(float(max(mask.shape[0], 1)), device=mask.device)
+    return _nonempty_rows(valid, torch.float32)
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Container
-from typing import Any
+from collections.abc import Callable, Container, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -48,19 +50,43 @@ def backward_and_step(
     step: int | None = None,
     skip_nonfinite: bool = False,
 ) -> Any:
-    """zero_grad -> backward -> clip -> step; returns the pre-clip gradient norm.
+    """zero_grad -> backward -> clip -> step on one loss; ``accumulate_and_step`` with one micro-batch."""
+    return accumulate_and_step(
+        model, optimizer, [loss], max_grad_norm, step=step, skip_nonfinite=skip_nonfinite
+    )
 
-    Never trains on NaN: a non-finite loss or gradient norm raises NonFiniteError naming the step and the
-    tensor, before the optimizer touches the weights; with ``skip_nonfinite`` it returns None instead
-    (the batch is skipped, the weights unchanged). The check is one host sync per step.
+
+def accumulate_and_step(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    losses: Iterable[torch.Tensor],
+    max_grad_norm: float,
+    *,
+    step: int | None = None,
+    skip_nonfinite: bool = False,
+) -> Any:
+    """zero_grad -> backward of each micro-batch loss as it comes -> clip -> step; returns the pre-clip
+    gradient norm. Gradients add up over backward calls, so when each micro-batch loss is already scaled
+    for the whole batch (their sum is the batch loss) the step is the whole batch's (gradient
+    accumulation); ``losses`` may be a generator that runs each micro-batch's forward pass when asked,
+    so only one micro-batch's activations are alive at a time.
+
+    Never trains on NaN: a non-finite micro-batch loss or gradient norm raises NonFiniteError naming the
+    step and the tensor, before the optimizer touches the weights; with ``skip_nonfinite`` it returns None
+    instead (the batch is skipped, the weights unchanged). The check is one host sync per micro-batch.
     """
     where = f" at step {step}" if step is not None else ""
-    if not torch.isfinite(loss.detach()).all():
-        if skip_nonfinite:
-            return None
-        raise NonFiniteError(f"loss is {float(loss.detach().float().sum())}{where}; no update applied")
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()  # type: ignore[no-untyped-call]
+    micro = iter(losses)
+    for loss in micro:
+        if not torch.isfinite(loss.detach()).all():
+            optimizer.zero_grad(set_to_none=True)
+            if skip_nonfinite:
+                for _ in micro:  # the rest still run (no backward), so the step's statistics are whole
+                    pass
+                return None
+            raise NonFiniteError(f"loss is {float(loss.detach().float().sum())}{where}; no update applied")
+        loss.backward()  # type: ignore[no-untyped-call]
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
@@ -69,6 +95,13 @@ def backward_and_step(
         raise NonFiniteError(f"gradient norm is {float(grad_norm)}{where}; no update applied")
     optimizer.step()
     return grad_norm
+
+
+def micro_batches(rows: Sequence[T], size: int | None) -> list[Sequence[T]]:
+    """``rows`` cut into consecutive micro-batches of ``size`` (the last may be smaller); one when None."""
+    if size is None or size >= len(rows):
+        return [rows]
+    return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
 def to_floats(stats: dict[str, Any]) -> dict[str, float]:
@@ -102,17 +135,19 @@ def stop_requested(
 def update_or_skip(
     model: Any,
     optimizer: torch.optim.Optimizer,
-    loss: torch.Tensor,
+    loss: torch.Tensor | Iterable[torch.Tensor],
     *,
     max_grad_norm: float,
     step: int,
     on_nonfinite: str,
     reporter: Any,
 ) -> Any:
-    """``backward_and_step`` honouring the spec's ``on_nonfinite``: "skip" reports the skipped batch as an
-    event and returns a NaN norm (the reporter drops non-finite values); "fail" raises NonFiniteError."""
-    grad_norm = backward_and_step(
-        model, optimizer, loss, max_grad_norm, step=step, skip_nonfinite=on_nonfinite == "skip"
+    """``accumulate_and_step`` over ``loss`` (one tensor, or the micro-batch losses of one step) honouring
+    the spec's ``on_nonfinite``: "skip" reports the skipped batch as an event and returns a NaN norm (the
+    reporter drops non-finite values); "fail" raises NonFiniteError."""
+    losses = [loss] if isinstance(loss, torch.Tensor) else loss
+    grad_norm = accumulate_and_step(
+        model, optimizer, losses, max_grad_norm, step=step, skip_nonfinite=on_nonfinite == "skip"
     )
     if grad_norm is None:
         reporter.event(

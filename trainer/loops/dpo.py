@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -122,6 +122,31 @@ def evaluate(
     return {f"{prefix}/{k}": v for k, v in to_floats(stats).items()}
 
 
+def micro_losses(
+    model: Any,
+    parts: list[tuple[list[int], PairBatch]],
+    idx: list[int],
+    ref: Tensor,
+    loss_fn: PreferenceLossFn,
+    params: PreferenceParams,
+    device: torch.device,
+    out: dict[str, list[Tensor]],
+) -> Iterator[Tensor]:
+    """For each micro-batch (its pair indices and batch) the sum of its pairs' losses over the whole
+    batch's ``len(idx)`` pairs: the micro-batch losses add up to the batch's mean loss. One forward pass
+    when asked; ``out`` collects the detached chosen and rejected log-probs and each micro-batch loss."""
+    at = {pair: row for row, pair in enumerate(idx)}
+    for rows, batch in parts:
+        logps = sequence_logps(model, batch, device)
+        chosen, rejected = logps[: len(rows)], logps[len(rows) :]
+        ref_rows = ref[[at[i] for i in rows]]
+        loss = loss_fn(chosen - ref_rows[:, 0], rejected - ref_rows[:, 1], params).sum() / len(idx)
+        out.setdefault("chosen", []).append(chosen.detach())
+        out.setdefault("rejected", []).append(rejected.detach())
+        out.setdefault("loss", []).append(loss.detach())
+        yield loss
+
+
 class Reference:
     """The frozen reference model, made or loaded only when a value must be computed: in ``lazy`` mode a
     copy of the starting policy (taken before step 1) or the ``reference_model``; when resuming, loaded
@@ -226,23 +251,23 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         t0 = time.perf_counter()
         idx = session.sampler.next_batch()
         ref_batch = ref.get(idx).to(device)
-        batch = collate_pairs([pairs[i] for i in idx], pad_id)
-        logps = sequence_logps(model, batch, device)
-        chosen, rejected = logps[: len(idx)], logps[len(idx) :]
+        parts = [(list(p), collate_pairs([pairs[i] for i in p], pad_id)) for p in session.micro_batches(idx)]
+        out: dict[str, list[Tensor]] = {}
+        grad_norm = session.update(micro_losses(model, parts, idx, ref_batch, loss_fn, params, device, out))
+        chosen, rejected = torch.cat(out["chosen"]), torch.cat(out["rejected"])
         chosen_logratio, rejected_logratio = chosen - ref_batch[:, 0], rejected - ref_batch[:, 1]
-        loss = loss_fn(chosen_logratio, rejected_logratio, params).mean()
-        grad_norm = session.update(loss)
+        loss = torch.stack(out["loss"]).sum()
 
         metrics: dict[str, float] = {}
         if session.log_due:
             stats = pair_stats(chosen_logratio, rejected_logratio, hp.beta)
             stats |= {
-                "loss": loss.detach(),
+                "loss": loss,
                 "grad_norm": grad_norm,
-                "logps/chosen": chosen.detach().mean(),
-                "logps/rejected": rejected.detach().mean(),
+                "logps/chosen": chosen.mean(),
+                "logps/rejected": rejected.mean(),
             }
-            metrics = session.train_metrics(stats, batch.n_tokens, t0)
+            metrics = session.train_metrics(stats, sum(b.n_tokens for _, b in parts), t0)
         metrics |= session.evaluate(held_out, evaluate_held_out)
         session.end_step(metrics, final)
     return session.result

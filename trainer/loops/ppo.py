@@ -20,7 +20,7 @@ Its per-token values come from the head applied to every hidden state, not only 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,20 +28,22 @@ import torch
 from torch import Tensor
 
 from trainer.algorithms.advantages import gae, length_adaptive_lam
-from trainer.algorithms.aggregation import aggregate, masked_whiten
+from trainer.algorithms.aggregation import aggregate, batch_normaliser, masked_whiten
 from trainer.algorithms.kl import KL_ESTIMATORS, kl_penalized_rewards
 from trainer.algorithms.value_losses import value_loss
-from trainer.loops.common import backward_and_step, make_optimizer, set_lr, to_floats, warmup_constant_lr
+from trainer.loops.common import accumulate_and_step, make_optimizer, set_lr, to_floats, warmup_constant_lr
 from trainer.loops.rl_common import (
     ActorBatch,
     StatMeans,
     TokenBatch,
+    WeightedMeans,
     actor_step,
     close_rl_step,
     evaluate_start,
     frozen_logps,
     kl_controller,
     masked_mean,
+    micro_slices,
     minibatches,
     perf_metrics,
     prepare_rl,
@@ -174,21 +176,34 @@ def critic_step(
     critic: Any, optimizer: torch.optim.Optimizer, mb: PpoBatch, hp: PpoHyperparameters
 ) -> dict[str, Tensor]:
     """One optimizer step of the critic: the clipped value loss around the rollout-time values
-    (``value_loss``, token mean), weighted by ``vf_coef``."""
-    values = token_values(critic, mb.tokens)
-    v_loss = aggregate(
-        value_loss(values, mb.old_values, mb.returns, mb.mask, clip_range=hp.value_clip),
-        mb.mask,
-        "token_mean",
+    (``value_loss``), aggregated like the policy loss (``hp.loss_aggregation``), weighted by ``vf_coef``;
+    in micro-batches of ``hp.micro_batch_size`` rows whose gradients add up to the minibatch's."""
+    normaliser = batch_normaliser(mb.mask, hp.loss_aggregation)
+    means = WeightedMeans()
+
+    def losses() -> Iterator[Tensor]:
+        for rows in micro_slices(len(mb.adv), hp.micro_batch_size, mb.adv.device):
+            part = mb.select(rows)
+            values = token_values(critic, part.tokens)
+            v_loss = aggregate(
+                value_loss(values, part.old_values, part.returns, part.mask, clip_range=hp.value_clip),
+                part.mask,
+                hp.loss_aggregation,
+                normaliser=normaliser,
+                max_len=hp.max_new_tokens,
+            )
+            stats = {"loss/value": v_loss.detach()}
+            if hp.value_clip is not None:
+                stats["value/clipfrac"] = value_clipfrac(
+                    values.detach(), part.old_values, part.returns, part.mask, hp.value_clip
+                )
+            means.add(stats, tokens=float(part.mask.sum()), rows=float(len(rows)))
+            yield hp.vf_coef * v_loss
+
+    norm = accumulate_and_step(
+        critic, optimizer, losses(), hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
     )
-    stats = {"loss/value": v_loss.detach()}
-    if hp.value_clip is not None:
-        stats["value/clipfrac"] = value_clipfrac(
-            values.detach(), mb.old_values, mb.returns, mb.mask, hp.value_clip
-        )
-    norm = backward_and_step(
-        critic, optimizer, hp.vf_coef * v_loss, hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
-    )
+    stats = means.means()
     stats["value/grad_norm"] = norm if norm is not None else torch.tensor(float("nan"))
     stats["skipped_updates"] = torch.tensor(float(norm is None))
     return stats

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -157,6 +157,27 @@ def reward_stats(scored: Scored, source: str) -> dict[str, Any]:
     }
 
 
+def micro_losses(
+    model: Any,
+    parts: list[GroupBatch],
+    n_rows: int,
+    loss_fn: RewardLossFn,
+    params: RewardLossParams,
+    device: torch.device,
+    out: list[tuple[Tensor, Tensor, Tensor]],
+) -> Iterator[Tensor]:
+    """Each micro-batch's mean loss weighted by its share of the step's ``n_rows`` groups (the losses add
+    up to the batch's mean), one forward pass (all its B*K sequences) when asked; ``out`` collects the
+    detached scores, mask and loss of each."""
+    for batch in parts:
+        scores = group_scores(model, batch, device)
+        mask = batch.mask.to(device)
+        margins = batch.margins.to(device) if batch.margins is not None else None
+        loss = loss_fn(scores, mask, margins, params) * (len(batch.mask) / n_rows)
+        out.append((scores.detach(), mask, loss.detach()))
+        yield loss
+
+
 def run_reward_model(
     spec: RewardModelSpec, data: RunData, reporter: Reporter, ctx: LoopContext
 ) -> LoopResult:
@@ -219,17 +240,19 @@ def run_reward_model(
 
     for _ in session.steps():
         t0 = time.perf_counter()
-        batch = collate_groups([groups[i] for i in session.sampler.next_batch()], pad_id)
-        scores = group_scores(model, batch, device)  # all B*K sequences in one forward pass
-        mask = batch.mask.to(device)
-        margins = batch.margins.to(device) if batch.margins is not None else None
-        loss = loss_fn(scores, mask, margins, params)
-        grad_norm = session.update(loss)
+        rows = [groups[i] for i in session.sampler.next_batch()]
+        parts = [collate_groups(list(p), pad_id) for p in session.micro_batches(rows)]
+        out: list[tuple[Tensor, Tensor, Tensor]] = []
+        grad_norm = session.update(micro_losses(model, parts, len(rows), loss_fn, params, device, out))
+        k_max = max(s.shape[1] for s, _, _ in out)
+        scores = torch.cat([F.pad(s, (0, k_max - s.shape[1])) for s, _, _ in out])
+        mask = torch.cat([F.pad(m, (0, k_max - m.shape[1])) for _, m, _ in out])
+        loss = torch.stack([part_loss for _, _, part_loss in out]).sum()
 
         metrics: dict[str, float] = {}
         if session.log_due:
-            stats = ranking_stats(scores, mask) | {"loss": loss.detach(), "grad_norm": grad_norm}
-            metrics = session.train_metrics(stats, batch.n_tokens, t0)
+            stats = ranking_stats(scores, mask) | {"loss": loss, "grad_norm": grad_norm}
+            metrics = session.train_metrics(stats, sum(b.n_tokens for b in parts), t0)
         val_scored = None
         metrics |= session.evaluate(val_groups, evaluate_held_out)
         session.end_step(metrics, final)

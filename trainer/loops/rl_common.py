@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainer.algorithms.aggregation import aggregate
+from trainer.algorithms.aggregation import aggregate, batch_normaliser
 from trainer.algorithms.kl import KL_ESTIMATORS
 from trainer.algorithms.kl_control import KL_CONTROLLERS, KLController
 from trainer.algorithms.logprobs import entropy_from_logits, token_logprobs
 from trainer.algorithms.policy_losses import POLICY_LOSSES, ClipParams
 from trainer.data.prompts import PromptSet, tokenize_prompts
-from trainer.loops.common import backward_and_step, is_due
+from trainer.loops.common import accumulate_and_step, is_due, micro_batches
 from trainer.loops.rollouts import (
     StepRollouts,
     build_reward,
@@ -262,6 +262,27 @@ class StatMeans:
         return {k: v / self.count for k, v in self.sums.items()}
 
 
+class WeightedMeans:
+    """Each stat's mean over the micro-batches of one update, weighted (by valid tokens, or rows for a
+    per-sequence stat); loss stats, already scaled for the whole batch, are summed instead."""
+
+    SUMMED = ("loss/policy", "loss/total", "loss/value")
+    PER_ROW = ("kl/seq",)
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Tensor] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, stats: dict[str, Tensor], tokens: float, rows: float) -> None:
+        for k, v in stats.items():
+            w = 1.0 if k in self.SUMMED else rows if k in self.PER_ROW else tokens
+            self.sums[k] = self.sums.get(k, 0) + v.detach().float() * w
+            self.weights[k] = self.weights.get(k, 0.0) + w
+
+    def means(self) -> dict[str, Tensor]:
+        return {k: v if k in self.SUMMED else v / max(self.weights[k], 1e-12) for k, v in self.sums.items()}
+
+
 @dataclass(frozen=True)
 class ActorBatch:
     """A minibatch for the actor: tokens, the mask of tokens that count, advantages, old and reference
@@ -273,11 +294,26 @@ class ActorBatch:
     old_logp: Tensor | None
     ref_logp: Tensor | None
 
+    def select(self, idx: Tensor) -> ActorBatch:
+        return ActorBatch(
+            self.tokens.select(idx),
+            self.mask[idx],
+            self.adv[idx],
+            None if self.old_logp is None else self.old_logp[idx],
+            None if self.ref_logp is None else self.ref_logp[idx],
+        )
 
-def actor_step(
-    policy: Any, optimizer: torch.optim.Optimizer, mb: ActorBatch, hp: OnlineRlHyperparameters, kl_coef: float
-) -> dict[str, Tensor]:
-    """One optimizer step of the policy on a minibatch; returns its stats.
+
+def micro_slices(n: int, size: int | None, device: torch.device) -> list[Tensor]:
+    """Row indices of each micro-batch of ``n`` rows (one slice of all of them when ``size`` is None)."""
+    return [torch.as_tensor(list(rows), device=device) for rows in micro_batches(range(n), size)]
+
+
+def actor_loss(
+    policy: Any, mb: ActorBatch, hp: OnlineRlHyperparameters, kl_coef: float, normaliser: Tensor
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The actor's loss on (part of) a minibatch, aggregated with the whole minibatch's ``normaliser``,
+    and its stats.
 
     Loss per token: the policy loss (``POLICY_LOSSES[hp.policy_loss]``: PPO's clipped surrogate, Schulman
     et al. 2017 eq. 7, or vanilla policy gradient), ``+ kl_coef * KL_t(pi || pi_ref)`` when the KL sits in
@@ -290,8 +326,9 @@ def actor_step(
     out = POLICY_LOSSES[hp.policy_loss](logp, old, mb.adv, mb.mask, clip=clip)
     per_token = out.per_token
     stats = {f"policy/{k}": v for k, v in out.stats.items()}
+    mode, max_len = hp.loss_aggregation, hp.max_new_tokens
     stats["loss/policy"] = aggregate(
-        per_token, mb.mask, hp.loss_aggregation, max_len=hp.max_new_tokens
+        per_token, mb.mask, mode, normaliser=normaliser, max_len=max_len
     ).detach()
     if mb.ref_logp is not None:
         kl_tok = KL_ESTIMATORS[hp.kl_estimator](logp, mb.ref_logp)
@@ -303,11 +340,31 @@ def actor_step(
     stats["policy/entropy"] = masked_mean(entropy.detach(), mb.mask)
     if hp.entropy_coef > 0:
         per_token = per_token - hp.entropy_coef * entropy
-    loss = aggregate(per_token, mb.mask, hp.loss_aggregation, max_len=hp.max_new_tokens)
-    grad_norm = backward_and_step(
-        policy, optimizer, loss, hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
-    )
+    loss = aggregate(per_token, mb.mask, mode, normaliser=normaliser, max_len=max_len)
     stats["loss/total"] = loss.detach()
+    return loss, stats
+
+
+def actor_step(
+    policy: Any, optimizer: torch.optim.Optimizer, mb: ActorBatch, hp: OnlineRlHyperparameters, kl_coef: float
+) -> dict[str, Tensor]:
+    """One optimizer step of the policy on a minibatch (``actor_loss``), in micro-batches of
+    ``hp.micro_batch_size`` rows whose gradients add up to the minibatch's (each aggregated with the
+    minibatch's ``batch_normaliser``); returns its stats."""
+    normaliser = batch_normaliser(mb.mask, hp.loss_aggregation)
+    means = WeightedMeans()
+
+    def losses() -> Iterator[Tensor]:
+        for rows in micro_slices(len(mb.adv), hp.micro_batch_size, mb.adv.device):
+            part = mb.select(rows)
+            loss, stats = actor_loss(policy, part, hp, kl_coef, normaliser)
+            means.add(stats, tokens=float(part.mask.sum()), rows=float(len(rows)))
+            yield loss
+
+    grad_norm = accumulate_and_step(
+        policy, optimizer, losses(), hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
+    )
+    stats = means.means()
     stats["skipped_updates"] = torch.tensor(float(grad_norm is None))
     stats["grad_norm"] = grad_norm if grad_norm is not None else torch.tensor(float("nan"))
     return stats

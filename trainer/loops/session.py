@@ -21,10 +21,10 @@ change here; a phase of one run kind is one change in that loop's file.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,6 +33,7 @@ from trainer.data.sampling import EpochSampler
 from trainer.loops.common import (
     is_due,
     make_optimizer,
+    micro_batches,
     seed_everything,
     set_lr,
     stop_requested,
@@ -45,6 +46,8 @@ from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter
 from trainer.run_health import RunHealth
 from trainer.specs import TrainingHyperparameters
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -203,8 +206,14 @@ class TrainingSession:
             self.last_eval = run(progress)
         return self.last_eval
 
-    def update(self, loss: torch.Tensor) -> Any:
-        """One optimizer step on ``loss`` honouring ``on_nonfinite``; returns the pre-clip gradient norm."""
+    def micro_batches(self, rows: Sequence[T]) -> list[Sequence[T]]:
+        """A step's rows cut into micro-batches of ``micro_batch_size`` (one, the whole batch, when unset)."""
+        return micro_batches(rows, self.hp.micro_batch_size)
+
+    def update(self, loss: torch.Tensor | Iterable[torch.Tensor]) -> Any:
+        """One optimizer step on ``loss`` honouring ``on_nonfinite``; returns the pre-clip gradient norm.
+        ``loss`` may be the micro-batch losses of the step, each scaled for the whole batch (their sum is
+        its loss), as a generator that runs each forward pass when asked (gradient accumulation)."""
         norm = update_or_skip(
             self.model,
             self.optimizer,

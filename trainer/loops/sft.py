@@ -9,6 +9,7 @@ with ``ignore_index`` does), so a long answer weighs more than a short one, toke
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -83,6 +84,18 @@ def evaluate(
     return to_floats({f"{prefix}/loss": nll / count, f"{prefix}/token_accuracy": hits / count})
 
 
+def micro_losses(
+    model: Any, parts: list[SftBatch], count: int, device: torch.device, sums: dict[str, Tensor]
+) -> Iterator[Tensor]:
+    """Each micro-batch's summed completion NLL over the whole batch's ``count`` tokens (their sum is the
+    batch's mean NLL), one forward pass when asked; ``sums`` collects the detached NLL and hits."""
+    for batch in parts:
+        nll, hits, _ = forward(model, batch, device)
+        sums["nll"] = sums.get("nll", 0) + nll.detach()
+        sums["hits"] = sums.get("hits", 0) + hits
+        yield nll / max(count, 1)
+
+
 def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
     """Fine-tune ``spec.model`` on prompt/completion rows (loss on completion tokens only)."""
     hp = spec.hyperparameters
@@ -117,19 +130,18 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
 
     for _ in session.steps():
         t0 = time.perf_counter()
-        batch = collate_examples([examples[i] for i in session.sampler.next_batch()], pad_id)
-        nll, hits, count = forward(model, batch, device)
-        loss = nll / count.clamp(min=1)  # = sft_loss: mean over the batch's completion tokens
-        grad_norm = session.update(loss)
+        rows = [examples[i] for i in session.sampler.next_batch()]
+        parts = [collate_examples(list(p), pad_id) for p in session.micro_batches(rows)]
+        count = sum(int(b.completion_mask[:, 1:].sum()) for b in parts)  # the whole batch's loss tokens
+        sums: dict[str, Tensor] = {}
+        grad_norm = session.update(micro_losses(model, parts, count, device, sums))
+        loss = sums["nll"] / max(count, 1)  # = sft_loss: mean over the batch's completion tokens
+        hits = sums["hits"]
 
         metrics: dict[str, float] = {}
         if session.log_due:
-            stats = {
-                "loss": loss.detach(),
-                "token_accuracy": hits / count.clamp(min=1),
-                "grad_norm": grad_norm,
-            }
-            metrics = session.train_metrics(stats, batch.n_tokens, t0)
+            stats = {"loss": loss, "token_accuracy": hits / max(count, 1), "grad_norm": grad_norm}
+            metrics = session.train_metrics(stats, sum(b.n_tokens for b in parts), t0)
         metrics |= session.evaluate(
             held_out, lambda progress: evaluate(model, held_out, pad_id, device, "eval", progress)
         )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from trainer.lr_defaults import default_learning_rate, preset_params_of
 from trainer.specs.refs import (
@@ -55,6 +55,15 @@ class TrainingHyperparameters(_Frozen):
     )
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient norm clip.")
     batch_size: int = Field(default=8, ge=1, le=4096, description="Examples per optimizer step.")
+    micro_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="Examples per forward/backward pass: a step's batch is cut into micro-batches whose "
+        "gradients add up to the whole batch's before one optimizer step (gradient accumulation: the "
+        "same update, less activation memory). Must divide the step's batch (`batch_size`; online RL: "
+        "`minibatch_size`, else prompts_per_step x samples_per_prompt). Default: the whole batch at once.",
+    )
     max_steps: int = Field(default=100, ge=1, le=10_000_000, description="Optimizer steps to run.")
     max_length: int = Field(default=256, ge=2, le=131_072, description="Longest sequence in tokens.")
     seed: int = Field(
@@ -88,6 +97,15 @@ class TrainingHyperparameters(_Frozen):
         default="fail",
         description="NaN/inf loss or gradient: fail the run naming the step, or skip the batch (an event).",
     )
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _micro_divides_batch(cls, v: int | None, info: ValidationInfo) -> int | None:
+        batch = info.data.get("batch_size")
+        online = "prompts_per_step" in cls.model_fields  # online RL checks its own batch (specs/online.py)
+        if v is not None and not online and batch is not None and batch % v:
+            raise ValueError(f"micro_batch_size ({v}) must divide batch_size ({batch})")
+        return v
 
     @property
     def lr(self) -> float:

@@ -173,6 +173,12 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
             raise ValueError(
                 "dynamic_sampling needs samples_per_prompt >= 2 (a group of one has no variance)"
             )
+        step_batch = self.minibatch_size or self.prompts_per_step * self.samples_per_prompt
+        if self.micro_batch_size is not None and step_batch % self.micro_batch_size:
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) must divide the completions of one optimizer "
+                f"step ({step_batch}: minibatch_size, else prompts_per_step x samples_per_prompt)"
+            )
         return self
 
 

@@ -1,0 +1,85 @@
+"""Gradient accumulation in every run kind: a step cut into micro-batches (``micro_batch_size``) makes the
+same update as the whole batch at once, so the trained weights match; metrics stay one per optimizer step.
+And a micro_batch_size that does not divide the step's batch is refused with the field named."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from tests.factories import loop_ctx
+from trainer.loops import LOOPS
+from trainer.models import load_causal_lm, load_reward_model
+from trainer.reporting import MemoryReporter, RunData
+from trainer.specs import parse_spec
+
+PAIRS = [
+    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+    for a in range(4)
+    for b in range(4)
+]
+SFT = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(4) for b in range(4)]
+PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)]
+RL_HP = {"prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 4, "minibatch_size": 8}
+
+CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]] = {
+    "sft": ({}, SFT, {"batch_size": 4}),
+    "dpo": ({}, PAIRS, {"batch_size": 4}),
+    "reward_model": ({}, PAIRS, {"batch_size": 4}),
+    "grpo": (
+        {"rewards": [{"name": "numeric"}]},
+        PROMPTS,
+        {**RL_HP, "loss_aggregation": "seq_mean_token_mean"},
+    ),
+    "dr_grpo": ({"rewards": [{"name": "numeric"}]}, PROMPTS, RL_HP),
+    "ppo": ({"rewards": [{"name": "numeric"}]}, PROMPTS, {**RL_HP, "loss_aggregation": "seq_mean_token_sum"}),
+}
+
+
+def spec(algorithm: str, micro: int | None) -> Any:
+    extra, _, hp = CASES[algorithm]
+    return parse_spec(
+        {
+            "algorithm": algorithm,
+            "model": "tiny:llama-0.4m",
+            "dataset_id": str(uuid.uuid4()),
+            **extra,
+            "hyperparameters": {"max_steps": 2, "learning_rate": 1e-3, "micro_batch_size": micro, **hp},
+        }
+    )
+
+
+def trained(algorithm: str, micro: int | None, tiny_cache: Path, out: Path) -> tuple[Any, MemoryReporter]:
+    s = spec(algorithm, micro)
+    reporter = MemoryReporter()
+    result = LOOPS[s.algorithm](s, RunData(train=CASES[algorithm][1]), reporter, loop_ctx(tiny_cache, out))
+    assert result.status == "succeeded"
+    load = load_reward_model if algorithm == "reward_model" else load_causal_lm
+    model, _ = load(str(result.output_path))
+    return model, reporter
+
+
+@pytest.mark.parametrize("algorithm", sorted(CASES))
+def test_micro_batches_make_the_whole_batch_update(algorithm: str, tiny_cache: Path, tmp_path: Path) -> None:
+    whole, whole_rep = trained(algorithm, None, tiny_cache, tmp_path / "whole")
+    micro, micro_rep = trained(algorithm, 2, tiny_cache, tmp_path / "micro")
+    key = "loss" if algorithm in ("sft", "dpo", "reward_model") else "loss/total"
+    assert len(micro_rep.series(key)) == 2  # one value per optimizer step, not per micro-batch
+    assert micro_rep.series(key) == pytest.approx(whole_rep.series(key), rel=1e-4, abs=1e-6)
+    assert micro_rep.series("grad_norm") == pytest.approx(whole_rep.series("grad_norm"), rel=1e-4)
+    for (name, a), (_, b) in zip(whole.named_parameters(), micro.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_micro_batch_size_that_does_not_divide_the_batch_is_refused() -> None:
+    with pytest.raises(ValidationError) as offline:
+        spec("dpo", 3)
+    assert offline.value.errors()[0]["loc"][-1] == "micro_batch_size"
+    assert "must divide batch_size (4)" in str(offline.value)
+    with pytest.raises(ValidationError, match=r"micro_batch_size \(3\) must divide the completions of one"):
+        spec("grpo", 3)
