@@ -30,6 +30,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from trainer.adapters import base_of, is_adapter_folder, load_adapter, merged
 from trainer.data.reward import GroupBatch
 from trainer.model_refs import is_local_path, resolve_name
 from trainer.specs import TINY_PRESETS, parse_run_ref
@@ -148,19 +149,41 @@ def resolve_model(
     return str(snapshot_download(repo_id=ref, allow_patterns=patterns))
 
 
-def load_causal_lm(path: str) -> tuple[Any, Any]:
-    """Model and tokenizer from a folder or hub id; a missing pad token falls back to EOS.
+def load_causal_lm(path: str, quantization: Any = None) -> tuple[Any, Any]:
+    """Model and tokenizer from a folder or hub id; a missing pad token falls back to EOS. An adapter
+    folder (an adapter run's checkpoint) loads its base with the adapter merged in (trainer/adapters.py).
 
-    Safetensors only (a pickle checkpoint can run code when loaded) and no remote code."""
+    Safetensors only (a pickle checkpoint can run code when loaded) and no remote code. ``quantization``:
+    a BitsAndBytesConfig for a QLoRA base (CUDA only)."""
+    if is_adapter_folder(path):
+        base, _ = load_causal_lm(base_of(path))
+        return merged(load_adapter(base, path, trainable=False)), _tokenizer(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, trust_remote_code=False)
+        extra = quantized_load(quantization)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, use_safetensors=True, trust_remote_code=False, **extra
+        )
     except (OSError, ValueError) as exc:  # missing files; a folder that holds no usable tokenizer
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise ValueError(f"could not load model {path!r}: {first_line}") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def quantized_load(quantization: Any) -> dict[str, Any]:
+    """``from_pretrained`` arguments for a QLoRA base: the bitsandbytes config, on the current CUDA device."""
+    if quantization is None:
+        return {}
+    return {"quantization_config": quantization, "device_map": {"": torch.cuda.current_device()}}
+
+
+def _tokenizer(path: str) -> Any:
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def pick_device() -> torch.device:
@@ -179,18 +202,25 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def load_reward_model(path: str) -> tuple[Any, Any]:
+def load_reward_model(path: str, quantization: Any = None) -> tuple[Any, Any]:
     """A one-label sequence classifier and its tokenizer from a causal-LM or reward-model folder.
 
     From a causal LM the LM head is dropped and a fresh ``score`` head is initialised from torch's RNG
     (seed before calling for a reproducible head). ``config.pad_token_id`` is set to the tokenizer's pad
-    token (EOS when there is none), which is what the model uses to find the last real token.
+    token (EOS when there is none), which is what the model uses to find the last real token. An adapter
+    folder (an adapter reward-model run) loads its base with the adapter and trained head merged in.
     """
+    if is_adapter_folder(path):
+        base, tokenizer = load_reward_model(base_of(path))
+        model = merged(load_adapter(base, path, trainable=False))
+        model.config.pad_token_id = tokenizer.pad_token_id
+        return model, tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        extra = quantized_load(quantization)
         with _quiet_transformers():
             model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, use_safetensors=True, trust_remote_code=False
+                path, num_labels=1, use_safetensors=True, trust_remote_code=False, **extra
             )
     except OSError as exc:
         raise ValueError(f"could not load model {path!r}: {str(exc).splitlines()[0]}") from exc

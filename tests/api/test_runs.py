@@ -51,6 +51,10 @@ def test_bad_specs_are_refused_with_the_field_named_and_store_nothing(session: S
         },
         "hyperparameters.eval_max_rows": {**dpo_spec(ds.id), "hyperparameters": {"eval_max_rows": 0}},
         "hyperparameters.reference_mode": {**dpo_spec(ds.id), "hyperparameters": {"reference_mode": "eager"}},
+        "adapter.target_modules": {**dpo_spec(ds.id), "adapter": {"target_modules": []}},
+        "adapter.type": {**dpo_spec(ds.id), "adapter": {"type": "dora"}},
+        "adapter.quantize": {**dpo_spec(ds.id), "adapter": {"quantize": "2bit"}},
+        "adapter.r": {**dpo_spec(ds.id), "adapter": {"r": 0}},
     }
     with api_client(session) as client:
         for field, body in cases.items():

@@ -84,6 +84,36 @@ def test_adaptive_kl_from_zero_is_refused(session: Session) -> None:
     assert preset_nonzero.status_code == 201 and count(session) == before + 1
 
 
+def test_an_adapter_with_the_vllm_engine_and_an_online_micro_batch_that_does_not_divide_are_refused(
+    session: Session,
+) -> None:
+    prompts = make_dataset(session, rows=PROMPTS, kind="prompts")
+    before = count(session)
+    with api_client(session) as client:
+        vllm = client.post(
+            "/v1/runs", json=rl(prompts.id, adapter={"r": 4}, hyperparameters={"engine": "vllm"})
+        )
+        micro = client.post(  # 8 prompts x 4 samples = 32 completions per step; 5 does not divide them
+            "/v1/runs",
+            json=rl(
+                prompts.id,
+                hyperparameters={"prompts_per_step": 8, "samples_per_prompt": 4, "micro_batch_size": 5},
+            ),
+        )
+        fits = client.post(
+            "/v1/runs",
+            json=rl(
+                prompts.id, adapter={"r": 4}, hyperparameters={"samples_per_prompt": 4, "micro_batch_size": 8}
+            ),
+        )
+    assert vllm.status_code == 422 and "adapter with engine 'vllm'" in vllm.json()["error"]["message"], (
+        vllm.text
+    )
+    assert micro.status_code == 422 and "micro_batch_size (5) must divide" in micro.json()["error"]["message"]
+    assert fits.status_code == 201, fits.text
+    assert count(session) == before + 1
+
+
 def test_reward_models_are_no_policies_and_causal_lms_no_reward_models(
     session: Session, tmp_path: Path
 ) -> None:

@@ -105,3 +105,49 @@ def create_key(home: Path, project: str) -> str:
     key = out.strip().splitlines()[-1]
     assert key.startswith("rlrun_"), out
     return key
+
+
+@contextmanager
+def pg_redis_worker(home: Path, env: dict[str, str] | None = None) -> Iterator[Any]:
+    """A fresh PostgreSQL database (migrated), the machine's Redis on a private queue, one real
+    `rlrun worker` process (extra ``env``) and the API in-process: yields a TestClient for the API. The
+    worker's log tail is printed at the end."""
+    import uuid
+
+    from fastapi.testclient import TestClient
+
+    from api.main import create_app
+    from api.migrate import upgrade_head
+    from api.settings import Settings
+    from tests.conftest import REDIS_URL, pg_test_database
+
+    gen = pg_test_database()
+    db_url = next(gen)
+    upgrade_head(db_url)
+    queue = f"test-{uuid.uuid4().hex[:8]}"
+    settings = Settings(home=home, database_url=db_url, broker_url=REDIS_URL, queue=queue)
+    worker_env = {
+        **os.environ,
+        "RLRUN_HOME": str(home),
+        "RLRUN_DATABASE_URL": db_url,
+        "RLRUN_BROKER_URL": REDIS_URL,
+        "RLRUN_QUEUE": queue,
+        "HF_HUB_OFFLINE": "1",
+        **(env or {}),
+    }
+    log = (home / "worker.log").open("wb")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "rlrun.cli", "worker"], env=worker_env, stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        with TestClient(create_app(settings)) as client:
+            yield client
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        log.close()
+        print(Path(log.name).read_text()[-3000:])
+        next(gen, None)

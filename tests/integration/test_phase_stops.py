@@ -5,11 +5,7 @@ tiny preset each takes milliseconds); the run shows the phase (`progress.phase`)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,12 +13,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from api.migrate import upgrade_head
-from api.settings import Settings
-from tests.conftest import REDIS_URL, pg_test_database
 from tests.factories import jsonl
-from tests.integration.flow import FINISHED, upload_pairs, wait_for
+from tests.integration.flow import FINISHED, pg_redis_worker, upload_pairs, wait_for
 from trainer.phases import TEST_DELAY_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -46,40 +38,11 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    gen = pg_test_database()
-    db_url = next(gen)
-    upgrade_head(db_url)
     home = tmp_path_factory.mktemp("phase-stops")
     delays = home / "delays.json"
     delays.write_text("{}")
-    settings = Settings(
-        home=home, database_url=db_url, broker_url=REDIS_URL, queue=f"test-{uuid.uuid4().hex[:8]}"
-    )
-    env = {
-        **os.environ,
-        "RLRUN_HOME": str(home),
-        "RLRUN_DATABASE_URL": db_url,
-        "RLRUN_BROKER_URL": REDIS_URL,
-        "RLRUN_QUEUE": settings.queue,
-        "HF_HUB_OFFLINE": "1",
-        TEST_DELAY_ENV: str(delays),
-    }
-    log = (home / "worker.log").open("wb")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "rlrun.cli", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    try:
-        with TestClient(create_app(settings)) as client:
-            yield Stack(client, delays)
-    finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-        log.close()
-        print(Path(log.name).read_text()[-3000:])
-        next(gen, None)
+    with pg_redis_worker(home, {TEST_DELAY_ENV: str(delays)}) as client:
+        yield Stack(client, delays)
 
 
 def dpo(stack: Stack, **hp: Any) -> str:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,48 +9,15 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from api.main import create_app
-from api.migrate import upgrade_head
-from api.settings import Settings
-from tests.conftest import REDIS_URL, pg_test_database
-from tests.integration.flow import FINISHED, all_metrics, submit_dpo, upload_pairs, wait_for
+from tests.integration.flow import FINISHED, all_metrics, pg_redis_worker, submit_dpo, upload_pairs, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    gen = pg_test_database()
-    db_url = next(gen)
-    upgrade_head(db_url)
-    home = tmp_path_factory.mktemp("redis-pg")
-    settings = Settings(
-        home=home, database_url=db_url, broker_url=REDIS_URL, queue=f"test-{uuid.uuid4().hex[:8]}"
-    )
-    env = {
-        **os.environ,
-        "RLRUN_HOME": str(home),
-        "RLRUN_DATABASE_URL": db_url,
-        "RLRUN_BROKER_URL": REDIS_URL,
-        "RLRUN_QUEUE": settings.queue,
-        "HF_HUB_OFFLINE": "1",
-    }
-    log = (home / "worker.log").open("wb")
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "rlrun.cli", "worker"], env=env, stdout=log, stderr=subprocess.STDOUT
-    )
-    try:
-        with TestClient(create_app(settings)) as client:
-            yield client
-    finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-        log.close()
-        print(Path(log.name).read_text()[-3000:])
-        next(gen, None)
+    with pg_redis_worker(tmp_path_factory.mktemp("redis-pg")) as client:
+        yield client
 
 
 def test_dpo_run_succeeds_with_metrics_in_postgres(stack: TestClient) -> None:

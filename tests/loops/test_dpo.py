@@ -209,6 +209,7 @@ def test_skip_mode_skips_a_nan_batch_with_an_event_and_keeps_training(
     result = run_dpo(_spec(max_steps=3, on_nonfinite="skip"), DATA, reporter, _ctx(tiny_cache, tmp_path))
     assert result.status == "succeeded"
     assert any(k == "warning" and "step 2: non-finite" in m for k, m, _ in reporter.events)
+    assert [(code, step) for code, step, _ in reporter.warnings] == [("nonfinite_skipped", 2)]  # run health
     with pytest.raises(Exception, match="loss is nan at step 2"):
         calls["n"] = 0
         run_dpo(_spec(max_steps=3), DATA, MemoryReporter(), _ctx(tiny_cache, tmp_path / "fail"))

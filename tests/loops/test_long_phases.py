@@ -171,30 +171,6 @@ def test_grpo_with_no_reward_signal_is_flagged_zero_advantage(tiny_cache: Path, 
     assert {p.name for p in reporter.phases} >= {"model_load", "tokenize", "rollouts", "checkpoint"}
 
 
-def test_skipped_nonfinite_batches_are_flagged(
-    tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from trainer.loops import dpo
-
-    real = dpo.PREFERENCE_LOSSES["sigmoid"]
-    calls = {"n": 0}
-
-    def nan_on_second_call(c: torch.Tensor, r: torch.Tensor, p: Any) -> torch.Tensor:
-        calls["n"] += 1
-        out = real(c, r, p)
-        return out * float("nan") if calls["n"] == 2 else out
-
-    monkeypatch.setattr(dpo, "PREFERENCE_LOSSES", {"sigmoid": nan_on_second_call})
-    reporter = MemoryReporter()
-    run_dpo(
-        dpo_spec(max_steps=3, on_nonfinite="skip"),
-        RunData(train=PAIRS),
-        reporter,
-        loop_ctx(tiny_cache, tmp_path),
-    )
-    assert [(code, step) for code, step, _ in reporter.warnings] == [("nonfinite_skipped", 2)]
-
-
 def test_a_checkpoint_from_before_reference_mode_still_resumes(tiny_cache: Path, tmp_path: Path) -> None:
     data = RunData(train=PAIRS)
     spec = dpo_spec(max_steps=4, checkpoint_every=2, keep_last_checkpoints=5)

@@ -5,29 +5,16 @@ from __future__ import annotations
 import threading
 import uuid
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.models import Dataset, Event, Metric, Run, utcnow
 from api.settings import Settings
-from tests.factories import make_dataset, make_run
+from tests.factories import make_run
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.worker import claim_run, execute_run
-
-
-@pytest.fixture
-def settings(tmp_path: Path) -> Settings:
-    return Settings(home=tmp_path, lease_seconds=60)
-
-
-@pytest.fixture
-def dataset(committing_factory: sessionmaker[Session]) -> Dataset:
-    with committing_factory.begin() as s:
-        return make_dataset(s)
 
 
 def new_run(factory: sessionmaker[Session], dataset: Dataset, **over: Any) -> uuid.UUID:

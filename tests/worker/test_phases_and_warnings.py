@@ -14,21 +14,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.models import Dataset, Run
 from api.settings import Settings
-from tests.factories import make_dataset
 from tests.worker.test_execute_run import new_run, read
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.worker import execute_run
-
-
-@pytest.fixture
-def settings(tmp_path: Path) -> Settings:
-    return Settings(home=tmp_path, lease_seconds=60)
-
-
-@pytest.fixture
-def dataset(committing_factory: sessionmaker[Session]) -> Dataset:
-    with committing_factory.begin() as s:
-        return make_dataset(s)
 
 
 def busy(seconds: float) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainer.adapters import adapter_off, has_adapter
 from trainer.algorithms.logprobs import token_logprobs
 from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossFn, PreferenceParams
 from trainer.data.preference import PairBatch, TokenizedPair, collate_pairs, tokenize_pair
@@ -168,7 +169,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     hp = spec.hyperparameters
     same_reference = spec.reference_model is None or spec.reference_model == spec.model
     ref_path = ctx.resolve_model(spec.reference_model or spec.model)  # before seeding, as ``begin`` says
-    start = begin(ctx, reporter, spec.model, hp.seed)
+    start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
     model, tokenizer = load_policy(start)
     pad_id, device = tokenizer.pad_token_id, start.device
 
@@ -194,17 +195,22 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
 
     # The reference: the starting policy itself before step 1 (precompute), a frozen copy of it (lazy), or
     # the reference_model; after a resume, loaded from the start only if a value is still missing.
+    # With an adapter the reference is the policy with its adapter off (the start: no copy at all).
     fresh_start = not session.resumed and same_reference
     precompute = hp.reference_mode == "precompute"
     reference = Reference(ref_path, reporter, device, model if precompute and fresh_start else None)
-    if not precompute and fresh_start:
+    if same_reference and has_adapter(model):
+        reference.model = model
+    elif not precompute and fresh_start:
         reference.model = copy.deepcopy(model).eval().requires_grad_(False)
 
     def computer(rows: list[TokenizedPair]) -> Callable[[list[int], Phase], Tensor]:
         def compute(idx: list[int], progress: Phase) -> Tensor:
-            return all_pair_logps(
-                reference.get(), [rows[i] for i in idx], pad_id, REFERENCE_BATCH, device, progress
-            )
+            ref_model = reference.get()
+            with adapter_off(ref_model):
+                return all_pair_logps(
+                    ref_model, [rows[i] for i in idx], pad_id, REFERENCE_BATCH, device, progress
+                )
 
         return compute
 

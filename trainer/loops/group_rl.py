@@ -31,6 +31,7 @@ from trainer.loops.rl_common import (
     minibatches,
     perf_metrics,
     prepare_rl,
+    reference_logps,
     reference_path,
     response_mask,
     sample_step,
@@ -73,7 +74,7 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
     """Train ``spec.model`` with the group-family preset ``spec.algorithm`` on a prompts dataset."""
     hp = spec.hyperparameters
     ref_path = reference_path(spec, ctx)
-    start = begin(ctx, reporter, spec.model, hp.seed)
+    start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
     policy, tokenizer = load_policy(start)
     parts = prepare_rl(spec, data, ctx, start, policy, tokenizer, ref_path)
     prompts, device = parts.prompts, start.device
@@ -105,7 +106,7 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
         t1 = time.perf_counter()  # ---- log-probs, advantages, policy update
         batch = to_token_batch(ro.completions, tokenizer.pad_token_id, device)
         mask = response_mask(batch, ro.completions, hp.mask_truncated)
-        ref_logp = frozen_logps(parts.reference, batch) if parts.reference is not None else None
+        ref_logp = reference_logps(parts, batch)
         # One epoch over one minibatch is on-policy: the old log-probs are the update's own forward pass
         # (detached), so the separate no-grad pass is skipped (as TRL does), unless KL-in-reward needs them.
         on_policy = hp.ppo_epochs == 1 and (hp.minibatch_size or len(ro.completions)) >= len(ro.completions)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainer.adapters import add_adapter, has_adapter, load_trainable_state, trainable_state
 from trainer.algorithms.advantages import gae, length_adaptive_lam
 from trainer.algorithms.aggregation import aggregate, batch_normaliser, masked_whiten
 from trainer.algorithms.kl import KL_ESTIMATORS, kl_penalized_rewards
@@ -47,6 +48,7 @@ from trainer.loops.rl_common import (
     minibatches,
     perf_metrics,
     prepare_rl,
+    reference_logps,
     reference_path,
     response_mask,
     sample_step,
@@ -54,8 +56,8 @@ from trainer.loops.rl_common import (
     to_token_batch,
 )
 from trainer.loops.rollouts import rollout_metrics
-from trainer.loops.session import Start, TrainingSession, begin
-from trainer.models import load_causal_lm, load_reward_model
+from trainer.loops.session import Start, TrainingSession, begin, load_policy
+from trainer.models import load_reward_model
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.rollout.base import Completion
 from trainer.specs import PpoHyperparameters, PpoSpec
@@ -70,9 +72,10 @@ def token_values(critic: Any, batch: TokenBatch) -> Tensor:
     position (last prompt token) holds V(prompt). The last position (after the final token) is dropped:
     it would be the value of a finished sequence.
     """
-    backbone = getattr(critic, critic.base_model_prefix)
+    model = critic.get_base_model() if has_adapter(critic) else critic  # adapter layers sit inside it
+    backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    values: Tensor = critic.score(hidden).squeeze(-1)[:, :-1].float()
+    values: Tensor = model.score(hidden).squeeze(-1)[:, :-1].float()
     return values
 
 
@@ -292,7 +295,9 @@ def load_actor_critic(start: Start, critic_path: str) -> tuple[Any, Any, Any]:
     the checkpoint."""
     with start.reporter.phase("model_load"):
         critic, critic_tok = load_reward_model(critic_path)
-        policy, tokenizer = load_causal_lm(start.model_path)
+        if start.adapter is not None:  # the critic trains an adapter and its value head too
+            critic = add_adapter(critic, start.adapter, "score")
+    policy, tokenizer = load_policy(start)
     if critic_tok.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"the critic {critic_path!r} has a different tokenizer from the policy")
     return policy.to(start.device).eval(), tokenizer, critic.to(start.device).eval()
@@ -315,7 +320,7 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     # Resolve every model before seeding (``begin``): building a tiny preset draws from torch's RNG.
     critic_path = ctx.resolve_model(spec.critic_model or spec.model)
     ref_path = reference_path(spec, ctx)
-    start = begin(ctx, reporter, spec.model, hp.seed)
+    start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
     policy, tokenizer, critic = load_actor_critic(start, critic_path)
     parts = prepare_rl(spec, data, ctx, start, policy, tokenizer, ref_path)
     pretrain, critic_lr = hp.value_pretrain_steps, hp.critic_learning_rate or hp.lr
@@ -331,15 +336,20 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     )
     if session.finished_before:
         return session.result
+    # An adapter run keeps the critic's trainable tensors only (adapter + value head), not a full copy.
+    critic_state = trainable_state if spec.adapter is not None else (lambda m: m.state_dict())
     if session.resumed:
-        critic.load_state_dict(session.extra["critic"])
+        if spec.adapter is not None:
+            load_trainable_state(critic, session.extra["critic"])
+        else:
+            critic.load_state_dict(session.extra["critic"])
         critic_opt.load_state_dict(session.extra["critic_optimizer"])
     kl_ctl = kl_controller(hp, session)
     # The policy is the run's model (its folder is the output); the critic, its optimizer and the KL
     # coefficient ride in trainer_state.pt so a resume continues exactly.
     session.extra_state = lambda: {
         "kl_coef": kl_ctl.value,
-        "critic": critic.state_dict(),
+        "critic": critic_state(critic),
         "critic_optimizer": critic_opt.state_dict(),
     }
     reporter.event(
@@ -366,7 +376,7 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         tokens = to_token_batch(ro.completions, tokenizer.pad_token_id, start.device)
         mask = response_mask(tokens, ro.completions, hp.mask_truncated)
         old_logp = frozen_logps(policy, tokens)
-        ref_logp = frozen_logps(parts.reference, tokens) if parts.reference is not None else None
+        ref_logp = reference_logps(parts, tokens)
         old_values = frozen_values(critic, tokens)
         scores = torch.tensor(ro.total, dtype=torch.float32, device=start.device)
         adv, returns, actor_lam = token_advantages(

@@ -37,8 +37,8 @@ from trainer.data.reward import (
     tokenize_groups,
 )
 from trainer.loops.common import to_floats
-from trainer.loops.session import Final, TrainingSession, begin, eval_rows
-from trainer.models import REWARD_STATS_FILE, load_reward_model, sequence_scores
+from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_trainable
+from trainer.models import REWARD_STATS_FILE, sequence_scores
 from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import RewardModelSpec
@@ -185,10 +185,8 @@ def run_reward_model(
     hp = spec.hyperparameters
     # Resolve, seed, then load: the fresh score head is drawn from the seeded RNG, so it is the same
     # whether or not the preset was already built.
-    start = begin(ctx, reporter, spec.model, hp.seed)
-    with reporter.phase("model_load"):
-        model, tokenizer = load_reward_model(start.model_path)
-        model.to(start.device)
+    start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
+    model, tokenizer = load_trainable(start, "score")
     pad_id, device = tokenizer.pad_token_id, start.device
 
     kind = detect_kind(data.train)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainer.adapters import adapter_off, has_adapter
 from trainer.algorithms.aggregation import aggregate, batch_normaliser
 from trainer.algorithms.kl import KL_ESTIMATORS
 from trainer.algorithms.kl_control import KL_CONTROLLERS, KLController
@@ -70,7 +71,10 @@ def prepare_rl(
     hp = spec.hyperparameters
     reference = None
     with start.reporter.phase("model_load"):
-        if ref_path is not None:
+        same_reference = spec.reference_model is None or spec.reference_model == spec.model
+        if ref_path is not None and same_reference and has_adapter(policy):
+            reference = policy  # its adapter off is the start: no second copy (``reference_logps``)
+        elif ref_path is not None:
             reference, _ = load_causal_lm(ref_path)
             reference.to(start.device).eval().requires_grad_(False)
         engine = make_engine(hp.engine, model=policy, tokenizer=tokenizer, model_path=start.model_path)
@@ -222,6 +226,15 @@ def frozen_logps(model: Any, batch: TokenBatch, chunk: int = 64) -> Tensor:
     ]
     model.train(was_training)
     return torch.cat(out)
+
+
+def reference_logps(parts: RlParts, batch: TokenBatch) -> Tensor | None:
+    """Per-token log-probs of the frozen reference (None without one); for an adapter run the policy
+    with its adapter off."""
+    if parts.reference is None:
+        return None
+    with adapter_off(parts.reference):
+        return frozen_logps(parts.reference, batch)
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:

@@ -28,6 +28,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from trainer.adapters import (
+    Task,
+    add_adapter,
+    base_file,
+    check_adapter_supported,
+    load_adapter,
+    quantization_config,
+)
 from trainer.checkpoints import Checkpointer, load_trainer_state
 from trainer.data.sampling import EpochSampler
 from trainer.loops.common import (
@@ -41,11 +49,11 @@ from trainer.loops.common import (
     update_or_skip,
     warmup_constant_lr,
 )
-from trainer.models import load_causal_lm, pick_device
+from trainer.models import load_causal_lm, load_reward_model, pick_device
 from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter
 from trainer.run_health import RunHealth
-from trainer.specs import TrainingHyperparameters
+from trainer.specs import AdapterSpec, TrainingHyperparameters
 
 T = TypeVar("T")
 
@@ -53,28 +61,52 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Start:
     """Where a run starts from: its context and reporter, the model folder to load (the checkpoint when
-    resuming), the data-order generator and the device."""
+    resuming), the folder of the model the run started from (``start_path``, also when resuming), the
+    adapter it trains (None: the whole model), the data-order generator and the device."""
 
     ctx: LoopContext
     reporter: Reporter
     model_path: str
     generator: torch.Generator
     device: torch.device
+    start_path: str = ""
+    adapter: AdapterSpec | None = None
 
 
-def begin(ctx: LoopContext, reporter: Reporter, model: str, seed: int) -> Start:
+def begin(
+    ctx: LoopContext, reporter: Reporter, model: str, seed: int, adapter: AdapterSpec | None = None
+) -> Start:
     """Resolve ``model`` (or take the checkpoint being resumed), then seed. Building a tiny preset on first
-    use draws from torch's RNG, so a loop resolves every other model it needs before calling this."""
-    model_path = str(ctx.resume_from) if ctx.resume_from else ctx.resolve_model(model)
-    return Start(ctx, reporter, model_path, seed_everything(seed), pick_device())
+    use draws from torch's RNG, so a loop resolves every other model it needs before calling this. An
+    adapter run resolves its start also when resuming: its checkpoints hold only the adapter."""
+    start_path = ctx.resolve_model(model) if adapter is not None or not ctx.resume_from else ""
+    model_path = str(ctx.resume_from) if ctx.resume_from else start_path
+    return Start(ctx, reporter, model_path, seed_everything(seed), pick_device(), start_path, adapter)
+
+
+def load_trainable(start: Start, task: Task = "causal") -> tuple[Any, Any]:
+    """The model to train on the run's device (a causal LM, or with ``task="score"`` a scalar-head model)
+    and its tokenizer: the start, or the checkpoint when resuming. With an adapter: the start's weights
+    frozen under a fresh trainable adapter, or the resumed checkpoint's adapter (trainer/adapters.py)."""
+    loader = load_reward_model if task == "score" else load_causal_lm
+    with start.reporter.phase("model_load"):
+        if start.adapter is None:
+            model, tokenizer = loader(start.model_path)
+        else:
+            check_adapter_supported(start.adapter)
+            base, tokenizer = loader(start.start_path, quantization_config(start.adapter))
+            if start.ctx.resume_from is not None:
+                model = load_adapter(base, start.ctx.resume_from, trainable=True)
+            else:
+                model = add_adapter(base, start.adapter, task)
+        if start.adapter is None or start.adapter.quantize is None:  # a quantized base is placed at load
+            model.to(start.device)
+    return model, tokenizer
 
 
 def load_policy(start: Start) -> tuple[Any, Any]:
-    """The causal LM to train (the checkpoint when resuming) on the run's device, and its tokenizer."""
-    with start.reporter.phase("model_load"):
-        model, tokenizer = load_causal_lm(start.model_path)
-        model.to(start.device)
-    return model, tokenizer
+    """The causal LM to train (``load_trainable``) and its tokenizer."""
+    return load_trainable(start, "causal")
 
 
 def eval_rows(n: int, max_rows: int, seed: int) -> list[int]:
@@ -121,6 +153,8 @@ class TrainingSession:
         ctx, reporter = start.ctx, start.reporter
         self.hp, self.reporter, self.ctx, self.device = hp, reporter, ctx, start.device
         self.model, self.tokenizer = model, tokenizer
+        # An adapter checkpoint names the model it was trained on, so it loads on its own (run:<id>).
+        self.model_files = base_file(start.start_path) if start.adapter is not None else {}
         self.optimizer = make_optimizer(model, hp.lr, hp.weight_decay)
         self.sampler = EpochSampler(n_rows, batch_size or hp.batch_size, start.generator)
         self.generator = start.generator
@@ -265,5 +299,5 @@ class TrainingSession:
             sampler=self.sampler,
             metrics=metrics,
             extra=self.extra_state(),
-            files=files,
+            files=(files or {}) | self.model_files,
         )

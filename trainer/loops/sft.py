@@ -99,7 +99,7 @@ def micro_losses(
 def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
     """Fine-tune ``spec.model`` on prompt/completion rows (loss on completion tokens only)."""
     hp = spec.hyperparameters
-    start = begin(ctx, reporter, spec.model, hp.seed)
+    start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
     model, tokenizer = load_policy(start)
     pad_id, device = tokenizer.pad_token_id, start.device
 

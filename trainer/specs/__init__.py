@@ -15,6 +15,7 @@ from pydantic import Field, TypeAdapter
 
 from trainer.specs.base import (
     LR_DOC,
+    AdapterSpec,
     AdvantageName,
     AggregationName,
     KlControllerName,
@@ -69,6 +70,7 @@ from trainer.specs.refs import (
 )
 
 __all__ = [
+    "AdapterSpec",
     "ALGORITHMS",
     "CRITIC_MODEL_REFERENCE",
     "DATASET_REFERENCE",

@@ -4,7 +4,7 @@ queue and validation split. Torch-free (the API imports it)."""
 from __future__ import annotations
 
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -116,6 +116,36 @@ class TrainingHyperparameters(_Frozen):
         return default_learning_rate(self.family, None)
 
 
+class AdapterSpec(_Frozen):
+    """A LoRA adapter (Hu et al. 2021) trained instead of the whole model, with peft; QLoRA (Dettmers et
+    al. 2023) with ``quantize``. The frozen reference of DPO and online RL is the same model with the
+    adapter off (no second copy); reward and critic heads train in full beside it."""
+
+    type: Literal["lora"] = Field(default="lora", description="Adapter kind: lora.")
+    r: int = Field(default=16, ge=1, le=1024, description="Rank of the low-rank update B A.")
+    alpha: int = Field(default=32, ge=1, le=100_000, description="Scale: the update is alpha / r * B A x.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: (
+        Literal["all-linear"] | list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.*-]{1,100}$")]]
+    ) = Field(
+        default="all-linear",
+        description="Layers that get an adapter: `all-linear` (every linear layer but the output head, "
+        'peft\'s choice, as QLoRA recommends) or module names such as ["q_proj", "v_proj"].',
+    )
+    quantize: Literal["4bit", "8bit"] | None = Field(
+        default=None,
+        description="QLoRA: keep the base weights in 4-bit NF4 (or 8-bit) with bitsandbytes; needs a CUDA "
+        "worker (a worker without CUDA fails the run at start, saying so).",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("give at least one module name, or 'all-linear'")
+        return v
+
+
 class _RunSpecBase(_Frozen):
     spec_version: Literal[1] = Field(default=1, description="Version of this spec's schema.")
     name: str | None = Field(default=None, max_length=200, description="Free-form label.")
@@ -137,6 +167,11 @@ class _RunSpecBase(_Frozen):
         ge=0.0,
         le=0.5,
         description="Hold out this fraction of the training rows (split by `seed`) when no validation set.",
+    )
+    adapter: AdapterSpec | None = Field(
+        default=None,
+        description="Train a LoRA adapter instead of the whole model (null: full fine-tuning). Checkpoints "
+        "hold the adapter (and trained heads); `run:<id>` of such a run loads its base with the adapter.",
     )
 
     @model_validator(mode="before")

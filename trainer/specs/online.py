@@ -273,6 +273,16 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
     )
     dataset_kinds: ClassVar[tuple[str, ...]] = ("prompts",)
 
+    @model_validator(mode="after")
+    def _engine_takes_the_adapter(self) -> _OnlineRlSpecBase:
+        hp: OnlineRlHyperparameters = self.hyperparameters  # type: ignore[attr-defined]
+        if self.adapter is not None and hp.engine == "vllm":
+            raise ValueError(
+                "adapter with engine 'vllm' is not supported yet (the engine would need the adapter's "
+                "weights at every step): use engine 'hf', or train the whole model"
+            )
+        return self
+
 
 class GroupRlSpec(_OnlineRlSpecBase):
     """Group / leave-one-out family: G completions per prompt, advantages from their rewards (no critic)."""

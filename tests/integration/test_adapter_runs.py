@@ -1,0 +1,104 @@
+"""Every run kind trains a LoRA adapter with gradient accumulation through the REST API, with a real
+`rlrun worker` process on Redis + PostgreSQL; an adapter run's `run:<id>` starts the next run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.factories import jsonl
+from tests.integration.flow import FINISHED, all_metrics, pg_redis_worker, wait_for
+from trainer.adapters import BASE_FILE, is_adapter_folder
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ADAPTER = {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+PAIRS = [
+    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+    for a in range(6)
+    for b in range(6)
+]
+SFT = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(6) for b in range(6)]
+PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)]
+RL_HP = {"prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 4, "kl_coef": 0.05}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    with pg_redis_worker(tmp_path_factory.mktemp("adapter-runs")) as c:
+        yield c
+
+
+def upload(client: TestClient, rows: list[dict[str, Any]], kind: str) -> str:
+    resp = client.post("/v1/datasets", files={"file": ("d.jsonl", jsonl(rows))}, data={"kind": kind})
+    assert resp.status_code == 201, resp.text
+    return str(resp.json()["id"])
+
+
+def submit(
+    client: TestClient, algorithm: str, dataset_id: str, model: str = "tiny:llama-0.4m", **extra: Any
+) -> str:
+    hp = extra.pop("hyperparameters", {})
+    spec = {
+        "algorithm": algorithm,
+        "model": model,
+        "dataset_id": dataset_id,
+        "adapter": ADAPTER,
+        **extra,
+        "hyperparameters": {"max_steps": 2, "learning_rate": 1e-3, **hp},
+    }
+    resp = client.post("/v1/runs", json=spec)
+    assert resp.status_code == 201, resp.text
+    assert resp.json()["spec"]["adapter"]["r"] == 4
+    return str(resp.json()["id"])
+
+
+def test_every_run_kind_trains_an_adapter_with_accumulation(client: TestClient) -> None:
+    pairs, sft, prompts = (
+        upload(client, PAIRS, "preference"),
+        upload(client, SFT, "sft"),
+        upload(client, PROMPTS, "prompts"),
+    )
+    offline = {"batch_size": 4, "micro_batch_size": 2}
+    online = {**RL_HP, "micro_batch_size": 4}
+    runs = {
+        "sft": submit(client, "sft", sft, hyperparameters=offline),
+        "reward_model": submit(client, "reward_model", pairs, hyperparameters=offline),
+        "dpo": submit(client, "dpo", pairs, hyperparameters=offline),
+        "grpo": submit(client, "grpo", prompts, rewards=[{"name": "numeric"}], hyperparameters=online),
+        "ppo": submit(client, "ppo", prompts, rewards=[{"name": "numeric"}], hyperparameters=online),
+    }
+    for algorithm, run_id in runs.items():
+        done = wait_for(client, run_id, lambda r: r["status"] in FINISHED)
+        assert done["status"] == "succeeded", (algorithm, done)
+        output = Path(done["output_path"])
+        assert is_adapter_folder(output) and (output / BASE_FILE).exists(), algorithm
+        assert not (output / "model.safetensors").exists(), algorithm  # the adapter, not a model copy
+        steps = sorted({m["step"] for m in all_metrics(client, run_id) if m["key"] == "grad_norm"})
+        assert steps == [1, 2], (algorithm, steps)  # one metric per optimizer step
+    # An adapter run is a model for the next run: DPO (with its own adapter) from the SFT adapter run.
+    chained = submit(client, "dpo", pairs, model=f"run:{runs['sft']}", hyperparameters=offline)
+    done = wait_for(client, chained, lambda r: r["status"] in FINISHED)
+    assert done["status"] == "succeeded", done
+    first_loss = [m["value"] for m in all_metrics(client, chained) if m["key"] == "loss" and m["step"] == 1]
+    assert first_loss and abs(first_loss[0] - 0.693147) < 1e-4  # its reference is the SFT model: log 2
+
+
+def test_qlora_on_a_worker_without_cuda_fails_at_start_saying_why(client: TestClient) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this worker has CUDA")
+    sft = upload(client, SFT, "sft")
+    spec_adapter = {**ADAPTER, "quantize": "4bit"}
+    resp = client.post(
+        "/v1/runs",
+        json={"algorithm": "sft", "model": "tiny:llama-0.4m", "dataset_id": sft, "adapter": spec_adapter},
+    )
+    assert resp.status_code == 201, resp.text
+    done = wait_for(client, resp.json()["id"], lambda r: r["status"] in FINISHED)
+    assert done["status"] == "failed" and "needs a CUDA GPU" in done["error"], done

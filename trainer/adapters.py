@@ -1,0 +1,150 @@
+"""LoRA and QLoRA adapters with peft: train a few low-rank matrices beside frozen weights instead of the
+whole model, and use the same model with the adapter switched off as the frozen reference.
+
+LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", eq. 3): a linear layer's
+output ``W x`` becomes ``W x + (alpha / r) B A x`` with ``A`` (r x in) random and ``B`` (out x r) zero at
+the start, so a fresh adapter leaves the model unchanged; only A and B train. QLoRA (Dettmers et al. 2023)
+keeps ``W`` in 4-bit NF4 (or 8-bit) on a CUDA device through bitsandbytes.
+
+An adapter checkpoint holds the adapter (and trained heads, ``modules_to_save``) and a ``rlrun_base.json``
+naming the folder of the model it was trained on (``BASE_FILE``). Loading such a folder loads that base
+(recursively: a chain of adapter runs), applies the adapter and merges it, so ``run:<id>`` of an adapter
+run is a plain model to anything that loads it (a next run, a reward-model scorer, a critic).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from trainer.specs import AdapterSpec
+
+ADAPTER_CONFIG = "adapter_config.json"
+BASE_FILE = "rlrun_base.json"  # {"base": <folder of the model the adapter was trained on>}
+Task = Literal["causal", "score"]
+
+
+def is_adapter_folder(path: str | Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).exists()
+
+
+def base_of(folder: str | Path) -> str:
+    """The folder of the model an adapter folder was trained on (ours, else peft's own record)."""
+    ours = Path(folder) / BASE_FILE
+    if ours.exists():
+        return str(json.loads(ours.read_text())["base"])
+    return str(json.loads((Path(folder) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
+
+
+def base_file(base: str) -> dict[str, str]:
+    """The file an adapter checkpoint carries next to the adapter (``Checkpointer.save(files=...)``)."""
+    return {BASE_FILE: json.dumps({"base": base})}
+
+
+def check_adapter_supported(adapter: AdapterSpec | None) -> None:
+    """Refuse, at the start of a run, what this worker cannot do: quantized (QLoRA) bases need a CUDA
+    device and bitsandbytes."""
+    if adapter is None or adapter.quantize is None:
+        return
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"adapter.quantize {adapter.quantize!r} (QLoRA) needs a CUDA GPU and bitsandbytes; this worker "
+            "has no CUDA device (run it on a GPU worker queue, or set quantize to null for plain LoRA)"
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise RuntimeError(
+            f"adapter.quantize {adapter.quantize!r} (QLoRA) needs bitsandbytes on the worker: "
+            "pip install 'rlrun[qlora]'"
+        ) from exc
+
+
+def quantization_config(adapter: AdapterSpec | None) -> Any:
+    """transformers' BitsAndBytesConfig for a QLoRA base (NF4 with double quantization and bf16 compute,
+    the QLoRA paper's recipe; or 8-bit), or None."""
+    if adapter is None or adapter.quantize is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if adapter.quantize == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)  # type: ignore[no-untyped-call]
+    return BitsAndBytesConfig(  # type: ignore[no-untyped-call]
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def lora_config(adapter: AdapterSpec, task: Task) -> Any:
+    """peft's LoraConfig for the spec; a scalar-head model (reward model, critic) trains its ``score``
+    head in full beside the adapter (peft's SEQ_CLS task adds it to ``modules_to_save``)."""
+    from peft import LoraConfig, TaskType
+
+    targets = (
+        adapter.target_modules if isinstance(adapter.target_modules, str) else list(adapter.target_modules)
+    )
+    return LoraConfig(
+        r=adapter.r,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        target_modules=targets,
+        task_type=TaskType.SEQ_CLS if task == "score" else TaskType.CAUSAL_LM,
+    )
+
+
+def add_adapter(model: Any, adapter: AdapterSpec, task: Task) -> Any:
+    """``model`` with a fresh trainable adapter (everything else frozen)."""
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if adapter.quantize is not None:
+        model = prepare_model_for_kbit_training(model)  # type: ignore[no-untyped-call]
+    try:
+        return get_peft_model(model, lora_config(adapter, task))
+    except ValueError as exc:  # e.g. a target module name the model does not have
+        raise ValueError(f"adapter: {str(exc).splitlines()[0]}") from exc
+
+
+def load_adapter(model: Any, folder: str | Path, *, trainable: bool) -> Any:
+    """``model`` (the adapter's base, loaded) with the adapter saved in ``folder`` applied."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
+
+
+def merged(model: Any) -> Any:
+    """An adapter folded into its base's weights: a plain model again."""
+    return model.merge_and_unload()
+
+
+def has_adapter(model: Any) -> bool:
+    return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+@contextmanager
+def adapter_off(model: Any) -> Iterator[None]:
+    """The base model under ``model``'s adapter (the frozen reference of an adapter run: no second copy)."""
+    with model.disable_adapter() if has_adapter(model) else nullcontext():
+        yield
+
+
+def trainable_state(model: Any) -> dict[str, torch.Tensor]:
+    """What a checkpoint must keep of a model that trains only some parameters (an adapter run's critic):
+    the trainable tensors by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def load_trainable_state(model: Any, state: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    missing = set(state) - set(params)
+    if missing:
+        raise ValueError(f"checkpoint holds parameters the model does not have: {sorted(missing)[:3]}")
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value)
