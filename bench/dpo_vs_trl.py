@@ -8,8 +8,9 @@ What is timed, for each, from one clock start to the end of the last optimizer s
 
 - rlrun: the ``run_dpo`` call, with the model loading replaced by an already loaded copy. This includes
   tokenizing the pairs and the one-time pass that precomputes the reference log-probs of every pair.
-  Our final eval over all pairs and the final-model save after the last step are not timed (TRL does
-  neither); no validation set, so no eval during training.
+  Our final eval (over at most eval_max_rows pairs) and the final-model save after the last step are not
+  timed (TRL does neither); no validation set, so no eval during training. ``reference_mode`` is set to
+  ``precompute`` (the default, ``lazy``, spreads the same pass over the steps).
 - TRL: ``DPOTrainer(...)`` (dataset tokenization, accelerator setup) plus ``trainer.train()``, with the
   policy and the reference model passed in already loaded. TRL's default is the peer: the reference
   forward runs at every step (``precompute_ref_log_probs=False``).
@@ -153,6 +154,9 @@ def run_rlrun(model_dir: Path, rows: list[dict[str, str]], steps: int, work: Pat
             "dataset_id": str(uuid.uuid4()),
             "hyperparameters": {
                 "loss_type": "sigmoid",
+                # The documented comparison: one reference pass over every pair before step 1 (the
+                # default, lazy, computes a step's pairs when first used: the same values, spread out).
+                "reference_mode": "precompute",
                 "beta": BETA,
                 "learning_rate": LR,
                 "batch_size": BATCH,
