@@ -82,8 +82,14 @@ def build_tiny_tokenizer(char_level: bool = False) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(preset: str, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    torch.manual_seed(PRESET_SEED)
+    return LlamaForCausalLM(tiny_config(preset, tokenizer))
+
+
+def tiny_config(preset: str, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    """The Llama config of a preset (its dimensions, the tokenizer's vocabulary and special tokens)."""
     dims = TINY_PRESETS[preset]
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=dims["hidden_size"],
         intermediate_size=dims["intermediate_size"],
@@ -96,8 +102,6 @@ def build_tiny_model(preset: str, tokenizer: PreTrainedTokenizerFast) -> LlamaFo
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(PRESET_SEED)
-    return LlamaForCausalLM(config)
 
 
 def tiny_model_dir(preset: str, cache_dir: Path) -> Path:

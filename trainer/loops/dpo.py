@@ -170,7 +170,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     same_reference = spec.reference_model is None or spec.reference_model == spec.model
     ref_path = ctx.resolve_model(spec.reference_model or spec.model)  # before seeding, as ``begin`` says
     start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
-    model, tokenizer = load_policy(start)
+    model, tokenizer = load_policy(start, hp)
     pad_id, device = tokenizer.pad_token_id, start.device
 
     with reporter.phase("tokenize", len(data.train) + len(data.validation)) as progress:

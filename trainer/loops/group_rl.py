@@ -75,7 +75,7 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
     hp = spec.hyperparameters
     ref_path = reference_path(spec, ctx)
     start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
-    policy, tokenizer = load_policy(start)
+    policy, tokenizer = load_policy(start, hp)
     parts = prepare_rl(spec, data, ctx, start, policy, tokenizer, ref_path)
     prompts, device = parts.prompts, start.device
     session = TrainingSession(start, hp, policy, tokenizer, len(prompts.ids), batch_size=hp.prompts_per_step)

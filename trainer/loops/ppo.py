@@ -39,6 +39,7 @@ from trainer.loops.rl_common import (
     TokenBatch,
     WeightedMeans,
     actor_step,
+    checkpointed_training,
     close_rl_step,
     evaluate_start,
     frozen_logps,
@@ -56,7 +57,7 @@ from trainer.loops.rl_common import (
     to_token_batch,
 )
 from trainer.loops.rollouts import rollout_metrics
-from trainer.loops.session import Start, TrainingSession, begin, load_policy
+from trainer.loops.session import Start, TrainingSession, begin, enable_checkpointing, load_policy
 from trainer.models import load_reward_model
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.rollout.base import Completion
@@ -203,9 +204,10 @@ def critic_step(
             means.add(stats, tokens=float(part.mask.sum()), rows=float(len(rows)))
             yield hp.vf_coef * v_loss
 
-    norm = accumulate_and_step(
-        critic, optimizer, losses(), hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
-    )
+    with checkpointed_training(critic, hp.gradient_checkpointing):
+        norm = accumulate_and_step(
+            critic, optimizer, losses(), hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
+        )
     stats = means.means()
     stats["value/grad_norm"] = norm if norm is not None else torch.tensor(float("nan"))
     stats["skipped_updates"] = torch.tensor(float(norm is None))
@@ -288,16 +290,18 @@ def prompt_values(
     return annotate
 
 
-def load_actor_critic(start: Start, critic_path: str) -> tuple[Any, Any, Any]:
+def load_actor_critic(start: Start, critic_path: str, hp: PpoHyperparameters) -> tuple[Any, Any, Any]:
     """Policy, its tokenizer and the critic, in eval mode on the run's device (eval: no dropout, so old and
     new log-probs agree before any update). The critic loads first, so a fresh value head is drawn from the
     freshly seeded RNG (as in the reward-model loop); when resuming, its trained weights come later from
     the checkpoint."""
     with start.reporter.phase("model_load"):
         critic, critic_tok = load_reward_model(critic_path)
+        if hp.gradient_checkpointing:
+            enable_checkpointing(critic)
         if start.adapter is not None:  # the critic trains an adapter and its value head too
             critic = add_adapter(critic, start.adapter, "score")
-    policy, tokenizer = load_policy(start)
+    policy, tokenizer = load_policy(start, hp)
     if critic_tok.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"the critic {critic_path!r} has a different tokenizer from the policy")
     return policy.to(start.device).eval(), tokenizer, critic.to(start.device).eval()
@@ -321,7 +325,7 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     critic_path = ctx.resolve_model(spec.critic_model or spec.model)
     ref_path = reference_path(spec, ctx)
     start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
-    policy, tokenizer, critic = load_actor_critic(start, critic_path)
+    policy, tokenizer, critic = load_actor_critic(start, critic_path, hp)
     parts = prepare_rl(spec, data, ctx, start, policy, tokenizer, ref_path)
     pretrain, critic_lr = hp.value_pretrain_steps, hp.critic_learning_rate or hp.lr
     critic_opt = make_optimizer(critic, critic_lr, hp.weight_decay)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -358,6 +359,25 @@ def actor_loss(
     return loss, stats
 
 
+@contextmanager
+def checkpointed_training(model: Any, checkpointing: bool) -> Iterator[None]:
+    """Train mode with every dropout off, while ``checkpointing`` (transformers checkpoints activations
+    only in train mode; the RL loops otherwise train in eval mode so that old and new log-probs agree,
+    which dropout off keeps true). Without checkpointing nothing changes."""
+    if not checkpointing:
+        yield
+        return
+    was_training = model.training
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def actor_step(
     policy: Any, optimizer: torch.optim.Optimizer, mb: ActorBatch, hp: OnlineRlHyperparameters, kl_coef: float
 ) -> dict[str, Tensor]:
@@ -374,9 +394,10 @@ def actor_step(
             means.add(stats, tokens=float(part.mask.sum()), rows=float(len(rows)))
             yield loss
 
-    grad_norm = accumulate_and_step(
-        policy, optimizer, losses(), hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
-    )
+    with checkpointed_training(policy, hp.gradient_checkpointing):
+        grad_norm = accumulate_and_step(
+            policy, optimizer, losses(), hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
+        )
     stats = means.means()
     stats["skipped_updates"] = torch.tensor(float(grad_norm is None))
     stats["grad_norm"] = grad_norm if grad_norm is not None else torch.tensor(float("nan"))

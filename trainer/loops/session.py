@@ -84,17 +84,29 @@ def begin(
     return Start(ctx, reporter, model_path, seed_everything(seed), pick_device(), start_path, adapter)
 
 
-def load_trainable(start: Start, task: Task = "causal") -> tuple[Any, Any]:
+def enable_checkpointing(model: Any) -> None:
+    """Activation (gradient) checkpointing on ``model``'s transformer blocks, non-reentrant (so frozen
+    inputs, as under an adapter, need no ``requires_grad`` trick); active in train mode only, so
+    generation and no-grad passes are unaffected."""
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def load_trainable(start: Start, task: Task = "causal", *, checkpointing: bool = False) -> tuple[Any, Any]:
     """The model to train on the run's device (a causal LM, or with ``task="score"`` a scalar-head model)
     and its tokenizer: the start, or the checkpoint when resuming. With an adapter: the start's weights
-    frozen under a fresh trainable adapter, or the resumed checkpoint's adapter (trainer/adapters.py)."""
+    frozen under a fresh trainable adapter, or the resumed checkpoint's adapter (trainer/adapters.py).
+    ``checkpointing``: activation checkpointing on (``enable_checkpointing``)."""
     loader = load_reward_model if task == "score" else load_causal_lm
     with start.reporter.phase("model_load"):
         if start.adapter is None:
             model, tokenizer = loader(start.model_path)
+            if checkpointing:
+                enable_checkpointing(model)
         else:
             check_adapter_supported(start.adapter)
             base, tokenizer = loader(start.start_path, quantization_config(start.adapter))
+            if checkpointing:
+                enable_checkpointing(base)
             if start.ctx.resume_from is not None:
                 model = load_adapter(base, start.ctx.resume_from, trainable=True)
             else:
@@ -104,9 +116,9 @@ def load_trainable(start: Start, task: Task = "causal") -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def load_policy(start: Start) -> tuple[Any, Any]:
-    """The causal LM to train (``load_trainable``) and its tokenizer."""
-    return load_trainable(start, "causal")
+def load_policy(start: Start, hp: TrainingHyperparameters) -> tuple[Any, Any]:
+    """The causal LM to train (``load_trainable``, with ``hp.gradient_checkpointing``) and its tokenizer."""
+    return load_trainable(start, "causal", checkpointing=hp.gradient_checkpointing)
 
 
 def eval_rows(n: int, max_rows: int, seed: int) -> list[int]:

@@ -100,7 +100,7 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     """Fine-tune ``spec.model`` on prompt/completion rows (loss on completion tokens only)."""
     hp = spec.hyperparameters
     start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
-    model, tokenizer = load_policy(start)
+    model, tokenizer = load_policy(start, hp)
     pad_id, device = tokenizer.pad_token_id, start.device
 
     with reporter.phase("tokenize", len(data.train) + len(data.validation)) as progress:

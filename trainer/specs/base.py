@@ -64,6 +64,12 @@ class TrainingHyperparameters(_Frozen):
         "same update, less activation memory). Must divide the step's batch (`batch_size`; online RL: "
         "`minibatch_size`, else prompts_per_step x samples_per_prompt). Default: the whole batch at once.",
     )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Keep only each transformer block's inputs in the forward pass and recompute the rest "
+        "in the backward (transformers' activation checkpointing, non-reentrant): much less activation "
+        "memory for about one more forward pass of time; the same gradients.",
+    )
     max_steps: int = Field(default=100, ge=1, le=10_000_000, description="Optimizer steps to run.")
     max_length: int = Field(default=256, ge=2, le=131_072, description="Longest sequence in tokens.")
     seed: int = Field(

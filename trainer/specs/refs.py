@@ -33,6 +33,20 @@ TINY_PRESETS: dict[str, dict[str, int]] = {
         "intermediate_size": 256,
         "char_level": 1,
     },
+    # Realistic sizes to measure memory and speed on, random-init like the rest (built on first use): Llama
+    # blocks at GPT-2-small width (~123M parameters) and at ~0.5B (Qwen2.5-0.5B's size class).
+    "llama-125m": {
+        "hidden_size": 768,
+        "num_hidden_layers": 13,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+    },
+    "llama-500m": {
+        "hidden_size": 1280,
+        "num_hidden_layers": 25,
+        "num_attention_heads": 20,
+        "intermediate_size": 3456,
+    },
 }
 
 _RUN_REF = re.compile(r"^run:(?P<id>[0-9a-fA-F-]{32,36})(@(?P<step>\d{1,10}))?$")
