@@ -94,3 +94,32 @@ def test_checkpointing_recomputes_the_blocks_in_the_backward(
     # 2 layers x 2 steps of one training forward each: 4 more calls. No-grad passes (final metrics,
     # generation, old log-probs) are never checkpointed, so they count the same.
     assert ckpt - plain == 2 * 2
+
+
+def test_completion_logits_are_the_full_logits_without_the_prompt_positions(tiny_cache: Path) -> None:
+    import torch
+
+    from trainer.data.preference import collate_pairs, tokenize_pair
+    from trainer.loops.common import completion_logits
+    from trainer.models import load_causal_lm, tiny_model_dir
+
+    model, tok = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    rows = [
+        {
+            "prompt": "the answer to this long question about numbers is " * 3 + f"{a}+{a}=",
+            "chosen": str(2 * a),
+            "rejected": "no",
+        }
+        for a in range(3)
+    ]
+    batch = collate_pairs(
+        [tokenize_pair(r, tok, max_length=128, max_prompt_length=100) for r in rows], tok.pad_token_id
+    )
+    ids, attn, cmask = batch.input_ids, batch.attention_mask, batch.completion_mask
+    full = model(input_ids=ids, attention_mask=attn).logits
+    logits, targets, mask = completion_logits(model, ids, attn, cmask)
+    first = ids.shape[1] - logits.shape[1]  # the earliest scored label position
+    assert logits.shape[1] < ids.shape[1] // 2  # most positions are prompt: no LM head there
+    torch.testing.assert_close(logits, full[:, first - 1 : -1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(targets, ids[:, first:]) and torch.equal(mask, cmask[:, first:])
+    assert int(cmask[:, 1:first].sum()) == 0  # nothing scored was left out

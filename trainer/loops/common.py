@@ -104,6 +104,26 @@ def micro_batches(rows: Sequence[T], size: int | None) -> list[Sequence[T]]:
     return [rows[i : i + size] for i in range(0, len(rows), size)]
 
 
+def completion_logits(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits that predict completion tokens, with those tokens and their mask: ``logits[:, k]``
+    predicts ``targets[:, k]``, counted where ``mask[:, k]`` is 1.
+
+    The LM head runs only from the position before the batch's earliest completion token to the end
+    (transformers' ``logits_to_keep``), not over every prompt position: a (B, T, V) tensor shrinks to
+    (B, K, V), K the longest completion span, which for a 150k vocabulary and long prompts is most of a
+    step's activation memory. Same values as slicing the full logits.
+    """
+    length = input_ids.shape[1]
+    scored = completion_mask[:, 1:].bool().any(0)  # label positions 1..T-1 that any row scores
+    first = int(scored.nonzero()[0]) + 1 if bool(scored.any()) else length  # earliest scored label
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=length - first + 1
+    ).logits
+    return logits[:, :-1], input_ids[:, first:], completion_mask[:, first:]
+
+
 def to_floats(stats: dict[str, Any]) -> dict[str, float]:
     """Tensors -> floats, at log interval only: each ``.item()`` is a device sync point."""
     return {k: float(v.item()) if isinstance(v, torch.Tensor) else float(v) for k, v in stats.items()}

@@ -23,7 +23,7 @@ from trainer.adapters import adapter_off, has_adapter
 from trainer.algorithms.logprobs import token_logprobs
 from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossFn, PreferenceParams
 from trainer.data.preference import PairBatch, TokenizedPair, collate_pairs, tokenize_pair
-from trainer.loops.common import to_floats
+from trainer.loops.common import completion_logits, to_floats
 from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy
 from trainer.models import load_causal_lm
 from trainer.phases import Phase
@@ -34,13 +34,14 @@ REFERENCE_BATCH = 16  # pairs per no-grad pass (reference log-probs, evaluation)
 
 
 def sequence_logps(model: Any, batch: PairBatch, device: torch.device) -> Tensor:
-    """(2B,) sum over completion tokens of log pi(y_t | x, y_<t); one forward pass for chosen and rejected."""
-    ids = batch.input_ids.to(device)
-    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits
-    # Position t predicts token t+1: drop the last logit and the first label.
-    logp = token_logprobs(logits[:, :-1].float(), ids[:, 1:])
-    mask = batch.completion_mask[:, 1:].to(device, logp.dtype)
-    return (logp * mask).sum(-1)
+    """(2B,) sum over completion tokens of log pi(y_t | x, y_<t); one forward pass for chosen and rejected,
+    logits only where they predict a completion token (``completion_logits``), in the model's dtype (the
+    per-token log-probs are summed in float32)."""
+    logits, targets, mask = completion_logits(
+        model, batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device)
+    )
+    logp = token_logprobs(logits, targets).float()
+    return (logp * mask.to(logp.dtype)).sum(-1)
 
 
 @torch.no_grad()

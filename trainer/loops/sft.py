@@ -17,7 +17,7 @@ from torch import Tensor
 
 from trainer.algorithms.logprobs import token_logprobs
 from trainer.data.sft import SftBatch, TokenizedExample, collate_examples, tokenize_example
-from trainer.loops.common import to_floats
+from trainer.loops.common import completion_logits, to_floats
 from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy
 from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
@@ -40,11 +40,17 @@ def completion_sums(
         Three scalars: ``-sum log p(x_t | x_<t)``, ``sum [argmax_t-1 == x_t]`` and the number of scored
         tokens, each over positions t >= 1 with ``completion_mask[:, t] == 1``.
     """
-    logits, targets = logits[:, :-1].float(), input_ids[:, 1:]  # shift: drop the last logit, first id
-    mask = completion_mask[:, 1:].to(logits.dtype)
-    nll = -(token_logprobs(logits, targets) * mask).sum()
-    hits = ((logits.argmax(-1) == targets).to(mask.dtype) * mask).sum()
-    return nll, hits, mask.sum()
+    # Shift: position t predicts token t+1, so drop the last logit and the first id.
+    return scored_sums(logits[:, :-1], input_ids[:, 1:], completion_mask[:, 1:])
+
+
+def scored_sums(logits: Tensor, targets: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``completion_sums`` on aligned inputs (``logits[:, k]`` predicts ``targets[:, k]``), in the logits'
+    dtype per token (no float32 copy of the logits) and summed in float32."""
+    weight = mask.to(torch.float32)
+    nll = -(token_logprobs(logits, targets).float() * weight).sum()
+    hits = ((logits.argmax(-1) == targets).to(torch.float32) * weight).sum()
+    return nll, hits, weight.sum()
 
 
 def sft_loss(logits: Tensor, input_ids: Tensor, completion_mask: Tensor) -> Tensor:
@@ -54,10 +60,12 @@ def sft_loss(logits: Tensor, input_ids: Tensor, completion_mask: Tensor) -> Tens
 
 
 def forward(model: Any, batch: SftBatch, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """``completion_sums`` of one batch under ``model``."""
-    ids = batch.input_ids.to(device)
-    logits = model(input_ids=ids, attention_mask=batch.attention_mask.to(device)).logits
-    return completion_sums(logits, ids, batch.completion_mask.to(device))
+    """``completion_sums`` of one batch under ``model``, logits only where they predict a completion token
+    (``completion_logits``)."""
+    logits, targets, mask = completion_logits(
+        model, batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device)
+    )
+    return scored_sums(logits, targets, mask)
 
 
 @torch.no_grad()
