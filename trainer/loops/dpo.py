@@ -30,7 +30,9 @@ from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import DpoSpec
 
-REFERENCE_BATCH = 16  # pairs per no-grad pass (reference log-probs, evaluation)
+# Pairs per no-grad pass (reference log-probs, evaluation) at most; never more than a training
+# (micro-)batch, so these passes never need more activation memory than a step.
+REFERENCE_BATCH = 16
 
 
 def sequence_logps(model: Any, batch: PairBatch, device: torch.device) -> Tensor:
@@ -115,9 +117,10 @@ def evaluate(
     params: PreferenceParams,
     prefix: str,
     progress: Phase | None = None,
+    batch_size: int = REFERENCE_BATCH,
 ) -> dict[str, float]:
     """``<prefix>/*`` metrics over ``pairs`` (reference log-probs ``ref``) with the current policy."""
-    logps = all_pair_logps(model, pairs, pad_id, REFERENCE_BATCH, device, progress)
+    logps = all_pair_logps(model, pairs, pad_id, batch_size, device, progress)
     chosen_logratio, rejected_logratio = logps[:, 0] - ref[:, 0], logps[:, 1] - ref[:, 1]
     stats = pair_stats(chosen_logratio, rejected_logratio, params.beta)
     stats["loss"] = loss_fn(chosen_logratio, rejected_logratio, params).mean()
@@ -205,12 +208,14 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     elif not precompute and fresh_start:
         reference.model = copy.deepcopy(model).eval().requires_grad_(False)
 
+    no_grad_batch = min(REFERENCE_BATCH, hp.micro_batch_size or hp.batch_size)
+
     def computer(rows: list[TokenizedPair]) -> Callable[[list[int], Phase], Tensor]:
         def compute(idx: list[int], progress: Phase) -> Tensor:
             ref_model = reference.get()
             with adapter_off(ref_model):
                 return all_pair_logps(
-                    ref_model, [rows[i] for i in idx], pad_id, REFERENCE_BATCH, device, progress
+                    ref_model, [rows[i] for i in idx], pad_id, no_grad_batch, device, progress
                 )
 
         return compute
@@ -246,12 +251,32 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     def final(progress: Phase) -> Final:  # training pairs (up to eval_max_rows), with the trained policy
         rows = [pairs[i] for i in final_idx]
         return Final(
-            evaluate(model, rows, ref.get(final_idx), pad_id, device, loss_fn, params, "final", progress)
+            evaluate(
+                model,
+                rows,
+                ref.get(final_idx),
+                pad_id,
+                device,
+                loss_fn,
+                params,
+                "final",
+                progress,
+                no_grad_batch,
+            )
         )
 
     def evaluate_held_out(progress: Phase) -> dict[str, float]:
         return evaluate(
-            model, held_out, val_ref.get(val_idx), pad_id, device, loss_fn, params, "eval", progress
+            model,
+            held_out,
+            val_ref.get(val_idx),
+            pad_id,
+            device,
+            loss_fn,
+            params,
+            "eval",
+            progress,
+            no_grad_batch,
         )
 
     for _ in session.steps():

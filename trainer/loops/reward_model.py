@@ -203,6 +203,7 @@ def run_reward_model(
     final_groups = [groups[i] for i in eval_rows(len(groups), hp.eval_max_rows, hp.seed)]
     loss_fn = REWARD_LOSSES[kind]
     params = RewardLossParams(use_margin=hp.use_margin, center_coef=hp.center_coef)
+    no_grad_batch = min(EVAL_BATCH_GROUPS, hp.micro_batch_size or hp.batch_size)  # no more than a step's
     session = TrainingSession(start, hp, model, tokenizer, len(groups))
     if session.finished_before:
         return session.result
@@ -221,7 +222,7 @@ def run_reward_model(
             source, scored = "validation", val_scored
         else:
             source = "train"
-            scored = score_groups(model, final_groups, pad_id, device, EVAL_BATCH_GROUPS, progress)
+            scored = score_groups(model, final_groups, pad_id, device, no_grad_batch, progress)
         stats = reward_stats(scored, source)
         metrics = {
             "final/score_mean": stats["mean"],
@@ -233,7 +234,7 @@ def run_reward_model(
 
     def evaluate_held_out(progress: Phase) -> dict[str, float]:  # its scores also give the final statistics
         nonlocal val_scored
-        val_scored = score_groups(model, val_groups, pad_id, device, EVAL_BATCH_GROUPS, progress)
+        val_scored = score_groups(model, val_groups, pad_id, device, no_grad_batch, progress)
         return evaluate(val_scored, loss_fn, params, "eval")
 
     for _ in session.steps():

@@ -23,7 +23,7 @@ from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import SftSpec
 
-EVAL_BATCH = 64  # examples per no-grad evaluation pass
+EVAL_BATCH = 64  # examples per no-grad evaluation pass at most (never more than a training micro-batch)
 
 
 def completion_sums(
@@ -76,13 +76,14 @@ def evaluate(
     device: torch.device,
     prefix: str,
     progress: Phase | None = None,
+    batch_size: int = EVAL_BATCH,
 ) -> dict[str, float]:
     """``<prefix>/loss`` and ``<prefix>/token_accuracy`` over every completion token of ``examples``."""
     was_training = model.training
     model.eval()
     nll, hits, count = torch.zeros(()), torch.zeros(()), torch.zeros(())
-    for i in range(0, len(examples), EVAL_BATCH):
-        chunk = examples[i : i + EVAL_BATCH]
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
         b_nll, b_hits, b_count = forward(model, collate_examples(chunk, pad_id), device)
         nll, hits, count = nll + b_nll.cpu(), hits + b_hits.cpu(), count + b_count.cpu()
         if progress is not None:
@@ -123,6 +124,7 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         examples, val_examples = tokenize(data.train), tokenize(data.validation)
     held_out = [val_examples[i] for i in eval_rows(len(val_examples), hp.eval_max_rows, hp.seed)]
     final_rows = [examples[i] for i in eval_rows(len(examples), hp.eval_max_rows, hp.seed)]
+    no_grad_batch = min(EVAL_BATCH, hp.micro_batch_size or hp.batch_size)
     session = TrainingSession(start, hp, model, tokenizer, len(examples))
     if session.finished_before:
         return session.result
@@ -134,7 +136,7 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     model.train()
 
     def final(progress: Phase) -> Final:  # training examples (up to eval_max_rows): did it learn the data?
-        return Final(evaluate(model, final_rows, pad_id, device, "final", progress))
+        return Final(evaluate(model, final_rows, pad_id, device, "final", progress, no_grad_batch))
 
     for _ in session.steps():
         t0 = time.perf_counter()
@@ -151,7 +153,8 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
             stats = {"loss": loss, "token_accuracy": hits / max(count, 1), "grad_norm": grad_norm}
             metrics = session.train_metrics(stats, sum(b.n_tokens for b in parts), t0)
         metrics |= session.evaluate(
-            held_out, lambda progress: evaluate(model, held_out, pad_id, device, "eval", progress)
+            held_out,
+            lambda progress: evaluate(model, held_out, pad_id, device, "eval", progress, no_grad_batch),
         )
         session.end_step(metrics, final)
     return session.result
