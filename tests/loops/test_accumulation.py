@@ -13,18 +13,12 @@ import torch
 from pydantic import ValidationError
 
 from tests.factories import loop_ctx
+from tests.loops.addition_rows import PAIRS, PROMPTS, SFT
 from trainer.loops import LOOPS
 from trainer.models import load_causal_lm, load_reward_model
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec
 
-PAIRS = [
-    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
-    for a in range(4)
-    for b in range(4)
-]
-SFT = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(4) for b in range(4)]
-PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)]
 RL_HP = {"prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 4, "minibatch_size": 8}
 
 CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]] = {

@@ -10,17 +10,11 @@ from typing import Any
 import pytest
 
 from tests.factories import loop_ctx
+from tests.loops.addition_rows import PAIRS, PROMPTS, SFT
 from trainer.loops import LOOPS
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec
 
-PAIRS = [
-    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
-    for a in range(4)
-    for b in range(4)
-]
-SFT = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(4) for b in range(4)]
-PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)]
 RL = {"prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 4, "kl_coef": 0.05}
 CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any], str]] = {
     "sft": ({}, SFT, {"batch_size": 4}, "loss"),
