@@ -98,7 +98,9 @@ def test_eval_max_rows_bounds_evaluation_and_final_metrics(tiny_cache: Path, tmp
     assert phase_totals(reporter, "eval") == [5]  # 6 held-out pairs, 5 read
     final = next(p for p in reporter.phases if p.name == "final_metrics")
     assert final.done == 5  # 14 training pairs, 5 scored
-    assert eval_rows(14, 5, 0) == eval_rows(14, 5, 0) and len(set(eval_rows(14, 5, 0))) == 5
+    drawn = eval_rows(14, 5, 0)
+    assert drawn == sorted(set(drawn)) and len(drawn) == 5 and all(0 <= i < 14 for i in drawn)
+    assert drawn != list(range(5)) or eval_rows(14, 5, 1) != drawn  # a seeded draw, not the first rows
     assert eval_rows(3, 5, 0) == [0, 1, 2]
 
 
