@@ -153,20 +153,24 @@ def resolve_model(
     return str(snapshot_download(repo_id=ref, allow_patterns=patterns))
 
 
-def load_causal_lm(path: str, quantization: Any = None) -> tuple[Any, Any]:
+def load_causal_lm(
+    path: str, quantization: Any = None, dtype: torch.dtype = torch.float32
+) -> tuple[Any, Any]:
     """Model and tokenizer from a folder or hub id; a missing pad token falls back to EOS. An adapter
     folder (an adapter run's checkpoint) loads its base with the adapter merged in (trainer/adapters.py).
 
     Safetensors only (a pickle checkpoint can run code when loaded) and no remote code. ``quantization``:
-    a BitsAndBytesConfig for a QLoRA base (CUDA only)."""
+    a BitsAndBytesConfig for a QLoRA base (CUDA only). ``dtype``: the weights' dtype whatever the
+    checkpoint's (transformers would keep a bf16 checkpoint in bf16): float32 for weights that train (the
+    master copy, trainer/precision.py), a half dtype for frozen ones under mixed precision."""
     if is_adapter_folder(path):
-        base, _ = load_causal_lm(base_of(path))
+        base, _ = load_causal_lm(base_of(path), dtype=dtype)
         return merged(load_adapter(base, path, trainable=False)), _tokenizer(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         extra = quantized_load(quantization)
         model = AutoModelForCausalLM.from_pretrained(
-            path, use_safetensors=True, trust_remote_code=False, **extra
+            path, use_safetensors=True, trust_remote_code=False, dtype=dtype, **extra
         )
     except (OSError, ValueError) as exc:  # missing files; a folder that holds no usable tokenizer
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -206,16 +210,19 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def load_reward_model(path: str, quantization: Any = None) -> tuple[Any, Any]:
+def load_reward_model(
+    path: str, quantization: Any = None, dtype: torch.dtype = torch.float32
+) -> tuple[Any, Any]:
     """A one-label sequence classifier and its tokenizer from a causal-LM or reward-model folder.
 
     From a causal LM the LM head is dropped and a fresh ``score`` head is initialised from torch's RNG
     (seed before calling for a reproducible head). ``config.pad_token_id`` is set to the tokenizer's pad
     token (EOS when there is none), which is what the model uses to find the last real token. An adapter
     folder (an adapter reward-model run) loads its base with the adapter and trained head merged in.
+    ``dtype`` as for ``load_causal_lm``.
     """
     if is_adapter_folder(path):
-        base, tokenizer = load_reward_model(base_of(path))
+        base, tokenizer = load_reward_model(base_of(path), dtype=dtype)
         model = merged(load_adapter(base, path, trainable=False))
         model.config.pad_token_id = tokenizer.pad_token_id
         return model, tokenizer
@@ -224,7 +231,7 @@ def load_reward_model(path: str, quantization: Any = None) -> tuple[Any, Any]:
         extra = quantized_load(quantization)
         with _quiet_transformers():
             model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, use_safetensors=True, trust_remote_code=False, **extra
+                path, num_labels=1, use_safetensors=True, trust_remote_code=False, dtype=dtype, **extra
             )
     except OSError as exc:
         raise ValueError(f"could not load model {path!r}: {str(exc).splitlines()[0]}") from exc

@@ -88,17 +88,27 @@ def test_every_run_kind_trains_an_adapter_with_accumulation(client: TestClient) 
     assert first_loss and abs(first_loss[0] - 0.693147) < 1e-4  # its reference is the SFT model: log 2
 
 
-def test_qlora_on_a_worker_without_cuda_fails_at_start_saying_why(client: TestClient) -> None:
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"adapter": {**ADAPTER, "quantize": "4bit"}}, "quantize '4bit' (QLoRA) needs a CUDA GPU"),
+        ({"hyperparameters": {"precision": "bf16"}}, "precision 'bf16' needs a CUDA GPU"),
+    ],
+    ids=["qlora", "bf16"],
+)
+def test_a_cuda_only_spec_on_a_worker_without_cuda_fails_at_start_saying_why(
+    client: TestClient, extra: dict[str, Any], reason: str
+) -> None:
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this worker has CUDA")
     sft = upload(client, SFT, "sft")
-    spec_adapter = {**ADAPTER, "quantize": "4bit"}
     resp = client.post(
-        "/v1/runs",
-        json={"algorithm": "sft", "model": "tiny:llama-0.4m", "dataset_id": sft, "adapter": spec_adapter},
+        "/v1/runs", json={"algorithm": "sft", "model": "tiny:llama-0.4m", "dataset_id": sft, **extra}
     )
     assert resp.status_code == 201, resp.text
     done = wait_for(client, resp.json()["id"], lambda r: r["status"] in FINISHED)
-    assert done["status"] == "failed" and "needs a CUDA GPU" in done["error"], done
+    assert done["status"] == "failed" and reason in done["error"], done
+    events = client.get(f"/v1/runs/{done['id']}/events").json()["data"]
+    assert any(reason in e["message"] for e in events), events  # the failure says why in its events

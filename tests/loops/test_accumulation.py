@@ -66,8 +66,12 @@ def test_micro_batches_make_the_whole_batch_update(algorithm: str, tiny_cache: P
     assert len(micro_rep.series(key)) == 2  # one value per optimizer step, not per micro-batch
     assert micro_rep.series(key) == pytest.approx(whole_rep.series(key), rel=1e-4, abs=1e-6)
     assert micro_rep.series("grad_norm") == pytest.approx(whole_rep.series("grad_norm"), rel=1e-4)
+    # Adam divides each element's gradient by its own running scale, so an embedding row whose exact
+    # gradient is 0 (a token seen only where nothing is scored) moves by up to lr * g / (|g| + eps) for
+    # float noise g ~ 1e-10 from a different batch shape: 3e-5 here after 2 steps at lr 1e-3. A wrong
+    # update (a micro-batch missed, or counted twice) moves elements by ~lr; its scale shows in grad_norm.
     for (name, a), (_, b) in zip(whole.named_parameters(), micro.named_parameters(), strict=True):
-        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_a_micro_batch_size_that_does_not_divide_the_batch_is_refused() -> None:

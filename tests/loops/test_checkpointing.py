@@ -117,3 +117,33 @@ def test_completion_logits_are_the_full_logits_without_the_prompt_positions(tiny
     torch.testing.assert_close(logits, full[:, first - 1 : -1], atol=1e-5, rtol=1e-5)
     assert torch.equal(targets, ids[:, first:]) and torch.equal(mask, cmask[:, first:])
     assert int(cmask[:, 1:first].sum()) == 0  # nothing scored was left out
+
+
+def test_rl_log_probs_cover_the_completion_window_with_the_full_logits_values(tiny_cache: Path) -> None:
+    import torch
+
+    from trainer.algorithms.logprobs import token_logprobs
+    from trainer.loops.rl_common import forward_logps, to_token_batch
+    from trainer.models import load_causal_lm, tiny_model_dir
+    from trainer.rollout.base import Completion
+
+    model, _ = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    prompts = [list(range(10, 30)), list(range(40, 52)), list(range(60, 75))]  # 20, 12, 15 tokens
+    answers = [[5, 6, 7], [8, 9], [11, 12, 13, 14]]
+    comps = [
+        Completion(prompt_index=i, prompt_ids=p, token_ids=a, text="", finish_reason="eos")
+        for i, (p, a) in enumerate(zip(prompts, answers, strict=True))
+    ]
+    batch = to_token_batch(comps, pad_id=0, device=torch.device("cpu"))
+    length = batch.input_ids.shape[1]
+    assert batch.offset == 11  # the shortest prompt's last token
+    logits, logp = forward_logps(model, batch)
+    assert logits.shape[:2] == logp.shape == batch.response_mask.shape == (3, length - 1 - 11)
+    with torch.no_grad():
+        full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    full_logp = token_logprobs(full, batch.input_ids[:, 1:])
+    torch.testing.assert_close(logp, full_logp[:, 11:], atol=1e-5, rtol=1e-5)
+    for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):  # every generated token is in the window
+        cols = batch.response_mask[i].nonzero().flatten().tolist()
+        assert [int(batch.input_ids[i, 11 + c + 1]) for c in cols] == a
+        assert cols[0] == len(p) - 1 - 11

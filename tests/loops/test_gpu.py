@@ -1,4 +1,5 @@
-"""GPU checks (skipped without CUDA): one GRPO step with the HF engine, policy in bf16."""
+"""GPU checks (skipped without CUDA): a GRPO step with the HF engine in bf16, QLoRA DPO, and bf16/fp16
+autocast runs of SFT and DPO against fp32."""
 
 from __future__ import annotations
 
@@ -117,3 +118,43 @@ def test_qlora_dpo_steps_on_cuda(tiny_cache: Path, tmp_path: Path) -> None:
     assert result.status == "succeeded" and is_adapter_folder(result.output_path)
     assert reporter.series("loss")[0] == pytest.approx(math.log(2), abs=1e-2)  # 4-bit compute: looser
     assert all(math.isfinite(v) for v in reporter.series("grad_norm"))
+
+
+@pytest.mark.parametrize("algorithm", ["sft", "dpo"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_runs_track_fp32_on_cuda(
+    algorithm: str, precision: str, tiny_cache: Path, tmp_path: Path
+) -> None:
+    """Autocast runs (float32 master weights; fp16 with loss scaling) follow the fp32 run's losses, and an
+    adapter trains over a base loaded in the half dtype (the dtypes are checked on CPU, test_precision.py)."""
+    from tests.factories import loop_ctx
+    from tests.loops.addition_rows import PAIRS, SFT
+    from trainer.loops import LOOPS
+    from trainer.reporting import MemoryReporter, RunData
+
+    def run(prec: str, adapter: dict[str, int] | None) -> MemoryReporter:
+        spec = parse_spec(
+            {
+                "algorithm": algorithm,
+                "model": "tiny:llama-10m",
+                "dataset_id": str(uuid.uuid4()),
+                "adapter": adapter,
+                "hyperparameters": {
+                    "max_steps": 5,
+                    "batch_size": 8,
+                    "learning_rate": 1e-4,
+                    "precision": prec,
+                },
+            }
+        )
+        reporter = MemoryReporter()
+        rows = SFT if algorithm == "sft" else PAIRS
+        ctx = loop_ctx(tiny_cache, tmp_path / f"{prec}-{adapter}")
+        result = LOOPS[algorithm](spec, RunData(train=rows), reporter, ctx)
+        assert result.status == "succeeded"
+        return reporter
+
+    fp32, half = run("fp32", None), run(precision, None)
+    assert half.series("loss") == pytest.approx(fp32.series("loss"), rel=5e-2, abs=5e-2)
+    lora = run(precision, {"r": 8, "alpha": 16})
+    assert all(v == v for v in lora.series("loss"))  # finite: the adapter trains over a half base

@@ -53,9 +53,11 @@ def test_lazy_and_precompute_train_alike_and_compute_each_reference_value_once(
     run_dpo(
         dpo_spec(eval_every=2, reference_mode="precompute"), data, pre, loop_ctx(tiny_cache, tmp_path / "pre")
     )
+    # The reference values match to float rounding (~1e-7: lazy computes them in the step's batches,
+    # precompute in passes of 16), which Adam at lr 1e-2 grows to ~1e-5 in the losses by step 4.
     for key in ("loss", "eval/loss", "final/loss", "rewards/margin"):
         a, b = lazy.series(key), pre.series(key)
-        assert len(a) == len(b) > 0 and a == pytest.approx(b, abs=1e-5), key
+        assert len(a) == len(b) > 0 and a == pytest.approx(b, abs=1e-4), key
     assert lazy.series("loss")[0] == pytest.approx(0.6931472, abs=1e-5)  # policy == reference at step 1
     # precompute: every training pair (16) and the 4 held-out pairs, before step 1, in one pass each.
     assert phase_totals(pre, "reference") == [16, 4]

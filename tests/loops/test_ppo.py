@@ -286,13 +286,16 @@ def test_token_values_align_with_log_prob_positions(tiny_cache: Path) -> None:
     batch = to_token_batch(comps, pad_id=0, device=torch.device("cpu"))
     with torch.no_grad():
         values = token_values(critic, batch)
-    assert values.shape == batch.response_mask.shape == (2, 6)
+    # The window starts at the shortest prompt's last token (position 1): 7 - 1 - 1 columns.
+    assert batch.offset == 1
+    assert values.shape == batch.response_mask.shape == (2, 5)
     for i, c in enumerate(comps):
         seq = c.prompt_ids + c.token_ids
-        for t in range(len(seq) - 1):  # position t: the state input_ids[:t+1], which chooses token t+1
-            assert float(values[i, t]) == pytest.approx(_score_alone(critic, seq[: t + 1]), abs=1e-4)
+        for t in range(1, len(seq) - 1):  # position t: the state input_ids[:t+1], which chooses token t+1
+            assert float(values[i, t - 1]) == pytest.approx(_score_alone(critic, seq[: t + 1]), abs=1e-4)
         first = len(c.prompt_ids) - 1  # the first response position holds V(prompt)
-        assert batch.response_mask[i, first] == 1 and batch.response_mask[i, first - 1] == 0
+        assert batch.response_mask[i, first - 1] == 1
+        assert batch.response_mask[i, : first - 1].sum() == 0
 
 
 def test_critic_from_a_reward_model_run_keeps_its_head(tiny_cache: Path, tmp_path: Path) -> None:

@@ -57,11 +57,12 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
         logits: (B, T, V) unnormalised scores.
 
     Returns:
-        (B, T) entropy in nats, differentiable.
+        (B, T) entropy in nats, differentiable; float32 for half-precision logits, else their dtype.
 
     Formula: ``H = logsumexp(z) - sum_v softmax(z)_v * z_v`` (equal to ``-sum p log p``), computed
-    one batch row at a time. Under ``torch.no_grad()`` (logging) the extra memory is one (T, V) softmax;
-    with grad (an entropy bonus) autograd keeps every row's softmax, as the naive version would.
+    one batch row at a time; half-precision logits are upcast to float32 a row at a time (never the whole).
+    Under ``torch.no_grad()`` (logging) the extra memory is one (T, V) softmax; with grad (an entropy
+    bonus) autograd keeps every row's softmax, as the naive version would.
 
     Degenerate: a uniform row gives ``log V``; a one-hot-like row (one logit far above the rest)
     gives ~0. B = 0 returns an empty (0, T) tensor.
@@ -70,6 +71,8 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
         return logits.new_zeros(logits.shape[:-1])
     rows = []
     for row in logits:
+        if row.dtype in (torch.float16, torch.bfloat16):
+            row = row.float()
         p = torch.softmax(row, dim=-1)
         rows.append(torch.logsumexp(row, dim=-1) - (p * row).sum(dim=-1))
     return torch.stack(rows)

@@ -1,7 +1,9 @@
-"""One training loop per run type; ``LOOPS`` maps a spec's ``algorithm`` to its loop."""
+"""One training loop per run type; ``LOOPS`` maps a spec's ``algorithm`` to its loop, run in the spec's
+precision (``in_precision``)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, get_args
@@ -11,13 +13,36 @@ from trainer.loops.group_rl import run_group_rl
 from trainer.loops.ppo import run_ppo
 from trainer.loops.reward_model import run_reward_model
 from trainer.loops.sft import run_sft
+from trainer.models import pick_device
+from trainer.precision import autocast, check_precision
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import GroupAlgorithm, PpoAlgorithm
 
 Loop = Callable[[Any, RunData, Reporter, LoopContext], LoopResult]
 
+
+def in_precision(loop: Loop) -> Loop:
+    """``loop`` refused before it loads anything when this worker cannot give the spec's
+    ``hyperparameters.precision``, else run with every forward pass under its autocast
+    (trainer/precision.py)."""
+
+    @functools.wraps(loop)
+    def run(spec: Any, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
+        precision, device = spec.hyperparameters.precision, pick_device()
+        check_precision(precision, device)
+        with autocast(precision, device):
+            return loop(spec, data, reporter, ctx)
+
+    return run
+
+
 LOOPS: Mapping[str, Loop] = MappingProxyType(
-    {"dpo": run_dpo, "sft": run_sft, "reward_model": run_reward_model}
-    | dict.fromkeys(get_args(GroupAlgorithm), run_group_rl)
-    | dict.fromkeys(get_args(PpoAlgorithm), run_ppo)
+    {
+        name: in_precision(loop)
+        for name, loop in (
+            {"dpo": run_dpo, "sft": run_sft, "reward_model": run_reward_model}
+            | dict.fromkeys(get_args(GroupAlgorithm), run_group_rl)
+            | dict.fromkeys(get_args(PpoAlgorithm), run_ppo)
+        ).items()
+    }
 )

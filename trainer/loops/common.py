@@ -8,6 +8,9 @@ from typing import Any, TypeVar
 
 import torch
 
+from trainer.data.packing import PackedBatch, pack_sequences
+from trainer.precision import enable_loss_scaling, loss_scaler
+
 T = TypeVar("T")
 
 
@@ -74,8 +77,12 @@ def accumulate_and_step(
     Never trains on NaN: a non-finite micro-batch loss or gradient norm raises NonFiniteError naming the
     step and the tensor, before the optimizer touches the weights; with ``skip_nonfinite`` it returns None
     instead (the batch is skipped, the weights unchanged). The check is one host sync per micro-batch.
+    An fp16 run's optimizer has a loss scaler (trainer/precision.py): each loss is scaled before its
+    backward and the gradients unscaled before clipping; a gradient that overflows skips the step and
+    lowers the scale (the norm returned is then inf), as dynamic loss scaling means to.
     """
     where = f" at step {step}" if step is not None else ""
+    scaler = loss_scaler(optimizer)  # fp16: losses scaled up for the backward, gradients unscaled below
     optimizer.zero_grad(set_to_none=True)
     micro = iter(losses)
     for loss in micro:
@@ -86,8 +93,17 @@ def accumulate_and_step(
                     pass
                 return None
             raise NonFiniteError(f"loss is {float(loss.detach().float().sum())}{where}; no update applied")
-        loss.backward()  # type: ignore[no-untyped-call]
+        with torch.autocast(loss.device.type, enabled=False):  # backward outside autocast, as torch asks
+            (loss if scaler is None else scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if scaler is not None:
+        # An overflow at this scale is expected now and then: the scaler skips the step and lowers the
+        # scale (the returned norm is inf, counted as a skipped update), it is not a diverging run.
+        scaler.step(optimizer)
+        scaler.update()
+        return grad_norm
     if not torch.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         if skip_nonfinite:
@@ -124,19 +140,79 @@ def completion_logits(
     return logits[:, :-1], input_ids[:, first:], completion_mask[:, first:]
 
 
+def packed_completion_logits(
+    model: Any, batch: PackedBatch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``completion_logits`` of a packed batch (trainer/data/packing.py), and the sequence of each kept
+    token: ``logits[:, k]`` predicts ``targets[:, k]``, scored where ``mask[:, k]``, which belongs to input
+    sequence ``sequence[:, k]``.
+
+    No attention mask and no cache, so transformers reads the sequence boundaries from the position ids
+    (a block-diagonal causal mask); the LM head runs only at positions whose next token some row scores
+    (``logits_to_keep`` as an index tensor).
+    """
+    input_ids, scored = batch.input_ids.to(device), batch.scored.to(device)
+    keep = scored[:, 1:].any(0).nonzero().flatten()  # position p predicts token p + 1
+    if keep.numel() == 0:
+        keep = torch.zeros(1, dtype=torch.long, device=device)
+    logits = model(
+        input_ids=input_ids,
+        position_ids=batch.position_ids.to(device),
+        use_cache=False,
+        logits_to_keep=keep,
+    ).logits
+    at = keep + 1
+    return logits, input_ids[:, at], scored[:, at], batch.sequence.to(device)[:, at]
+
+
+class PackingUnsupported(ValueError):
+    """The model mixes packed sequences (its attention or other layers ignore the boundaries)."""
+
+
+@torch.no_grad()
+def check_packing(model: Any, device: torch.device) -> None:
+    """Refuse packing for a model that lets packed sequences see each other: two short sequences, packed
+    in one row and run alone, must give the same logits. Boundaries read from position ids hold for
+    standard attention; linear-attention and convolution layers (Qwen3-Next, Mamba hybrids) ignore them
+    (transformers' padding-free guide), and a custom model may too. Three forwards of a few tokens."""
+    was_training = model.training
+    model.eval()
+    a, b = [1, 2, 3, 4], [5, 6, 7]
+    batch = pack_sequences([(a, 1), (b, 1)], len(a) + len(b), 0)
+    packed = (
+        model(
+            input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device), use_cache=False
+        )
+        .logits[0]
+        .float()
+    )
+    alone = [model(input_ids=torch.tensor([s], device=device)).logits[0].float() for s in (a, b)]
+    model.train(was_training)
+    if not torch.allclose(packed, torch.cat(alone), atol=1e-2, rtol=1e-2):
+        raise PackingUnsupported(
+            "packing: this model lets packed sequences attend to each other (layers that ignore the "
+            "sequence boundaries in the position ids, such as linear attention); run it without packing"
+        )
+
+
 def to_floats(stats: dict[str, Any]) -> dict[str, float]:
     """Tensors -> floats, at log interval only: each ``.item()`` is a device sync point."""
     return {k: float(v.item()) if isinstance(v, torch.Tensor) else float(v) for k, v in stats.items()}
 
 
-def make_optimizer(model: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(
+    model: Any, lr: float, weight_decay: float, precision: str = "fp32"
+) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters, fused (one kernel for all tensors) where torch supports it
-    for the parameters' device: it is the same update, computed with fewer passes over memory."""
+    for the parameters' device: it is the same update, computed with fewer passes over memory. With
+    ``precision`` fp16 it gets a dynamic loss scaler (trainer/precision.py)."""
     params = [p for p in model.parameters() if p.requires_grad]
     try:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     except (RuntimeError, ValueError):
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    enable_loss_scaling(optimizer, precision, params[0].device if params else torch.device("cpu"))
+    return optimizer
 
 
 def stop_requested(

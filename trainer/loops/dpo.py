@@ -22,11 +22,18 @@ from torch import Tensor
 from trainer.adapters import adapter_off, has_adapter
 from trainer.algorithms.logprobs import token_logprobs
 from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossFn, PreferenceParams
+from trainer.data.packing import PackedBatch, pack_sequences
 from trainer.data.preference import PairBatch, TokenizedPair, collate_pairs, tokenize_pair
-from trainer.loops.common import completion_logits, to_floats
+from trainer.loops.common import (
+    check_packing,
+    completion_logits,
+    packed_completion_logits,
+    to_floats,
+)
 from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy
 from trainer.models import load_causal_lm
 from trainer.phases import Phase
+from trainer.precision import frozen_dtype
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import DpoSpec
 
@@ -35,10 +42,32 @@ from trainer.specs import DpoSpec
 REFERENCE_BATCH = 16
 
 
-def sequence_logps(model: Any, batch: PairBatch, device: torch.device) -> Tensor:
+PairCollate = Callable[[list[TokenizedPair]], "PairBatch | PackedBatch"]
+
+
+def pair_collate(pad_id: int, packing: int | None) -> PairCollate:
+    """Pairs -> one batch of their chosen then rejected sequences: padded rows (``collate_pairs``), or with
+    ``packing`` (a row capacity in tokens) packed rows (trainer/data/packing.py), in the same order."""
+
+    def collate(pairs: list[TokenizedPair]) -> PairBatch | PackedBatch:
+        if packing is None:
+            return collate_pairs(pairs, pad_id)
+        seqs = [(p.prompt + p.chosen, len(p.prompt)) for p in pairs]
+        seqs += [(p.prompt + p.rejected, len(p.prompt)) for p in pairs]
+        return pack_sequences(seqs, packing, pad_id)
+
+    return collate
+
+
+def sequence_logps(model: Any, batch: PairBatch | PackedBatch, device: torch.device) -> Tensor:
     """(2B,) sum over completion tokens of log pi(y_t | x, y_<t); one forward pass for chosen and rejected,
     logits only where they predict a completion token (``completion_logits``), in the model's dtype (the
-    per-token log-probs are summed in float32)."""
+    per-token log-probs are summed in float32). A packed batch sums each token into its sequence."""
+    if isinstance(batch, PackedBatch):
+        logits, targets, scored, sequence = packed_completion_logits(model, batch, device)
+        logp = token_logprobs(logits, targets).float() * scored
+        sums = torch.zeros(batch.n_sequences, device=logp.device, dtype=logp.dtype)
+        return sums.index_add(0, sequence.clamp(min=0).flatten(), logp.flatten())  # padding adds 0
     logits, targets, mask = completion_logits(
         model, batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device)
     )
@@ -50,7 +79,7 @@ def sequence_logps(model: Any, batch: PairBatch, device: torch.device) -> Tensor
 def all_pair_logps(
     model: Any,
     pairs: Sequence[TokenizedPair],
-    pad_id: int,
+    collate: PairCollate,
     batch_size: int,
     device: torch.device,
     progress: Phase | None = None,
@@ -61,7 +90,7 @@ def all_pair_logps(
     out = [torch.zeros(0, 2)]
     for i in range(0, len(pairs), batch_size):
         chunk = pairs[i : i + batch_size]
-        logps = sequence_logps(model, collate_pairs(list(chunk), pad_id), device)
+        logps = sequence_logps(model, collate(list(chunk)), device)
         out.append(torch.stack([logps[: len(chunk)], logps[len(chunk) :]], dim=1).cpu())
         if progress is not None:
             progress.advance(len(chunk))
@@ -111,7 +140,7 @@ def evaluate(
     model: Any,
     pairs: Sequence[TokenizedPair],
     ref: Tensor,
-    pad_id: int,
+    collate: PairCollate,
     device: torch.device,
     loss_fn: PreferenceLossFn,
     params: PreferenceParams,
@@ -120,7 +149,7 @@ def evaluate(
     batch_size: int = REFERENCE_BATCH,
 ) -> dict[str, float]:
     """``<prefix>/*`` metrics over ``pairs`` (reference log-probs ``ref``) with the current policy."""
-    logps = all_pair_logps(model, pairs, pad_id, batch_size, device, progress)
+    logps = all_pair_logps(model, pairs, collate, batch_size, device, progress)
     chosen_logratio, rejected_logratio = logps[:, 0] - ref[:, 0], logps[:, 1] - ref[:, 1]
     stats = pair_stats(chosen_logratio, rejected_logratio, params.beta)
     stats["loss"] = loss_fn(chosen_logratio, rejected_logratio, params).mean()
@@ -129,7 +158,7 @@ def evaluate(
 
 def micro_losses(
     model: Any,
-    parts: list[tuple[list[int], PairBatch]],
+    parts: list[tuple[list[int], PairBatch | PackedBatch]],
     idx: list[int],
     ref: Tensor,
     loss_fn: PreferenceLossFn,
@@ -157,13 +186,21 @@ class Reference:
     copy of the starting policy (taken before step 1) or the ``reference_model``; when resuming, loaded
     from the run's start (the resumed checkpoint is not the reference)."""
 
-    def __init__(self, path: str, reporter: Reporter, device: torch.device, model: Any | None = None):
+    def __init__(
+        self,
+        path: str,
+        reporter: Reporter,
+        device: torch.device,
+        model: Any | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
         self.path, self.reporter, self.device, self.model = path, reporter, device, model
+        self.dtype = dtype  # a loaded reference's weights: half under mixed precision (never trained)
 
     def get(self) -> Any:
         if self.model is None:
             with self.reporter.phase("model_load"):
-                self.model, _ = load_causal_lm(self.path)
+                self.model, _ = load_causal_lm(self.path, dtype=self.dtype)
                 self.model.to(self.device).eval().requires_grad_(False)
         return self.model
 
@@ -202,20 +239,29 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     # With an adapter the reference is the policy with its adapter off (the start: no copy at all).
     fresh_start = not session.resumed and same_reference
     precompute = hp.reference_mode == "precompute"
-    reference = Reference(ref_path, reporter, device, model if precompute and fresh_start else None)
+    reference = Reference(
+        ref_path,
+        reporter,
+        device,
+        model if precompute and fresh_start else None,
+        dtype=frozen_dtype(hp.precision),
+    )
     if same_reference and has_adapter(model):
         reference.model = model
     elif not precompute and fresh_start:
-        reference.model = copy.deepcopy(model).eval().requires_grad_(False)
+        reference.model = copy.deepcopy(model).to(reference.dtype).eval().requires_grad_(False)
 
     no_grad_batch = min(REFERENCE_BATCH, hp.micro_batch_size or hp.batch_size)
+    collate = pair_collate(pad_id, hp.max_length if hp.packing else None)
+    if hp.packing:
+        check_packing(model, device)
 
     def computer(rows: list[TokenizedPair]) -> Callable[[list[int], Phase], Tensor]:
         def compute(idx: list[int], progress: Phase) -> Tensor:
             ref_model = reference.get()
             with adapter_off(ref_model):
                 return all_pair_logps(
-                    ref_model, [rows[i] for i in idx], pad_id, no_grad_batch, device, progress
+                    ref_model, [rows[i] for i in idx], collate, no_grad_batch, device, progress
                 )
 
         return compute
@@ -255,7 +301,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
                 model,
                 rows,
                 ref.get(final_idx),
-                pad_id,
+                collate,
                 device,
                 loss_fn,
                 params,
@@ -270,7 +316,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
             model,
             held_out,
             val_ref.get(val_idx),
-            pad_id,
+            collate,
             device,
             loss_fn,
             params,
@@ -283,7 +329,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         t0 = time.perf_counter()
         idx = session.sampler.next_batch()
         ref_batch = ref.get(idx).to(device)
-        parts = [(list(p), collate_pairs([pairs[i] for i in p], pad_id)) for p in session.micro_batches(idx)]
+        parts = [(list(p), collate([pairs[i] for i in p])) for p in session.micro_batches(idx)]
         out: dict[str, list[Tensor]] = {}
         grad_norm = session.update(micro_losses(model, parts, idx, ref_batch, loss_fn, params, device, out))
         chosen, rejected = torch.cat(out["chosen"]), torch.cat(out["rejected"])

@@ -65,7 +65,8 @@ from trainer.specs import PpoHyperparameters, PpoSpec
 
 
 def token_values(critic: Any, batch: TokenBatch) -> Tensor:
-    """(N, L-1) per-token values, aligned with the log-prob positions of ``forward_logps``.
+    """(N, W) per-token values, aligned with the log-prob positions of ``forward_logps`` (the batch's
+    completion window: column k is position ``batch.offset + k``).
 
     ``values[:, t]`` is the value head applied to the backbone's hidden state at position t. A causal model
     sees ``input_ids[:, :t+1]`` there: the state in which token t+1 is chosen, the action whose log-prob
@@ -76,7 +77,7 @@ def token_values(critic: Any, batch: TokenBatch) -> Tensor:
     model = critic.get_base_model() if has_adapter(critic) else critic  # adapter layers sit inside it
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    values: Tensor = model.score(hidden).squeeze(-1)[:, :-1].float()
+    values: Tensor = model.score(hidden[:, batch.offset : -1]).squeeze(-1).float()
     return values
 
 
@@ -279,13 +280,14 @@ def rollout_kl(old_logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str)
 
 
 def prompt_values(
-    old_values: Tensor, completions: list[Completion]
+    old_values: Tensor, completions: list[Completion], offset: int
 ) -> Callable[[list[dict[str, Any]]], None]:
-    """Adds to stored sample i the critic's V(prompt) at rollout time, next to its reward."""
+    """Adds to stored sample i the critic's V(prompt) at rollout time, next to its reward (``old_values``
+    covers the completion window starting at position ``offset``)."""
 
     def annotate(records: list[dict[str, Any]]) -> None:
         for i, record in enumerate(records):
-            record["value"] = float(old_values[i, len(completions[i].prompt_ids) - 1])
+            record["value"] = float(old_values[i, len(completions[i].prompt_ids) - 1 - offset])
 
     return annotate
 
@@ -328,7 +330,7 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     policy, tokenizer, critic = load_actor_critic(start, critic_path, hp)
     parts = prepare_rl(spec, data, ctx, start, policy, tokenizer, ref_path)
     pretrain, critic_lr = hp.value_pretrain_steps, hp.critic_learning_rate or hp.lr
-    critic_opt = make_optimizer(critic, critic_lr, hp.weight_decay)
+    critic_opt = make_optimizer(critic, critic_lr, hp.weight_decay, hp.precision)
     session = TrainingSession(
         start,
         hp,
@@ -401,7 +403,6 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
                 | value_metrics(batch, actor_lam)
             )
             metrics |= perf_metrics(t_gen, t_train, mask)
-        close_rl_step(
-            session, parts, hp, metrics, ro, stats, annotate=prompt_values(old_values, ro.completions)
-        )
+        annotate = prompt_values(old_values, ro.completions, tokens.offset)
+        close_rl_step(session, parts, hp, metrics, ro, stats, annotate=annotate)
     return session.result

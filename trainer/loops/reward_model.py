@@ -186,7 +186,9 @@ def run_reward_model(
     # Resolve, seed, then load: the fresh score head is drawn from the seeded RNG, so it is the same
     # whether or not the preset was already built.
     start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
-    model, tokenizer = load_trainable(start, "score", checkpointing=hp.gradient_checkpointing)
+    model, tokenizer = load_trainable(
+        start, "score", checkpointing=hp.gradient_checkpointing, precision=hp.precision
+    )
     pad_id, device = tokenizer.pad_token_id, start.device
 
     kind = detect_kind(data.train)

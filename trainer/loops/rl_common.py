@@ -31,6 +31,7 @@ from trainer.loops.rollouts import (
 )
 from trainer.loops.session import Start, TrainingSession, eval_rows
 from trainer.models import load_causal_lm
+from trainer.precision import frozen_dtype
 from trainer.reporting import LoopContext, RunData
 from trainer.rewards.composite import CompositeReward
 from trainer.rollout.base import Completion, RolloutEngine
@@ -76,7 +77,7 @@ def prepare_rl(
         if ref_path is not None and same_reference and has_adapter(policy):
             reference = policy  # its adapter off is the start: no second copy (``reference_logps``)
         elif ref_path is not None:
-            reference, _ = load_causal_lm(ref_path)
+            reference, _ = load_causal_lm(ref_path, dtype=frozen_dtype(hp.precision))
             reference.to(start.device).eval().requires_grad_(False)
         engine = make_engine(hp.engine, model=policy, tokenizer=tokenizer, model_path=start.model_path)
         reward = build_reward(spec.rewards, ctx.resolve_model, start.device)
@@ -186,20 +187,30 @@ def close_rl_step(
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """Prompt+completion sequences, right-padded: (N, L). ``response_mask`` marks generated tokens (the
-    only ones scored); log-prob tensors are (N, L-1) aligned with ``input_ids[:, 1:]``."""
+    """Prompt+completion sequences, right-padded: (N, L). Per-token tensors (log-probs, values, masks,
+    advantages) cover only the *completion window*: W = L - 1 - ``offset`` columns, column k holding the
+    label position ``offset + k`` (the prediction of ``input_ids[:, offset + k + 1]``). ``offset`` is the
+    last prompt token of the batch's shortest prompt, so every generated token of every row is inside the
+    window and no logits are computed for positions that only predict prompt tokens."""
 
     input_ids: Tensor
     attention_mask: Tensor
-    response_mask: Tensor  # (N, L-1), float, 1 where input_ids[:, t+1] is a generated token
+    response_mask: Tensor  # (N, W), float, 1 where input_ids[:, offset + k + 1] is a generated token
+    offset: int = 0
+
+    @property
+    def targets(self) -> Tensor:
+        """(N, W) the token each window column predicts."""
+        return self.input_ids[:, self.offset + 1 :]
 
     def select(self, idx: Tensor) -> TokenBatch:
-        return TokenBatch(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx])
+        return TokenBatch(self.input_ids[idx], self.attention_mask[idx], self.response_mask[idx], self.offset)
 
 
 def to_token_batch(completions: Sequence[Completion], pad_id: int, device: torch.device) -> TokenBatch:
     seqs = [(c.prompt_ids, c.token_ids) for c in completions]
     width = max(len(p) + len(t) for p, t in seqs)
+    offset = max(min(len(p) for p, _ in seqs) - 1, 0)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(seqs), width), dtype=torch.long)
     resp = torch.zeros((len(seqs), width), dtype=torch.float32)
@@ -207,13 +218,19 @@ def to_token_batch(completions: Sequence[Completion], pad_id: int, device: torch
         ids[i, : len(p) + len(t)] = torch.tensor(p + t, dtype=torch.long)
         attn[i, : len(p) + len(t)] = 1
         resp[i, len(p) : len(p) + len(t)] = 1.0
-    return TokenBatch(ids.to(device), attn.to(device), resp[:, 1:].to(device))
+    return TokenBatch(ids.to(device), attn.to(device), resp[:, offset + 1 :].to(device), offset)
 
 
 def forward_logps(model: Any, batch: TokenBatch) -> tuple[Tensor, Tensor]:
-    """(logits[:, :-1], per-token log-probs of the next token) for every position, (N, L-1)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
-    return logits, token_logprobs(logits, batch.input_ids[:, 1:])
+    """(logits, per-token log-probs of the next token) over the completion window, (N, W, V) and (N, W).
+
+    The LM head runs only over the window (transformers' ``logits_to_keep``) and the logits stay in the
+    model's dtype (no full-size float32 copy; ``token_logprobs`` and ``entropy_from_logits`` work a row at
+    a time). Same values as slicing the full logits."""
+    window = batch.response_mask.shape[1]
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=window + 1)
+    logits = out.logits[:, :-1]
+    return logits, token_logprobs(logits, batch.targets).float()
 
 
 @torch.no_grad()

@@ -51,6 +51,7 @@ from trainer.loops.common import (
 )
 from trainer.models import load_causal_lm, load_reward_model, pick_device
 from trainer.phases import Phase
+from trainer.precision import frozen_dtype
 from trainer.reporting import LoopContext, LoopResult, Reporter
 from trainer.run_health import RunHealth
 from trainer.specs import AdapterSpec, TrainingHyperparameters
@@ -91,11 +92,14 @@ def enable_checkpointing(model: Any) -> None:
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
-def load_trainable(start: Start, task: Task = "causal", *, checkpointing: bool = False) -> tuple[Any, Any]:
+def load_trainable(
+    start: Start, task: Task = "causal", *, checkpointing: bool = False, precision: str = "fp32"
+) -> tuple[Any, Any]:
     """The model to train on the run's device (a causal LM, or with ``task="score"`` a scalar-head model)
     and its tokenizer: the start, or the checkpoint when resuming. With an adapter: the start's weights
     frozen under a fresh trainable adapter, or the resumed checkpoint's adapter (trainer/adapters.py).
-    ``checkpointing``: activation checkpointing on (``enable_checkpointing``)."""
+    ``checkpointing``: activation checkpointing on (``enable_checkpointing``). Trained weights load in
+    float32 (master weights); an adapter's frozen base in ``precision``'s dtype (trainer/precision.py)."""
     loader = load_reward_model if task == "score" else load_causal_lm
     with start.reporter.phase("model_load"):
         if start.adapter is None:
@@ -104,7 +108,9 @@ def load_trainable(start: Start, task: Task = "causal", *, checkpointing: bool =
                 enable_checkpointing(model)
         else:
             check_adapter_supported(start.adapter)
-            base, tokenizer = loader(start.start_path, quantization_config(start.adapter))
+            base, tokenizer = loader(
+                start.start_path, quantization_config(start.adapter), frozen_dtype(precision)
+            )
             if checkpointing:
                 enable_checkpointing(base)
             if start.ctx.resume_from is not None:
@@ -117,8 +123,9 @@ def load_trainable(start: Start, task: Task = "causal", *, checkpointing: bool =
 
 
 def load_policy(start: Start, hp: TrainingHyperparameters) -> tuple[Any, Any]:
-    """The causal LM to train (``load_trainable``, with ``hp.gradient_checkpointing``) and its tokenizer."""
-    return load_trainable(start, "causal", checkpointing=hp.gradient_checkpointing)
+    """The causal LM to train (``load_trainable``, with ``hp.gradient_checkpointing`` and ``hp.precision``)
+    and its tokenizer."""
+    return load_trainable(start, "causal", checkpointing=hp.gradient_checkpointing, precision=hp.precision)
 
 
 def eval_rows(n: int, max_rows: int, seed: int) -> list[int]:
@@ -167,7 +174,7 @@ class TrainingSession:
         self.model, self.tokenizer = model, tokenizer
         # An adapter checkpoint names the model it was trained on, so it loads on its own (run:<id>).
         self.model_files = base_file(start.start_path) if start.adapter is not None else {}
-        self.optimizer = make_optimizer(model, hp.lr, hp.weight_decay)
+        self.optimizer = make_optimizer(model, hp.lr, hp.weight_decay, hp.precision)
         self.sampler = EpochSampler(n_rows, batch_size or hp.batch_size, start.generator)
         self.generator = start.generator
         self.checkpointer = Checkpointer(

@@ -3,7 +3,9 @@
 Reads top to bottom: load -> tokenize -> steps (eval, checkpoints) -> final. The prompt is context, not
 a target: its tokens (and padding) carry no loss, so the model learns to answer, not to write prompts.
 The loss of a batch is the mean over all of its completion tokens (sum / count, as ``cross_entropy``
-with ``ignore_index`` does), so a long answer weighs more than a short one, token for token.
+with ``ignore_index`` does), so a long answer weighs more than a short one, token for token. With
+``packing`` the batch's sequences are packed into rows without padding (trainer/data/packing.py); the
+sums, and so the loss, are the padded batch's.
 """
 
 from __future__ import annotations
@@ -16,8 +18,14 @@ import torch
 from torch import Tensor
 
 from trainer.algorithms.logprobs import token_logprobs
+from trainer.data.packing import PackedBatch, pack_sequences
 from trainer.data.sft import SftBatch, TokenizedExample, collate_examples, tokenize_example
-from trainer.loops.common import completion_logits, to_floats
+from trainer.loops.common import (
+    check_packing,
+    completion_logits,
+    packed_completion_logits,
+    to_floats,
+)
 from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy
 from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
@@ -59,9 +67,30 @@ def sft_loss(logits: Tensor, input_ids: Tensor, completion_mask: Tensor) -> Tens
     return nll / count.clamp(min=1)
 
 
-def forward(model: Any, batch: SftBatch, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+Batch = SftBatch | PackedBatch
+
+
+def collate(examples: list[TokenizedExample], pad_id: int, packing: int | None) -> Batch:
+    """Padded rows (``collate_examples``), or with ``packing`` (a row capacity in tokens) packed rows
+    (trainer/data/packing.py)."""
+    if packing is None:
+        return collate_examples(examples, pad_id)
+    return pack_sequences([(e.prompt + e.completion, len(e.prompt)) for e in examples], packing, pad_id)
+
+
+def scored_tokens(batch: Batch) -> int:
+    """How many tokens of ``batch`` the loss reads."""
+    if isinstance(batch, PackedBatch):
+        return batch.n_scored
+    return int(batch.completion_mask[:, 1:].sum())
+
+
+def forward(model: Any, batch: Batch, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """``completion_sums`` of one batch under ``model``, logits only where they predict a completion token
-    (``completion_logits``)."""
+    (``completion_logits``, or ``packed_completion_logits`` for a packed batch)."""
+    if isinstance(batch, PackedBatch):
+        logits, targets, mask, _ = packed_completion_logits(model, batch, device)
+        return scored_sums(logits, targets, mask)
     logits, targets, mask = completion_logits(
         model, batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device)
     )
@@ -77,14 +106,16 @@ def evaluate(
     prefix: str,
     progress: Phase | None = None,
     batch_size: int = EVAL_BATCH,
+    packing: int | None = None,
 ) -> dict[str, float]:
-    """``<prefix>/loss`` and ``<prefix>/token_accuracy`` over every completion token of ``examples``."""
+    """``<prefix>/loss`` and ``<prefix>/token_accuracy`` over every completion token of ``examples``
+    (``packing``: as ``collate``)."""
     was_training = model.training
     model.eval()
     nll, hits, count = torch.zeros(()), torch.zeros(()), torch.zeros(())
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
-        b_nll, b_hits, b_count = forward(model, collate_examples(chunk, pad_id), device)
+        b_nll, b_hits, b_count = forward(model, collate(chunk, pad_id, packing), device)
         nll, hits, count = nll + b_nll.cpu(), hits + b_hits.cpu(), count + b_count.cpu()
         if progress is not None:
             progress.advance(len(chunk))
@@ -94,7 +125,7 @@ def evaluate(
 
 
 def micro_losses(
-    model: Any, parts: list[SftBatch], count: int, device: torch.device, sums: dict[str, Tensor]
+    model: Any, parts: list[Batch], count: int, device: torch.device, sums: dict[str, Tensor]
 ) -> Iterator[Tensor]:
     """Each micro-batch's summed completion NLL over the whole batch's ``count`` tokens (their sum is the
     batch's mean NLL), one forward pass when asked; ``sums`` collects the detached NLL and hits."""
@@ -125,6 +156,9 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     held_out = [val_examples[i] for i in eval_rows(len(val_examples), hp.eval_max_rows, hp.seed)]
     final_rows = [examples[i] for i in eval_rows(len(examples), hp.eval_max_rows, hp.seed)]
     no_grad_batch = min(EVAL_BATCH, hp.micro_batch_size or hp.batch_size)
+    packing = hp.max_length if hp.packing else None  # the row capacity of packed batches
+    if hp.packing:
+        check_packing(model, device)
     session = TrainingSession(start, hp, model, tokenizer, len(examples))
     if session.finished_before:
         return session.result
@@ -136,13 +170,13 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     model.train()
 
     def final(progress: Phase) -> Final:  # training examples (up to eval_max_rows): did it learn the data?
-        return Final(evaluate(model, final_rows, pad_id, device, "final", progress, no_grad_batch))
+        return Final(evaluate(model, final_rows, pad_id, device, "final", progress, no_grad_batch, packing))
 
     for _ in session.steps():
         t0 = time.perf_counter()
         rows = [examples[i] for i in session.sampler.next_batch()]
-        parts = [collate_examples(list(p), pad_id) for p in session.micro_batches(rows)]
-        count = sum(int(b.completion_mask[:, 1:].sum()) for b in parts)  # the whole batch's loss tokens
+        parts = [collate(list(p), pad_id, packing) for p in session.micro_batches(rows)]
+        count = sum(scored_tokens(b) for b in parts)  # the whole batch's loss tokens
         sums: dict[str, Tensor] = {}
         grad_norm = session.update(micro_losses(model, parts, count, device, sums))
         loss = sums["nll"] / max(count, 1)  # = sft_loss: mean over the batch's completion tokens
@@ -154,7 +188,9 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
             metrics = session.train_metrics(stats, sum(b.n_tokens for b in parts), t0)
         metrics |= session.evaluate(
             held_out,
-            lambda progress: evaluate(model, held_out, pad_id, device, "eval", progress, no_grad_batch),
+            lambda progress: evaluate(
+                model, held_out, pad_id, device, "eval", progress, no_grad_batch, packing
+            ),
         )
         session.end_step(metrics, final)
     return session.result

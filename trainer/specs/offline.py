@@ -13,6 +13,15 @@ from trainer.specs.base import (
     _RunSpecBase,
 )
 
+PACKING_DOC = (
+    "Padding-free packing: a (micro-)batch's sequences go end to end into rows of at most `max_length` "
+    "tokens (first-fit decreasing), position ids restarting at 0 for each, and attention never crosses a "
+    "boundary (transformers' block-diagonal mask from the position ids), so no compute or memory goes to "
+    "padding. The same losses as padded batches (tested to 1e-5); it pays when lengths vary a lot (chat "
+    "data), not on uniform short rows. A model whose layers ignore the boundaries (linear attention) is "
+    "refused at start."
+)
+
 
 class DpoHyperparameters(TrainingHyperparameters):
     """Direct Preference Optimization (Rafailov et al. 2023) and its loss variants."""
@@ -39,6 +48,7 @@ class DpoHyperparameters(TrainingHyperparameters):
         "precompute: every pair's before step 1 (no reference kept in memory while training). Either way "
         "the values computed travel in checkpoints, so a resumed run reads the same ones.",
     )
+    packing: bool = Field(default=False, description=PACKING_DOC)
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> DpoHyperparameters:
@@ -53,6 +63,8 @@ class SftHyperparameters(TrainingHyperparameters):
     """Supervised fine-tuning: next-token cross-entropy on completion tokens only."""
 
     family: ClassVar[str] = "sft"
+
+    packing: bool = Field(default=False, description=PACKING_DOC)
 
 
 class RewardModelHyperparameters(TrainingHyperparameters):

@@ -1,0 +1,118 @@
+"""Mixed precision, checked on CPU where it can be: half precision refused before anything loads on a worker
+without CUDA; trained weights load in float32 whatever the checkpoint's dtype, an adapter's frozen base in
+the half dtype; fp16's dynamic loss scaling (the same update as no scaling, an overflow skipped with the
+scale halved), on torch's CPU GradScaler. The CUDA autocast runs are in tests/loops/test_gpu.py."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.factories import loop_ctx
+from tests.loops.addition_rows import SFT
+from trainer.loops import LOOPS
+from trainer.loops.common import accumulate_and_step, make_optimizer
+from trainer.loops.session import begin, load_trainable
+from trainer.models import load_causal_lm, tiny_model_dir
+from trainer.precision import PrecisionUnsupported, loss_scaler
+from trainer.reporting import MemoryReporter, RunData
+from trainer.specs import AdapterSpec, parse_spec
+
+needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
+@needs_cpu_only
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_is_refused_before_anything_loads(
+    precision: str, tiny_cache: Path, tmp_path: Path
+) -> None:
+    spec = parse_spec(
+        {
+            "algorithm": "sft",
+            "model": "tiny:llama-0.4m",
+            "dataset_id": str(uuid.uuid4()),
+            "hyperparameters": {"max_steps": 1, "precision": precision},
+        }
+    )
+    reporter = MemoryReporter()
+    with pytest.raises(PrecisionUnsupported, match=rf"precision '{precision}' needs a CUDA GPU"):
+        LOOPS["sft"](spec, RunData(train=SFT), reporter, loop_ctx(tiny_cache, tmp_path / "out"))
+    assert reporter.phases == [] and reporter.events == []  # refused at start: no model load, no step
+    assert not (tmp_path / "out").exists()
+
+
+def test_spec_refuses_an_unknown_precision() -> None:
+    with pytest.raises(ValueError, match="precision"):
+        parse_spec(
+            {
+                "algorithm": "sft",
+                "model": "tiny:llama-0.4m",
+                "dataset_id": str(uuid.uuid4()),
+                "hyperparameters": {"precision": "fp8"},
+            }
+        )
+
+
+def bf16_checkpoint(tiny_cache: Path, tmp_path: Path) -> Path:
+    model, tokenizer = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    folder = tmp_path / "bf16-model"
+    model.to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_trained_weights_load_in_float32_and_a_frozen_base_in_the_half_dtype(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    ref = f"run:{uuid.uuid4()}"  # a run's output saved in bf16, as transformers would keep it
+    ctx = loop_ctx(tiny_cache, tmp_path / "out", runs={ref: bf16_checkpoint(tiny_cache, tmp_path)})
+    full, _ = load_trainable(begin(ctx, MemoryReporter(), ref, 0), precision="bf16")
+    assert {p.dtype for p in full.parameters()} == {torch.float32}  # the master copy
+
+    adapter = AdapterSpec(r=4, alpha=8)
+    lora, _ = load_trainable(begin(ctx, MemoryReporter(), ref, 0, adapter), precision="bf16")
+    trained = {p.dtype for p in lora.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in lora.parameters() if not p.requires_grad}
+    assert trained == {torch.float32} and frozen == {torch.bfloat16}
+
+    lora32, _ = load_trainable(begin(ctx, MemoryReporter(), ref, 0, adapter), precision="fp32")
+    assert {p.dtype for p in lora32.parameters()} == {torch.float32}
+
+
+def tiny_regression() -> tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1), torch.randn(8, 4), torch.randn(8, 1)
+
+
+def test_loss_scaling_gives_the_unscaled_update() -> None:
+    plain, x, y = tiny_regression()
+    scaled = copy.deepcopy(plain)
+    opt_plain = make_optimizer(plain, 1e-2, 0.0)
+    opt_scaled = make_optimizer(scaled, 1e-2, 0.0, precision="fp16")
+    assert loss_scaler(opt_plain) is None and loss_scaler(opt_scaled) is not None
+    for _ in range(3):
+        norm_plain = accumulate_and_step(plain, opt_plain, [((plain(x) - y) ** 2).mean()], 1.0)
+        norm_scaled = accumulate_and_step(scaled, opt_scaled, [((scaled(x) - y) ** 2).mean()], 1.0)
+        assert float(norm_scaled) == pytest.approx(float(norm_plain), rel=1e-6)  # unscaled before the clip
+    for a, b in zip(plain.parameters(), scaled.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_an_overflowing_gradient_skips_the_step_and_halves_the_scale() -> None:
+    model, x, y = tiny_regression()
+    optimizer = make_optimizer(model, 1e-2, 0.0, precision="fp16")
+    scaler = loss_scaler(optimizer)
+    assert scaler is not None
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = scaler.get_scale()
+    # 1e34 x the initial scale 65536 overflows float32 (3.4e38) in the backward: an fp16-style overflow.
+    norm = accumulate_and_step(model, optimizer, [1e34 * ((model(x) - y) ** 2).mean()], 1.0)
+    assert not torch.isfinite(norm)  # reported as a skipped update, not an error
+    assert scaler.get_scale() == scale / 2
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    accumulate_and_step(model, optimizer, [((model(x) - y) ** 2).mean()], 1.0)  # the next step applies
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
