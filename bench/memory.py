@@ -180,16 +180,15 @@ def trl_tokens(dataset: Any, task: str) -> float:
     cols = set(dataset.column_names)
     if task == "sft" and "input_ids" in cols:
         return float(sum(min(len(x), MAX_LENGTH) for x in dataset["input_ids"]))
-    if {"prompt_input_ids", "chosen_input_ids", "rejected_input_ids"} <= cols:
-        total = 0
-        for p, c, r in zip(
-            dataset["prompt_input_ids"],
-            dataset["chosen_input_ids"],
-            dataset["rejected_input_ids"],
-            strict=True,
-        ):
-            total += min(len(p) + len(c), MAX_LENGTH) + min(len(p) + len(r), MAX_LENGTH)
-        return float(total)
+    for names in (
+        ("prompt_ids", "chosen_ids", "rejected_ids"),
+        ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids"),
+    ):
+        if set(names) <= cols:  # TRL 1.x names first, then the 0.x ones
+            total = 0
+            for p, c, r in zip(*(dataset[n] for n in names), strict=True):
+                total += min(len(p) + len(c), MAX_LENGTH) + min(len(p) + len(r), MAX_LENGTH)
+            return float(total)
     return float("nan")
 
 

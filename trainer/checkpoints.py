@@ -15,7 +15,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,24 +111,43 @@ class Checkpointer:
         *,
         model: Any,
         tokenizer: Any,
-        optimizer: torch.optim.Optimizer,
+        optimizer_state: Mapping[str, Any],
         sampler: EpochSampler,
         metrics: Mapping[str, float],
         extra: dict[str, Any] | None = None,
         files: Mapping[str, str] | None = None,
+        model_state: Mapping[str, torch.Tensor] | None = None,
+        write: bool = True,
     ) -> Path:
         """Write a complete checkpoint for ``step`` and prune old ones; returns its folder.
 
         ``extra`` rides in ``trainer_state.pt`` (resume only); ``files`` are text files written next to the
         model (name -> content, e.g. a reward model's score statistics), inside the folder before it is
-        renamed into place and announced, so a reader never sees the model without them."""
+        renamed into place and announced, so a reader never sees the model without them. ``model_state``:
+        the whole model's state when the model in memory is sharded (``save_pretrained`` writes it).
+        ``write=False`` (a rank other than 0 of a multi-rank run) only records the step: rank 0 writes."""
         target = step_dir(self.root, step)
+        if not write:
+            self.saved[step] = {k: float(v) for k, v in metrics.items()}
+            return target
         tmp = self.root / f".tmp-step-{step:08d}"
         # The files are the long part (a 7B model: tens of seconds), watched as the ``checkpoint`` phase; a
         # stop inside it removes the half-written folder. Announcing the checkpoint comes after the phase.
         with self.sink.phase("checkpoint"):
             try:
-                self._write(tmp, target, step, model, tokenizer, optimizer, sampler, metrics, extra, files)
+                self._write(
+                    tmp,
+                    target,
+                    step,
+                    model,
+                    tokenizer,
+                    optimizer_state,
+                    sampler,
+                    metrics,
+                    extra,
+                    files,
+                    model_state,
+                )
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -152,22 +171,26 @@ class Checkpointer:
         step: int,
         model: Any,
         tokenizer: Any,
-        optimizer: torch.optim.Optimizer,
+        optimizer_state: Mapping[str, Any],
         sampler: EpochSampler,
         metrics: Mapping[str, float],
         extra: dict[str, Any] | None,
         files: Mapping[str, str] | None,
+        model_state: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """Write the checkpoint's files under ``tmp``, then rename it into place as ``target``."""
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        model.save_pretrained(tmp)
+        if model_state is None:
+            model.save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=dict(model_state))
         tokenizer.save_pretrained(tmp)
         for name, text in (files or {}).items():
             (tmp / name).write_text(text)
         state = {
             "step": step,
-            "optimizer": optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "rng": rng_state(),
             "sampler": sampler.state_dict(),
             "extra": extra or {},
@@ -180,11 +203,16 @@ class Checkpointer:
 
 
 def load_trainer_state(
-    folder: Path, *, optimizer: torch.optim.Optimizer, sampler: EpochSampler
+    folder: Path,
+    *,
+    optimizer: torch.optim.Optimizer,
+    sampler: EpochSampler,
+    restore_optimizer: Callable[[dict[str, Any]], None] | None = None,
 ) -> ResumeState:
-    """Restore optimizer, RNG and data position from a checkpoint folder (the model loads separately)."""
+    """Restore optimizer, RNG and data position from a checkpoint folder (the model loads separately).
+    ``restore_optimizer`` loads the optimizer's state when ``load_state_dict`` cannot (a sharded model)."""
     state = torch.load(folder / STATE_FILE, weights_only=False)  # our own file: holds Python RNG tuples
-    optimizer.load_state_dict(state["optimizer"])
+    (restore_optimizer or optimizer.load_state_dict)(state["optimizer"])
     sampler.load_state_dict(state["sampler"])
     restore_rng(state["rng"])
     return ResumeState(step=int(state["step"]), extra=dict(state["extra"]))

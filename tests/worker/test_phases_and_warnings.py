@@ -157,7 +157,7 @@ def test_checkpoint_stopped_midway_leaves_no_half_written_folder(tmp_path: Path)
             1,
             model=Broken(),
             tokenizer=Broken(),
-            optimizer=torch.optim.AdamW(params),
+            optimizer_state=torch.optim.AdamW(params).state_dict(),
             sampler=EpochSampler(4, 2, torch.Generator()),
             metrics={},
         )

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import torch
 
 from trainer.data.packing import PackedBatch, pack_sequences
+from trainer.distributed import Ranks, all_true, current, from_main, grad_sum_factor, local_norm
 from trainer.precision import enable_loss_scaling, loss_scaler
 
 T = TypeVar("T")
@@ -83,21 +84,24 @@ def accumulate_and_step(
     """
     where = f" at step {step}" if step is not None else ""
     scaler = loss_scaler(optimizer)  # fp16: losses scaled up for the backward, gradients unscaled below
+    ranks, factor = current(), grad_sum_factor()  # DDP/FSDP average the ranks' gradients: undo it
     optimizer.zero_grad(set_to_none=True)
     micro = iter(losses)
     for loss in micro:
-        if not torch.isfinite(loss.detach()).all():
+        if not all_true(bool(torch.isfinite(loss.detach()).all()), ranks):  # every rank skips, or none
             optimizer.zero_grad(set_to_none=True)
             if skip_nonfinite:
                 for _ in micro:  # the rest still run (no backward), so the step's statistics are whole
                     pass
                 return None
             raise NonFiniteError(f"loss is {float(loss.detach().float().sum())}{where}; no update applied")
+        if factor != 1:
+            loss = loss * factor
         with torch.autocast(loss.device.type, enabled=False):  # backward outside autocast, as torch asks
             (loss if scaler is None else scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    grad_norm = local_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
     if scaler is not None:
         # An overflow at this scale is expected now and then: the scaler skips the step and lowers the
         # scale (the returned norm is inf, counted as a skipped update), it is not a diverging run.
@@ -216,11 +220,17 @@ def make_optimizer(
 
 
 def stop_requested(
-    reporter: Any, step: int, start: int, saved_steps: Container[int], save: Callable[[int], object]
+    reporter: Any,
+    step: int,
+    start: int,
+    saved_steps: Container[int],
+    save: Callable[[int], object],
+    ranks: Ranks | None = None,
 ) -> bool:
     """True if a cancel or pause asks the loop to stop before ``step``. The work done is kept first:
-    ``save(step - 1)`` writes a checkpoint unless nothing new was trained or it exists already."""
-    if not reporter.should_stop():
+    ``save(step - 1)`` writes a checkpoint unless nothing new was trained or it exists already. In a
+    multi-rank run rank 0's answer is every rank's (``from_main``), so all stop at the same step."""
+    if not from_main(reporter.should_stop(), ranks or Ranks()):
         return False
     reporter.event("info", f"stopping before step {step}: cancel or pause requested")
     if step - 1 > start and step - 1 not in saved_steps:

@@ -24,6 +24,15 @@ from trainer.algorithms.logprobs import token_logprobs
 from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossFn, PreferenceParams
 from trainer.data.packing import PackedBatch, pack_sequences
 from trainer.data.preference import PairBatch, TokenizedPair, collate_pairs, tokenize_pair
+from trainer.distributed import (
+    Ranks,
+    gather_rows,
+    is_sharded,
+    padded_share,
+    share,
+    sum_over_ranks,
+    unwrap,
+)
 from trainer.loops.common import (
     check_packing,
     completion_logits,
@@ -118,6 +127,15 @@ class ReferenceLogps:
             self.known[missing] = True
         return self.values[index]
 
+    def sync(self, ranks: Ranks) -> None:
+        """Every rank knows what any rank computed (each computes the pairs of its own share): called by
+        every rank of a multi-rank run before a checkpoint, so the one rank 0 writes holds them all."""
+        if not ranks.active:
+            return
+        known = sum_over_ranks(self.known.to(torch.float32), ranks)[:, None]  # (N, 1) ranks knowing it
+        values = sum_over_ranks(self.values * self.known[:, None], ranks) / known.clamp(min=1)
+        self.values, self.known = values, known[:, 0] > 0
+
     def state_dict(self) -> dict[str, Tensor]:
         return {"values": self.values, "known": self.known}
 
@@ -165,16 +183,18 @@ def micro_losses(
     params: PreferenceParams,
     device: torch.device,
     out: dict[str, list[Tensor]],
+    total: int | None = None,
 ) -> Iterator[Tensor]:
     """For each micro-batch (its pair indices and batch) the sum of its pairs' losses over the whole
-    batch's ``len(idx)`` pairs: the micro-batch losses add up to the batch's mean loss. One forward pass
+    batch's ``total`` pairs (default ``len(idx)``; a rank of a multi-rank run holds a share of the batch):
+    the micro-batch losses add up to the batch's mean loss. One forward pass
     when asked; ``out`` collects the detached chosen and rejected log-probs and each micro-batch loss."""
     at = {pair: row for row, pair in enumerate(idx)}
     for rows, batch in parts:
         logps = sequence_logps(model, batch, device)
         chosen, rejected = logps[: len(rows)], logps[len(rows) :]
         ref_rows = ref[[at[i] for i in rows]]
-        loss = loss_fn(chosen - ref_rows[:, 0], rejected - ref_rows[:, 1], params).sum() / len(idx)
+        loss = loss_fn(chosen - ref_rows[:, 0], rejected - ref_rows[:, 1], params).sum() / (total or len(idx))
         out.setdefault("chosen", []).append(chosen.detach())
         out.setdefault("rejected", []).append(rejected.detach())
         out.setdefault("loss", []).append(loss.detach())
@@ -207,7 +227,7 @@ class Reference:
 
 def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
     """Train ``spec.model`` with the preference loss ``spec.hyperparameters.loss_type``."""
-    hp = spec.hyperparameters
+    hp, ranks = spec.hyperparameters, ctx.ranks
     same_reference = spec.reference_model is None or spec.reference_model == spec.model
     ref_path = ctx.resolve_model(spec.reference_model or spec.model)  # before seeding, as ``begin`` says
     start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
@@ -246,10 +266,10 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         model if precompute and fresh_start else None,
         dtype=frozen_dtype(hp.precision),
     )
-    if same_reference and has_adapter(model):
+    if same_reference and has_adapter(unwrap(model)):
         reference.model = model
-    elif not precompute and fresh_start:
-        reference.model = copy.deepcopy(model).to(reference.dtype).eval().requires_grad_(False)
+    elif not precompute and fresh_start and not is_sharded(model):  # a sharded one loads its own copy
+        reference.model = copy.deepcopy(unwrap(model)).to(reference.dtype).eval().requires_grad_(False)
 
     no_grad_batch = min(REFERENCE_BATCH, hp.micro_batch_size or hp.batch_size)
     collate = pair_collate(pad_id, hp.max_length if hp.packing else None)
@@ -259,7 +279,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     def computer(rows: list[TokenizedPair]) -> Callable[[list[int], Phase], Tensor]:
         def compute(idx: list[int], progress: Phase) -> Tensor:
             ref_model = reference.get()
-            with adapter_off(ref_model):
+            with adapter_off(unwrap(ref_model)):
                 return all_pair_logps(
                     ref_model, [rows[i] for i in idx], collate, no_grad_batch, device, progress
                 )
@@ -277,14 +297,19 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     if saved is not None:
         ref.load(saved["train"])
         val_ref.load(saved["validation"])
-    session.extra_state = lambda: {
-        "ref_logps": {"train": ref.state_dict(), "validation": val_ref.state_dict()}
-    }
+
+    def extra_state() -> dict[str, Any]:
+        ref.sync(ranks)
+        val_ref.sync(ranks)
+        return {"ref_logps": {"train": ref.state_dict(), "validation": val_ref.state_dict()}}
+
+    session.extra_state = extra_state
     val_idx = eval_rows(len(val_pairs), hp.eval_max_rows, hp.seed)
     final_idx = eval_rows(len(pairs), hp.eval_max_rows, hp.seed)
     held_out = [val_pairs[i] for i in val_idx]
-    if precompute:
-        ref.get(range(len(pairs)))
+    if precompute:  # each rank its share (padded to equal passes), then every rank knows them all
+        ref.get(padded_share(len(pairs), ranks))
+        ref.sync(ranks)
         val_ref.get(val_idx)
         reference.model = None  # not needed again: every value a step or an evaluation reads is known
     reporter.event(
@@ -327,14 +352,23 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
 
     for _ in session.steps():
         t0 = time.perf_counter()
-        idx = session.sampler.next_batch()
+        idx = session.sampler.next_batch()  # the global batch: the same on every rank
+        mine = share(idx, ranks)  # this rank's part of it (all of it on one rank)
+        # Every rank reads the whole batch's reference values, so all know the same pairs and compute the
+        # same missing ones: the same number of passes on each, as a sharded reference needs.
         ref_batch = ref.get(idx).to(device)
-        parts = [(list(p), collate([pairs[i] for i in p])) for p in session.micro_batches(idx)]
+        first = ranks.rank * len(mine)
+        ref_mine = ref_batch[first : first + len(mine)]
+        parts = [(list(p), collate([pairs[i] for i in p])) for p in session.micro_batches(mine)]
         out: dict[str, list[Tensor]] = {}
-        grad_norm = session.update(micro_losses(model, parts, idx, ref_batch, loss_fn, params, device, out))
-        chosen, rejected = torch.cat(out["chosen"]), torch.cat(out["rejected"])
+        grad_norm = session.update(
+            micro_losses(model, parts, mine, ref_mine, loss_fn, params, device, out, total=len(idx))
+        )
+        chosen = gather_rows(torch.cat(out["chosen"]), ranks)  # every rank's, in batch order
+        rejected = gather_rows(torch.cat(out["rejected"]), ranks)
         chosen_logratio, rejected_logratio = chosen - ref_batch[:, 0], rejected - ref_batch[:, 1]
-        loss = torch.stack(out["loss"]).sum()
+        loss = sum_over_ranks(torch.stack(out["loss"]).sum(), ranks)
+        n_tokens = int(sum_over_ranks(torch.tensor(sum(b.n_tokens for _, b in parts)), ranks))
 
         metrics: dict[str, float] = {}
         if session.log_due:
@@ -345,7 +379,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
                 "logps/chosen": chosen.mean(),
                 "logps/rejected": rejected.mean(),
             }
-            metrics = session.train_metrics(stats, sum(b.n_tokens for _, b in parts), t0)
+            metrics = session.train_metrics(stats, n_tokens, t0)
         metrics |= session.evaluate(held_out, evaluate_held_out)
         session.end_step(metrics, final)
     return session.result

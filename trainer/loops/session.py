@@ -38,6 +38,13 @@ from trainer.adapters import (
 )
 from trainer.checkpoints import Checkpointer, load_trainer_state
 from trainer.data.sampling import EpochSampler
+from trainer.distributed import (
+    full_model_state,
+    full_optimizer_state,
+    load_optimizer_state,
+    unwrap,
+    wrap,
+)
 from trainer.loops.common import (
     is_due,
     make_optimizer,
@@ -99,7 +106,8 @@ def load_trainable(
     and its tokenizer: the start, or the checkpoint when resuming. With an adapter: the start's weights
     frozen under a fresh trainable adapter, or the resumed checkpoint's adapter (trainer/adapters.py).
     ``checkpointing``: activation checkpointing on (``enable_checkpointing``). Trained weights load in
-    float32 (master weights); an adapter's frozen base in ``precision``'s dtype (trainer/precision.py)."""
+    float32 (master weights); an adapter's frozen base in ``precision``'s dtype (trainer/precision.py).
+    In a multi-rank run the model comes back spread over the ranks (DDP or FSDP2, trainer/distributed.py)."""
     loader = load_reward_model if task == "score" else load_causal_lm
     with start.reporter.phase("model_load"):
         if start.adapter is None:
@@ -119,7 +127,7 @@ def load_trainable(
                 model = add_adapter(base, start.adapter, task)
         if start.adapter is None or start.adapter.quantize is None:  # a quantized base is placed at load
             model.to(start.device)
-    return model, tokenizer
+    return wrap(model, start.ctx.ranks), tokenizer
 
 
 def load_policy(start: Start, hp: TrainingHyperparameters) -> tuple[Any, Any]:
@@ -171,6 +179,7 @@ class TrainingSession:
         """``n_rows`` rows are sampled ``batch_size`` (default ``hp.batch_size``) at a time."""
         ctx, reporter = start.ctx, start.reporter
         self.hp, self.reporter, self.ctx, self.device = hp, reporter, ctx, start.device
+        self.ranks = ctx.ranks
         self.model, self.tokenizer = model, tokenizer
         # An adapter checkpoint names the model it was trained on, so it loads on its own (run:<id>).
         self.model_files = base_file(start.start_path) if start.adapter is not None else {}
@@ -196,7 +205,12 @@ class TrainingSession:
         self.skipped_updates = 0  # batches skipped as non-finite in the current step
         self._result: LoopResult | None = None
         if ctx.resume_from is not None:
-            resumed = load_trainer_state(ctx.resume_from, optimizer=self.optimizer, sampler=self.sampler)
+            resumed = load_trainer_state(
+                ctx.resume_from,
+                optimizer=self.optimizer,
+                sampler=self.sampler,
+                restore_optimizer=lambda state: load_optimizer_state(model, self.optimizer, state),
+            )
             self.first = self.step = resumed.step
             self.extra = resumed.extra
             reporter.event("info", f"resumed from checkpoint at step {self.first}")
@@ -222,7 +236,9 @@ class TrainingSession:
         """The steps left, each with its learning rate set; ends early (result: cancelled) when a cancel or
         pause asks to stop, after a checkpoint of the steps done since the start or the last save."""
         for step in range(self.first + 1, self.hp.max_steps + 1):
-            if stop_requested(self.reporter, step, self.first, self.checkpointer.saved, self._keep_work):
+            if stop_requested(
+                self.reporter, step, self.first, self.checkpointer.saved, self._keep_work, self.ranks
+            ):
                 self._result = LoopResult(status="cancelled", output_path=None)
                 return
             self.step, self.skipped_updates = step, 0
@@ -310,13 +326,20 @@ class TrainingSession:
             self.reporter.warn(warning.code, warning.step, warning.message)
 
     def save(self, step: int, metrics: dict[str, float], files: dict[str, str] | None = None) -> Path:
+        """A checkpoint of ``step``. Every rank of a multi-rank run calls it (a sharded model's state is
+        gathered from all of them); rank 0 writes it."""
+        model_state = full_model_state(self.model, self.ranks)
+        optimizer_state = full_optimizer_state(self.model, self.optimizer)
+        extra = self.extra_state()
         return self.checkpointer.save(
             step,
-            model=self.model,
+            model=unwrap(self.model),
             tokenizer=self.tokenizer,
-            optimizer=self.optimizer,
+            optimizer_state=optimizer_state,
             sampler=self.sampler,
             metrics=metrics,
-            extra=self.extra_state(),
+            extra=extra,
             files=(files or {}) | self.model_files,
+            model_state=model_state,
+            write=self.ranks.main,
         )

@@ -20,6 +20,7 @@ from torch import Tensor
 from trainer.algorithms.logprobs import token_logprobs
 from trainer.data.packing import PackedBatch, pack_sequences
 from trainer.data.sft import SftBatch, TokenizedExample, collate_examples, tokenize_example
+from trainer.distributed import share, sum_over_ranks
 from trainer.loops.common import (
     check_packing,
     completion_logits,
@@ -138,7 +139,7 @@ def micro_losses(
 
 def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
     """Fine-tune ``spec.model`` on prompt/completion rows (loss on completion tokens only)."""
-    hp = spec.hyperparameters
+    hp, ranks = spec.hyperparameters, ctx.ranks
     start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
     model, tokenizer = load_policy(start, hp)
     pad_id, device = tokenizer.pad_token_id, start.device
@@ -174,18 +175,21 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
 
     for _ in session.steps():
         t0 = time.perf_counter()
-        rows = [examples[i] for i in session.sampler.next_batch()]
+        # The global batch (the same on every rank), of which this rank trains its share.
+        rows = [examples[i] for i in share(session.sampler.next_batch(), ranks)]
         parts = [collate(list(p), pad_id, packing) for p in session.micro_batches(rows)]
-        count = sum(scored_tokens(b) for b in parts)  # the whole batch's loss tokens
+        mine = torch.tensor(sum(scored_tokens(b) for b in parts))
+        count = int(sum_over_ranks(mine, ranks))  # the whole batch's loss tokens, over every rank
         sums: dict[str, Tensor] = {}
         grad_norm = session.update(micro_losses(model, parts, count, device, sums))
-        loss = sums["nll"] / max(count, 1)  # = sft_loss: mean over the batch's completion tokens
-        hits = sums["hits"]
+        loss = sum_over_ranks(sums["nll"], ranks) / max(count, 1)  # = sft_loss over the whole batch
+        hits = sum_over_ranks(sums["hits"], ranks)
+        n_tokens = int(sum_over_ranks(torch.tensor(sum(b.n_tokens for b in parts)), ranks))
 
         metrics: dict[str, float] = {}
         if session.log_due:
             stats = {"loss": loss, "token_accuracy": hits / max(count, 1), "grad_norm": grad_norm}
-            metrics = session.train_metrics(stats, sum(b.n_tokens for b in parts), t0)
+            metrics = session.train_metrics(stats, n_tokens, t0)
         metrics |= session.evaluate(
             held_out,
             lambda progress: evaluate(

@@ -1,0 +1,41 @@
+"""Module-level pieces of a multi-rank test job (pickled to each spawned rank, so not in a test file)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from tests.factories import loop_ctx
+from trainer.distributed import Ranks
+from trainer.reporting import LoopContext, LoopResult, MemoryReporter, Reporter
+
+
+def rank_context(tiny_cache: str, out: str, ranks: Ranks) -> LoopContext:
+    return dataclasses.replace(loop_ctx(Path(tiny_cache), Path(out)), ranks=ranks)
+
+
+def memory_reporter() -> Reporter:
+    return MemoryReporter()
+
+
+def metrics_and_result(reporter: Reporter, result: LoopResult) -> dict[str, Any]:
+    assert isinstance(reporter, MemoryReporter)
+    return {
+        "status": result.status,
+        "output": str(result.output_path),
+        "metrics": reporter.metrics,
+        "checkpoints": sorted(reporter.checkpoints),
+    }
+
+
+def failing_context(tiny_cache: str, out: str, how: str, ranks: Ranks) -> LoopContext:
+    """Rank 1 breaks once training has begun on rank 0's side of the rendezvous: it raises, or dies."""
+    if ranks.rank == 1:
+        if how == "raise":
+            raise OSError("rank 1 lost its disk")
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rank_context(tiny_cache, out, ranks)

@@ -1,0 +1,104 @@
+"""One run on 2 ranks (gloo on CPU, started by torch's elastic launcher): DPO over DDP and over FSDP2, and
+SFT over FSDP2, make the single-process run's updates on the same global batch, so their losses and
+metrics match to 1e-5 over 10 steps, and the final model (written by rank 0 alone, gathered from the
+shards under FSDP2) equals the single-process one. A rank that raises or dies ends every rank, naming it."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.factories import loop_ctx
+from tests.loops.addition_rows import PAIRS, SFT
+from tests.loops.rank_helpers import failing_context, memory_reporter, metrics_and_result, rank_context
+from trainer.loops import LOOPS
+from trainer.models import load_causal_lm
+from trainer.rank_launch import RankFailed, RankJob, launch
+from trainer.reporting import MemoryReporter, RunData
+from trainer.specs import parse_spec
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+
+
+def run_spec(algorithm: str = "dpo", **hp: Any) -> dict[str, Any]:
+    return {
+        "algorithm": algorithm,
+        "model": "tiny:llama-0.4m",
+        "dataset_id": str(uuid.uuid4()),
+        "hyperparameters": {"max_steps": STEPS, "batch_size": 4, "learning_rate": 1e-3, **hp},
+    }
+
+
+def series(metrics: list[tuple[int, str, float]], key: str) -> list[float]:
+    return [v for _, k, v in metrics if k == key]
+
+
+def rows(spec: dict[str, Any]) -> RunData:
+    return RunData(train=PAIRS if spec["algorithm"] == "dpo" else SFT)
+
+
+def single(spec: dict[str, Any], tiny_cache: Path, out: Path) -> dict[str, Any]:
+    reporter = MemoryReporter()
+    result = LOOPS[spec["algorithm"]](parse_spec(spec), rows(spec), reporter, loop_ctx(tiny_cache, out))
+    return metrics_and_result(reporter, result)
+
+
+def two_ranks(spec: dict[str, Any], sharding: str, tiny_cache: Path, out: Path) -> dict[str, Any]:
+    job = RankJob(
+        spec=spec,
+        data=rows(spec),
+        context=functools.partial(rank_context, str(tiny_cache), str(out)),
+        reporter=memory_reporter,
+        collect=metrics_and_result,
+        sharding=sharding,  # type: ignore[arg-type]
+    )
+    result: dict[str, Any] = launch(job, 2)
+    return result
+
+
+KEYS = {
+    "dpo": ("loss", "rewards/accuracy", "rewards/margin", "logps/chosen", "grad_norm", "final/loss"),
+    "sft": ("loss", "token_accuracy", "grad_norm", "final/loss", "final/token_accuracy"),
+}
+
+
+@pytest.mark.parametrize(("algorithm", "sharding"), [("dpo", "ddp"), ("dpo", "fsdp"), ("sft", "fsdp")])
+def test_two_ranks_make_the_single_process_updates(
+    algorithm: str, sharding: str, tiny_cache: Path, tmp_path: Path
+) -> None:
+    spec = run_spec(algorithm)
+    one = single(spec, tiny_cache, tmp_path / "one")
+    two = two_ranks(spec, sharding, tiny_cache, tmp_path / "two")
+    assert two["status"] == "succeeded"
+    for key in KEYS[algorithm]:
+        expected = series(one["metrics"], key)
+        assert len(expected) == (1 if key.startswith("final/") else STEPS)
+        tolerance = {"rel": 1e-5} if key == "grad_norm" else {"abs": 1e-5}  # norms ~10: float32 rounding
+        assert series(two["metrics"], key) == pytest.approx(expected, **tolerance), key
+    assert two["checkpoints"] == one["checkpoints"] == [STEPS]
+    a, _ = load_causal_lm(one["output"])
+    b, _ = load_causal_lm(two["output"])  # rank 0's save: the whole model, gathered from the shards
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(("how", "reason"), [("raise", "OSError: rank 1 lost its disk"), ("die", "signal 9")])
+def test_a_rank_that_fails_or_dies_ends_every_rank_naming_it(
+    how: str, reason: str, tiny_cache: Path, tmp_path: Path
+) -> None:
+    job = RankJob(
+        spec=run_spec(),
+        data=RunData(train=PAIRS),
+        context=functools.partial(failing_context, str(tiny_cache), str(tmp_path), how),
+        reporter=memory_reporter,
+        collect=metrics_and_result,
+    )
+    with pytest.raises(RankFailed, match=rf"rank 1 of 2 failed: [^;]*{reason}"):
+        launch(job, 2)  # rank 0, waiting for rank 1 in the first collective, is ended too

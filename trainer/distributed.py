@@ -1,0 +1,197 @@
+"""One run on N processes (ranks) with torch.distributed: DDP or FSDP2, torch's own engines.
+
+Every rank runs the same loop on the same data order (the sampler is seeded, so each draws the same global
+batch) and takes its contiguous share of each batch (``share``). Each rank's loss is normalised by the
+*global* batch (its rows' losses sum over the global count), so the ranks' gradients add up to the whole
+batch's; DDP and FSDP2 average gradients over ranks, so the backward is scaled by the world size
+(``GRAD_SUM_FACTOR``, read by ``accumulate_and_step``). The update is then the single-process update of
+the same global batch, which the tests check to 1e-5 with 2 gloo ranks.
+
+- ``ddp``: ``DistributedDataParallel``, every rank holds the whole model; gradients all-reduced in the
+  backward (Li et al. 2020, "PyTorch Distributed").
+- ``fsdp``: FSDP2 ``fully_shard`` on every transformer block, then the root: parameters, gradients and
+  optimizer state are sharded over the ranks and gathered block by block for each forward and backward
+  (Zhao et al. 2023, "PyTorch FSDP"); a checkpoint gathers the full state on rank 0
+  (``torch.distributed.checkpoint.state_dict``).
+
+Rank 0 alone talks to the outside (its reporter writes metrics, events and checkpoints); the others get a
+silent one. Decisions every rank must share (stop or go, a non-finite loss) are taken collectively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+T = TypeVar("T")
+Sharding = Literal["ddp", "fsdp"]
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the run: its rank, how many ranks, how the model is spread over them."""
+
+    rank: int = 0
+    world: int = 1
+    sharding: Sharding = "ddp"
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def current(sharding: Sharding = "ddp") -> Ranks:
+    """The ranks of the initialised process group (one rank when there is none)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return Ranks()
+    return Ranks(dist.get_rank(), dist.get_world_size(), sharding)
+
+
+def grad_sum_factor() -> int:
+    """What each rank's backward is scaled by so that the averaged gradient is the ranks' sum: the world
+    size in a process group, else 1."""
+    return current().world
+
+
+def share(items: Sequence[T], ranks: Ranks) -> list[T]:
+    """This rank's contiguous share of ``items`` (the ranks' shares in rank order are ``items``). The count
+    must divide evenly (the spec checks the batch sizes), so every rank runs the same number of passes."""
+    if len(items) % ranks.world:
+        raise ValueError(f"{len(items)} rows do not split evenly over {ranks.world} ranks")
+    size = len(items) // ranks.world
+    return list(items[ranks.rank * size : (ranks.rank + 1) * size])
+
+
+def padded_share(n: int, ranks: Ranks) -> list[int]:
+    """This rank's share of ``range(n)`` when ``n`` need not divide evenly: every index is in some share
+    and each share has ``ceil(n / world)`` indices (the last wraps around to the first), so every rank runs
+    the same number of passes, as a sharded model's collective forwards need."""
+    size = -(-n // ranks.world)
+    return [(ranks.rank * size + k) % n for k in range(size)] if n else []
+
+
+def gather_rows(t: Tensor, ranks: Ranks) -> Tensor:
+    """The ranks' equal-sized tensors concatenated along dim 0 in rank order (``t`` alone on one rank)."""
+    if not ranks.active:
+        return t
+    parts = [torch.empty_like(t) for _ in range(ranks.world)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def sum_over_ranks(t: Tensor, ranks: Ranks) -> Tensor:
+    if not ranks.active:
+        return t
+    out = t.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def all_true(flag: bool, ranks: Ranks) -> bool:
+    """True when ``flag`` is True on every rank (one collective)."""
+    if not ranks.active:
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def from_main(flag: bool, ranks: Ranks) -> bool:
+    """Rank 0's ``flag`` on every rank (a decision only rank 0 can take, such as "a stop was asked")."""
+    if not ranks.active:
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    dist.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def wrap(model: Any, ranks: Ranks) -> Any:
+    """``model`` spread over the ranks: DDP (a wrapper; the model is ``.module``) or FSDP2 (sharded in
+    place, every transformer block then the root). Unchanged on one rank."""
+    if not ranks.active:
+        return model
+    if ranks.sharding == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [torch.cuda.current_device()] if torch.cuda.is_available() else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (ranks.world,))
+    blocks = [m for m in model.modules() if type(m).__name__ in _block_classes(model)]
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _block_classes(model: Any) -> set[str]:
+    """The transformer block classes of a transformers model (its ``_no_split_modules``)."""
+    inner = unwrap(model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    if not names:
+        raise ValueError(f"{type(base).__name__} names no transformer block class (_no_split_modules)")
+    return names
+
+
+def unwrap(model: Any) -> Any:
+    """The model under a DDP wrapper (FSDP2 shards in place: nothing to unwrap)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def is_sharded(model: Any) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_model_state(model: Any, ranks: Ranks) -> dict[str, Tensor] | None:
+    """The whole model's state dict on rank 0 (None on the others, and when nothing needs gathering: the
+    model saves itself). Under FSDP2 every rank must call it (it gathers the shards)."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v for k, v in state.items() if isinstance(v, Tensor)} if ranks.main else None
+
+
+def full_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state as one process would hold it (gathered from the shards under FSDP2: every
+    rank must call it; rank 0 gets the whole state)."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return dict(get_optimizer_state_dict(model, optimizer, options=options))
+
+
+def load_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Restore what ``full_optimizer_state`` returned (sharded again under FSDP2)."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
+def local_norm(norm: Tensor) -> Tensor:
+    """A gradient norm as a plain tensor (FSDP2's ``clip_grad_norm_`` returns a DTensor)."""
+    full = getattr(norm, "full_tensor", None)
+    return full() if callable(full) else norm

@@ -1,0 +1,192 @@
+"""Run a loop as N ranks: torch's elastic launcher starts the processes, rendezvous on loopback.
+
+``launch(job, world)`` starts ``world`` processes with ``torch.distributed.elastic.multiprocessing
+.start_processes`` (the machinery under ``torchrun``), each with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/
+``MASTER_PORT`` set for a rendezvous on 127.0.0.1 at a free port. Each process (``run_rank``) joins the
+process group (NCCL on CUDA, one GPU per rank; gloo on CPU) and runs the spec's loop with its ``Ranks``
+in the loop context (trainer/distributed.py). Rank 0's reporter is the run's; the others' are silent.
+
+The caller gets rank 0's return value (``job.collect``). A rank that raises or dies ends every rank
+(``RankFailed`` names each failed rank, earliest first, with its error or signal: a rank that fails
+makes its peers fail in their next collective, so several may be named); ``poll`` returning True ends
+them too (``RanksStopped``), e.g. a cancel that the ranks did not honour in time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from trainer.distributed import Ranks, Sharding, current, from_main
+from trainer.phases import NoPhase, Phase
+from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
+
+POLL_SECONDS = 0.2
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died; the others were stopped."""
+
+
+class RanksStopped(RuntimeError):
+    """The caller's ``poll`` asked to end the ranks."""
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What every rank runs (pickled to each process, so its callables are module-level functions or
+    ``functools.partial`` of them): the spec (JSON), the data, the loop context for a rank, rank 0's
+    reporter and what rank 0 returns from its reporter and result."""
+
+    spec: dict[str, Any]
+    data: RunData
+    context: Callable[[Ranks], LoopContext]
+    reporter: Callable[[], Reporter]
+    collect: Callable[[Reporter, LoopResult], Any]
+    sharding: Sharding = "ddp"
+
+
+class RankReporter:
+    """Rank 0's reporter on rank 0, silence elsewhere; ``should_stop`` is rank 0's answer on every rank."""
+
+    def __init__(self, inner: Reporter | None, ranks: Ranks):
+        self.inner, self.ranks = inner, ranks
+
+    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self.inner is not None:
+            self.inner.log_metrics(step, metrics)
+
+    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
+        if self.inner is not None:
+            self.inner.event(kind, message, data)
+
+    def checkpoint_saved(self, step: int, path: Path, size_bytes: int, metrics: Mapping[str, float]) -> None:
+        if self.inner is not None:
+            self.inner.checkpoint_saved(step, path, size_bytes, metrics)
+
+    def checkpoint_removed(self, step: int) -> None:
+        if self.inner is not None:
+            self.inner.checkpoint_removed(step)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        if self.inner is not None:
+            self.inner.log_samples(step, samples)
+
+    def should_stop(self) -> bool:
+        return from_main(self.inner.should_stop() if self.inner is not None else False, self.ranks)
+
+    def phase(self, name: str, total: int | None = None) -> AbstractContextManager[Phase]:
+        return self.inner.phase(name, total) if self.inner is not None else NoPhase(name, total)
+
+    def warn(self, code: str, step: int, message: str) -> None:
+        if self.inner is not None:
+            self.inner.warn(code, step, message)
+
+
+def run_rank(job: RankJob) -> Any:
+    """One rank: join the process group, run the loop, return ``job.collect(...)`` on rank 0."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_run_rank)(job)
+
+
+def _run_rank(job: RankJob) -> Any:
+    from trainer.loops import LOOPS
+    from trainer.specs import parse_spec
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        ranks = current(job.sharding)
+        spec = parse_spec(job.spec)
+        inner = job.reporter() if ranks.main else None
+        reporter = RankReporter(inner, ranks)
+        result = LOOPS[spec.algorithm](spec, job.data, reporter, job.context(ranks))
+        return job.collect(inner, result) if inner is not None else None
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    threads = max(1, (os.cpu_count() or 1) // world)  # ranks share the machine's cores
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": str(threads),
+    }
+
+
+def launch(job: RankJob, world: int, *, poll: Callable[[], bool] | None = None) -> Any:
+    """Run ``job`` on ``world`` ranks; rank 0's ``collect`` value. Raises ``RankFailed`` or
+    ``RanksStopped`` (every rank ended either way)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    port = free_port()
+    with _log_dir() as logs:
+        context = start_processes(
+            name="rlrun-rank",
+            entrypoint=run_rank,
+            args=dict.fromkeys(range(world), (job,)),
+            envs={r: rank_env(r, world, port) for r in range(world)},
+            logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
+        )
+        try:
+            while (done := context.wait(timeout=POLL_SECONDS, period=0.05)) is None:
+                if poll is not None and poll():
+                    raise RanksStopped("the ranks were stopped before they finished")
+        finally:
+            context.close()
+        if done.failures:
+            raise RankFailed(_failures(done.failures, context.error_files, world))
+        return done.return_values.get(0)
+
+
+def _failures(first: Mapping[int, Any], error_files: Mapping[int, str], world: int) -> str:
+    """Every failed rank, earliest first: the launcher reports the first failure it sees, but the rank
+    that caused it may be another (its peers then fail in their next collective), so each rank's error
+    file is read too."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    failures = dict(first)
+    for rank, path in error_files.items():
+        if rank not in failures and os.path.isfile(path) and os.path.getsize(path) > 0:
+            failures[rank] = ProcessFailure(local_rank=rank, pid=0, exitcode=1, error_file=path)
+    order = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    return "; ".join(f"rank {r} of {world} failed: {_reason(f)}" for r, f in order)
+
+
+def _reason(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    text = str(message or "").strip().splitlines()
+    exit_info = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else f"signal {-failure.exitcode}"
+    return f"{text[0] if text else 'no message'} ({exit_info})"
+
+
+@contextmanager
+def _log_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="rlrun-ranks-") as tmp:
+        yield Path(tmp)
+
