@@ -12,6 +12,7 @@ yet"):
     running    succeeded | failed | cancelled  finish: the worker that holds the run
     running    paused                          release_paused: that worker, once a pause stopped it
     running    queued | failed | cancelled     recover_lost: the reconciler, when the lease expired
+    running    queued | failed | cancelled     release_lost_rank: the worker, when a rank of its run died
     paused     queued | cancelled              resume_run | cancel_run: the API
     succeeded, failed, cancelled: final.
 
@@ -239,6 +240,26 @@ def recover_lost(session: Session, run: Run, *, now: datetime, max_attempts: int
     """
     expiry = run.lease_expires_at
     lost = f"worker {run.worker_id} lost (lease expired at {expiry:%Y-%m-%d %H:%M:%S} UTC)"
+    return _requeue_lost(
+        session, run, lost, now=now, max_attempts=max_attempts, guard=Run.lease_expires_at < now
+    )
+
+
+def release_lost_rank(
+    session: Session, run: Run, worker_id: str, reason: str, *, now: datetime, max_attempts: int
+) -> str | None:
+    """The lease holder of a multi-rank run lost one of its ranks (it died or raised): the same path as a
+    lost worker (``recover_lost``), at once rather than when the lease expires. ``run`` is loaded by the
+    caller; None if ``worker_id`` no longer holds it."""
+    lost = f"worker {worker_id} lost a rank ({reason})"
+    return _requeue_lost(
+        session, run, lost, now=now, max_attempts=max_attempts, guard=Run.worker_id == worker_id
+    )
+
+
+def _requeue_lost(
+    session: Session, run: Run, lost: str, *, now: datetime, max_attempts: int, guard: Any
+) -> str | None:
     lost_workers = run.lost_workers + 1
     values: dict[str, Any] = {
         "worker_id": None,
@@ -257,8 +278,7 @@ def recover_lost(session: Session, run: Run, *, now: datetime, max_attempts: int
     else:
         to, data = "queued", {"reason": f"{lost}; requeued to resume from its last checkpoint"}
         values["enqueued_at"] = None
-    guard = [Run.lease_expires_at < now]
-    if not _move_loaded(session, run, sources=("running",), to=to, guard=guard, values=values):
+    if not _move_loaded(session, run, sources=("running",), to=to, guard=[guard], values=values):
         return None
     add_event(session, run.id, "status", to, data)
     log.warning("run %s: %s -> %s", run.id, lost, to)

@@ -55,6 +55,14 @@ class Settings(BaseSettings):
         description="Require `Authorization: Bearer <key>` (from `rlrun keys create`). Off is allowed only "
         "when serving on a loopback host: everything then lives in one default project.",
     )
+    worker_devices: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="The most devices (GPUs, or CPU ranks) any worker of this deployment has: a run whose "
+        "`resources.devices` asks for more is refused at submit (422). Unset: each worker checks when it "
+        "starts the run and fails it, saying how many it sees.",
+    )
     max_runs_in_flight: int = Field(
         default=1000, ge=1, description="Queued, running or paused runs one project may have (429 above)."
     )

@@ -12,8 +12,10 @@ Every configuration runs in a fresh Python process (``--one``), so no allocator 
   same batch, length, learning rate and steps (TRL's own loop and collator).
 
 Peak memory is the process's peak RSS (``ru_maxrss``) minus its RSS once the libraries are imported and
-the data is ready (on CUDA it would be ``torch.cuda.max_memory_allocated``), every process with the same
-allocator setting (``ALLOCATOR``); tokens/s counts the batch's tokens over the training time. It prints
+the data is ready, every process with the same allocator setting (``ALLOCATOR``); with ``--cuda`` (a GPU
+machine: ``scripts/gpu_checks.sh`` runs it) every configuration trains on the GPU in bf16 (rlrun
+``precision: bf16``, TRL ``bf16=True``) and peak memory is ``torch.cuda.max_memory_allocated``. tokens/s
+counts the batch's tokens over the training time. It prints
 ``lora+gc peak / full peak`` (goal <= 0.35) and ``rlrun peak / TRL peak`` (goal <= 1.0), per task, twice:
 like for like (rlrun's padded lora+gc against TRL+peft, both padding every row to the batch's longest),
 and rlrun's packed lora+gc against the same TRL run (TRL's own ``padding_free`` needs flash-attention 2,
@@ -55,6 +57,12 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def cuda_peak_mb() -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
@@ -70,6 +78,9 @@ def rows(task: str) -> list[dict[str, Any]]:
     return [{"prompt": p["prompt"], "completion": p["chosen"]} for p in pairs]
 
 
+CUDA = os.environ.get("RLRUN_BENCH_CUDA") == "1"  # set by --cuda for the child processes
+
+
 def run_rlrun(task: str, config: str, cache: Path, data: list[dict[str, Any]]) -> tuple[float, float]:
     from tests.factories import loop_ctx
     from trainer.loops import LOOPS
@@ -83,6 +94,7 @@ def run_rlrun(task: str, config: str, cache: Path, data: list[dict[str, Any]]) -
         "learning_rate": LR,
         "eval_max_rows": BATCH,
         "gradient_checkpointing": config.startswith("lora+gc"),
+        "precision": "bf16" if CUDA else "fp32",
         "packing": config == "lora+gc+pack",
     }
     if task == "dpo":
@@ -128,9 +140,9 @@ def run_trl(task: str, cache: Path, data: list[dict[str, Any]]) -> tuple[float, 
         "lr_scheduler_type": "constant",
         "max_length": MAX_LENGTH,
         "gradient_checkpointing": True,
-        "bf16": False,
+        "bf16": CUDA,
         "fp16": False,
-        "use_cpu": True,
+        "use_cpu": not CUDA,
         "logging_steps": 1,
         "eval_strategy": "no",
         "save_strategy": "no",
@@ -203,6 +215,10 @@ def one(task: str, config: str, cache: Path) -> None:
         import trl  # noqa: F401
     data = rows(task)
     base = rss_mb()
+    if CUDA:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
     tokens_per_s, wall = (
         run_trl(task, cache, data) if config == "trl" else run_rlrun(task, config, cache, data)
     )
@@ -211,7 +227,7 @@ def one(task: str, config: str, cache: Path) -> None:
             {
                 "task": task,
                 "config": config,
-                "peak_mb": peak_mb() - base,
+                "peak_mb": cuda_peak_mb() if CUDA else peak_mb() - base,
                 "tokens_per_s": tokens_per_s,
                 "wall_s": wall,
             }
@@ -223,6 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="sft,dpo")
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--cuda", action="store_true", help="train on the GPU in bf16 (CUDA peak memory)")
     parser.add_argument("--one", nargs=3, metavar=("TASK", "CONFIG", "CACHE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -235,8 +252,9 @@ def main() -> None:
         cache = Path(tmp)
         tiny_model_dir(PRESET, cache)  # built once, outside the measured processes
         print(
-            f"peak training memory (MB over the post-import RSS), {PRESET}, batch {BATCH}, "
-            f"max_length {MAX_LENGTH}, {STEPS} steps, fp32 CPU"
+            f"peak training memory (MB, {'CUDA max allocated' if args.cuda else 'over post-import RSS'}), "
+            f"{PRESET}, batch {BATCH}, "
+            f"max_length {MAX_LENGTH}, {STEPS} steps, " + ("bf16 CUDA" if args.cuda else "fp32 CPU")
         )
         for task in args.tasks.split(","):
             results: dict[str, dict[str, Any]] = {}
@@ -246,7 +264,12 @@ def main() -> None:
                     capture_output=True,
                     text=True,
                     cwd=root,
-                    env={**os.environ, "PYTHONPATH": str(root), **ALLOCATOR},
+                    env={
+                        **os.environ,
+                        "PYTHONPATH": str(root),
+                        **ALLOCATOR,
+                        "RLRUN_BENCH_CUDA": "1" if args.cuda else "0",
+                    },
                     check=False,
                 )
                 line = next((x for x in reversed(out.stdout.splitlines()) if x.startswith("{")), None)

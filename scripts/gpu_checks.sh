@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU checks, for a machine with CUDA (e.g. the `device` tool): bf16 GRPO step and a QLoRA DPO run
-# (tests/loops/test_gpu.py; both are skipped on CPU machines). Installs the qlora extra (bitsandbytes).
+# The GPU checks, for a machine with CUDA (e.g. the `device` tool): bf16 GRPO step, a QLoRA DPO run, bf16 and
+# fp16 autocast SFT/DPO runs against fp32 (tests/loops/test_gpu.py; skipped on CPU machines), then the memory
+# bench in bf16 on the GPU (bench/memory.py --cuda). Installs the qlora and bench extras.
 # Run from the repository root:  bash scripts/gpu_checks.sh
 set -euo pipefail
 make .venv/.installed
-.venv/bin/pip install -q -e '.[qlora]'
+.venv/bin/pip install -q -e '.[qlora,bench]'
 .venv/bin/python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device here'; print(torch.cuda.get_device_name(0))"
 .venv/bin/python -m pytest -m gpu tests/loops/test_gpu.py -q -s -p no:cacheprovider
+RLRUN_BENCH_PRESET="${RLRUN_BENCH_PRESET:-llama-125m}" .venv/bin/python bench/memory.py --cuda

@@ -15,8 +15,10 @@ them too (``RanksStopped``), e.g. a cancel that the ranks did not honour in time
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -143,7 +145,7 @@ def launch(job: RankJob, world: int, *, poll: Callable[[], bool] | None = None) 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     port = free_port()
-    with _log_dir() as logs:
+    with _log_dir() as logs, _own_signal_handlers():
         context = start_processes(
             name="rlrun-rank",
             entrypoint=run_rank,
@@ -186,7 +188,20 @@ def _reason(failure: Any) -> str:
 
 
 @contextmanager
+def _own_signal_handlers() -> Iterator[None]:
+    """The launcher installs SIGTERM/SIGINT handlers that raise in this process; the caller's (a Celery
+    worker's warm shutdown) come back once the ranks are done."""
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    kept = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in names if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in kept.items():
+                signal.signal(sig, handler)
+
+
+@contextmanager
 def _log_dir() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="rlrun-ranks-") as tmp:
         yield Path(tmp)
-

@@ -39,9 +39,11 @@ from api.settings import Settings, get_settings
 from trainer.data.sampling import split_validation
 from trainer.models import resolve_model
 from trainer.phases import Phase, RunStopped
+from trainer.rank_launch import RankFailed
 from trainer.reporting import LoopContext, LoopResult, RunData
 from trainer.specs import AnyRunSpec, parse_run_ref, parse_run_ref_step, parse_spec
 from trainer.stop_watch import StopWatch
+from trainer.worker_ranks import run_on_ranks
 
 log = logging.getLogger("rlrun.worker")
 SessionFactory = sessionmaker[Session]
@@ -524,7 +526,18 @@ def _execute_claimed(
             ),
             resume_from=latest_checkpoint(session_factory, run_id),
         )
-        result = loops[spec.algorithm](spec, data, reporter, ctx)
+        if spec.resources.devices > 1:  # several ranks, this process their lease holder
+            result = run_on_ranks(
+                spec,
+                data,
+                ctx,
+                settings=settings,
+                session_factory=session_factory,
+                run_id=run_id,
+                worker_id=worker_id,
+            )
+        else:
+            result = loops[spec.algorithm](spec, data, reporter, ctx)
         reporter.flush()
     except RunStopped:  # a cancel or pause landed inside a long phase: nothing to keep since the last save
         reporter.event("info", "stopped during a long phase: cancel or pause requested")
@@ -533,6 +546,9 @@ def _execute_claimed(
     except LeaseLost as exc:
         log.warning("run %s: %s; stopping without touching it", run_id, exc)
         return None
+    except RankFailed as exc:  # the lost-worker path, at once: requeued to resume, or failed at last
+        log.warning("run %s: %s", run_id, exc)
+        return requeue_lost_rank(session_factory, settings, run_id, worker_id, str(exc))
     except Exception as exc:
         log.exception("run %s failed", run_id)
         try:
@@ -549,6 +565,36 @@ def _execute_claimed(
     finish_run(session_factory, run_id, worker_id, status=result.status, output_path=output)
     advance_pipeline_of(run_id, session_factory, settings)
     status: str = result.status
+    return status
+
+
+def requeue_lost_rank(
+    session_factory: SessionFactory, settings: Settings, run_id: uuid.UUID, worker_id: str, reason: str
+) -> str | None:
+    """A rank of this worker's run died: ``lifecycle.release_lost_rank`` (queued again to resume from its
+    last checkpoint, or failed after ``max_attempts``), the queued run sent to the broker at once."""
+
+    def write() -> str | None:
+        with session_factory.begin() as session:
+            run = session.get_one(Run, run_id)
+            return lifecycle.release_lost_rank(
+                session, run, worker_id, reason, now=utcnow(), max_attempts=settings.max_attempts
+            )
+
+    status = retry_busy(f"run {run_id}: lost rank", write, seconds=FINISH_RETRY_SECONDS)
+    if status == "queued":
+        try:
+            with session_factory.begin() as session:
+                run = session.get_one(Run, run_id)
+                run.enqueued_at = utcnow()
+            with session_factory() as session:
+                lifecycle.send_committed(
+                    session=session, enqueue=CeleryEnqueue(settings), runs=[session.get_one(Run, run_id)]
+                )
+        except Exception:  # noqa: BLE001 - queued in the DB: the reconciler sends it
+            log.warning("run %s: could not send it again after a lost rank", run_id, exc_info=True)
+    elif status in ("failed", "cancelled"):
+        advance_pipeline_of(run_id, session_factory, settings)
     return status
 
 

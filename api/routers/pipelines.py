@@ -33,6 +33,7 @@ def create_pipeline(
         roots=settings.resolved_model_roots,
         allow_hub=settings.allow_hub,
         project_id=project_id,
+        worker_devices=settings.worker_devices,
     )
     created = service.advance(session=session, pipeline_id=pipeline.id)
     session.commit()

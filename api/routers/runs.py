@@ -45,6 +45,7 @@ def create_run(
         allow_hub=settings.allow_hub,
         project_id=project_id,
         max_in_flight=settings.max_runs_in_flight,
+        worker_devices=settings.worker_devices,
     )
     if not commit_unless_conflict(session):  # a concurrent retry with the same key won the insert
         existing = service.find_by_idempotency_key(session=session, key=scoped_key or "", spec=spec)

@@ -139,6 +139,17 @@ def check_learnable(spec: AnyRunSpec, prefix: str = "") -> None:
         raise InvalidRequest(f"{prefix}{field}: {why}", field=prefix + field)
 
 
+def check_devices(spec: AnyRunSpec, worker_devices: int | None, prefix: str = "") -> None:
+    """422 when the run asks for more devices than the operator says any worker has (``worker_devices``)."""
+    if worker_devices is not None and spec.resources.devices > worker_devices:
+        field = f"{prefix}resources.devices"
+        raise InvalidRequest(
+            f"{field}: {spec.resources.devices} devices asked, but no worker of this deployment has more "
+            f"than {worker_devices} (RLRUN_WORKER_DEVICES)",
+            field=field,
+        )
+
+
 def check_references(
     *,
     session: Session,

@@ -24,7 +24,12 @@ from api.lifecycle import resume_run as resume_run
 from api.lifecycle import send_committed as send_committed
 from api.models import DEFAULT_PROJECT_ID, Event, Metric, Run, RunSample, utcnow
 from api.pagination import Keyset, Slice, paginate
-from api.services.references import check_learnable, check_references, with_default_learning_rate
+from api.services.references import (
+    check_devices,
+    check_learnable,
+    check_references,
+    with_default_learning_rate,
+)
 from rlrun.schemas import MetricRead, Progress, RunRead, RunWarningRead
 from trainer.specs import AnyRunSpec
 
@@ -60,11 +65,13 @@ def submit_run(
     allow_hub: bool = False,
     project_id: uuid.UUID = DEFAULT_PROJECT_ID,
     max_in_flight: int | None = None,
+    worker_devices: int | None = None,
 ) -> Run:
     """Store a new queued run (flush only), after every reference in it was checked against the project
     (api/services/references.py). ``roots=None``: plain model names were checked earlier."""
     check_references(session=session, spec=spec, project_id=project_id, roots=roots, allow_hub=allow_hub)
     check_learnable(spec)
+    check_devices(spec, worker_devices)
     spec = with_default_learning_rate(session, spec, roots or [])
     if max_in_flight is not None:
         in_flight = session.scalar(

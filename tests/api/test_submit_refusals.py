@@ -247,3 +247,39 @@ def test_malformed_run_references_are_422_not_500(session: Session) -> None:
     assert best.status_code == 422 and best.json()["error"]["field"] == "hyperparameters.best_metric", (
         best.text
     )
+
+
+DEVICE_REFUSALS = [
+    ({"devices": 3}, {}, "dpo", "resources.devices (3) must divide hyperparameters.batch_size (4)"),
+    ({"devices": 2}, {"micro_batch_size": 4}, "dpo", "micro_batch_size (4) must divide each device's share"),
+    ({"devices": 2}, {}, "reward_model", "supported for sft and dpo runs so far, not reward_model"),
+]
+
+
+@pytest.mark.parametrize(("resources", "hp", "algorithm", "message"), DEVICE_REFUSALS)
+def test_a_multi_device_spec_that_cannot_split_its_batch_is_refused(
+    session: Session, resources: dict[str, Any], hp: dict[str, Any], algorithm: str, message: str
+) -> None:
+    pairs = make_dataset(session)
+    spec = {**dpo_spec(pairs.id, **hp), "algorithm": algorithm, "resources": resources}
+    before = count(session)
+    with api_client(session) as client:
+        resp = client.post("/v1/runs", json=spec)
+    assert resp.status_code == 422, resp.text
+    assert message in resp.text
+    assert count(session) == before
+
+
+def test_more_devices_than_any_worker_has_is_refused_when_the_operator_says_how_many(
+    session: Session,
+) -> None:
+    pairs = make_dataset(session)
+    spec = {**dpo_spec(pairs.id), "resources": {"devices": 4, "sharding": "fsdp"}}
+    with api_client(session, Settings(worker_devices=2)) as client:
+        refused = client.post("/v1/runs", json=spec)
+        fits = client.post("/v1/runs", json={**spec, "resources": {"devices": 2, "sharding": "fsdp"}})
+    with api_client(session) as client:  # not declared: the worker checks at start
+        unchecked = client.post("/v1/runs", json=spec)
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "resources.devices"
+    assert "no worker of this deployment has more than 2" in refused.json()["error"]["message"]
+    assert fits.status_code == 201 and unchecked.status_code == 201

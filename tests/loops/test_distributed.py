@@ -102,3 +102,14 @@ def test_a_rank_that_fails_or_dies_ends_every_rank_naming_it(
     )
     with pytest.raises(RankFailed, match=rf"rank 1 of 2 failed: [^;]*{reason}"):
         launch(job, 2)  # rank 0, waiting for rank 1 in the first collective, is ended too
+
+
+def test_a_worker_refuses_more_devices_than_it_sees_saying_how_many() -> None:
+    import os
+
+    from trainer.worker_ranks import check_devices
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else os.cpu_count() or 1
+    check_devices(have)
+    with pytest.raises(ValueError, match=rf"resources.devices is {have + 1} but this worker sees {have} "):
+        check_devices(have + 1)

@@ -22,6 +22,7 @@ from trainer.specs.base import (
     KlEstimatorName,
     PolicyLossName,
     PreferenceLossName,
+    ResourcesSpec,
     TrainingHyperparameters,
 )
 from trainer.specs.offline import (
@@ -71,6 +72,7 @@ from trainer.specs.refs import (
 
 __all__ = [
     "AdapterSpec",
+    "ResourcesSpec",
     "ALGORITHMS",
     "CRITIC_MODEL_REFERENCE",
     "DATASET_REFERENCE",

@@ -159,6 +159,28 @@ class AdapterSpec(_Frozen):
         return v
 
 
+MULTI_RANK_ALGORITHMS = ("sft", "dpo")  # the loops that split a batch over ranks so far
+
+
+class ResourcesSpec(_Frozen):
+    """How many devices one run trains on, and how the model is spread over them (trainer/distributed.py)."""
+
+    devices: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Processes (ranks) this run trains on, one per GPU on a CUDA worker (NCCL), or CPU "
+        "processes (gloo) on a CPU worker. Each takes an equal share of every batch: `batch_size` must "
+        "divide evenly (and by `micro_batch_size` within a share). Supported for sft and dpo so far.",
+    )
+    sharding: Literal["ddp", "fsdp"] = Field(
+        default="ddp",
+        description="ddp: every rank holds the whole model, gradients all-reduced (DistributedDataParallel). "
+        "fsdp: parameters, gradients and optimizer state sharded over the ranks, gathered block by block "
+        "(FSDP2 fully_shard per transformer block, then the root): for models that do not fit one device.",
+    )
+
+
 class _RunSpecBase(_Frozen):
     spec_version: Literal[1] = Field(default=1, description="Version of this spec's schema.")
     name: str | None = Field(default=None, max_length=200, description="Free-form label.")
@@ -185,6 +207,10 @@ class _RunSpecBase(_Frozen):
         default=None,
         description="Train a LoRA adapter instead of the whole model (null: full fine-tuning). Checkpoints "
         "hold the adapter (and trained heads); `run:<id>` of such a run loads its base with the adapter.",
+    )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec,
+        description="Devices for this one run (several ranks with torch.distributed: DDP or FSDP2).",
     )
 
     @model_validator(mode="before")
@@ -219,6 +245,36 @@ class _RunSpecBase(_Frozen):
     def _one_validation_source(self) -> _RunSpecBase:
         if self.validation_dataset_id is not None and self.validation_fraction > 0:
             raise ValueError("give validation_dataset_id or validation_fraction, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_split_the_batch(self) -> _RunSpecBase:
+        n = self.resources.devices
+        if n == 1:
+            return self
+        algorithm = getattr(self, "algorithm", "")
+        if algorithm not in MULTI_RANK_ALGORITHMS:
+            raise ValueError(
+                f"resources.devices > 1 is supported for {' and '.join(MULTI_RANK_ALGORITHMS)} runs so far, "
+                f"not {algorithm}"
+            )
+        hp: Any = getattr(self, "hyperparameters", None)
+        if hp is not None and hp.batch_size % n:
+            raise ValueError(
+                f"resources.devices ({n}) must divide hyperparameters.batch_size ({hp.batch_size})"
+            )
+        share = hp.batch_size // n if hp is not None else 1
+        if hp is not None and hp.micro_batch_size is not None and share % hp.micro_batch_size:
+            raise ValueError(
+                f"hyperparameters.micro_batch_size ({hp.micro_batch_size}) must divide each device's share "
+                f"of the batch ({share} = batch_size / resources.devices)"
+            )
+        if (
+            self.adapter is not None
+            and self.adapter.quantize is not None
+            and self.resources.sharding == "fsdp"
+        ):
+            raise ValueError("resources.sharding 'fsdp' does not shard a quantized (QLoRA) base: use 'ddp'")
         return self
 
     @property

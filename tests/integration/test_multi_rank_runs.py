@@ -1,0 +1,103 @@
+"""A run on 2 ranks through the REST API with a real `rlrun worker` on Redis + PostgreSQL: the worker starts
+the ranks (gloo on CPU), rank 0 writes the metrics and the final model; killing a rank mid-run takes the
+lost-worker path at once (requeued, resumed from its last checkpoint, then finished)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.factories import jsonl
+from tests.integration.flow import FINISHED, all_metrics, pg_redis_worker, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PAIRS = [
+    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+    for a in range(6)
+    for b in range(6)
+]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("multi-rank")
+
+
+@pytest.fixture(scope="module")
+def client(home: Path) -> Iterator[TestClient]:
+    with pg_redis_worker(home) as c:
+        yield c
+
+
+def submit(client: TestClient, sharding: str, **hp: Any) -> str:
+    resp = client.post("/v1/datasets", files={"file": ("d.jsonl", jsonl(PAIRS))}, data={"kind": "preference"})
+    assert resp.status_code == 201, resp.text
+    spec = {
+        "algorithm": "dpo",
+        "model": "tiny:llama-0.4m",
+        "dataset_id": resp.json()["id"],
+        "resources": {"devices": 2, "sharding": sharding},
+        "hyperparameters": {"batch_size": 4, "learning_rate": 1e-3, **hp},
+    }
+    resp = client.post("/v1/runs", json=spec)
+    assert resp.status_code == 201, resp.text
+    return str(resp.json()["id"])
+
+
+def losses(client: TestClient, run_id: str) -> dict[int, float]:
+    return {m["step"]: m["value"] for m in all_metrics(client, run_id) if m["key"] == "loss"}
+
+
+def test_a_two_rank_fsdp_run_trains_and_saves_through_the_worker(client: TestClient) -> None:
+    run_id = submit(client, "fsdp", max_steps=6)
+    done = wait_for(client, run_id, lambda r: r["status"] in FINISHED)
+    assert done["status"] == "succeeded", done
+    loss = losses(client, run_id)
+    assert sorted(loss) == list(range(1, 7))
+    assert loss[1] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at step 1, on every rank
+    checkpoints = client.get(f"/v1/runs/{run_id}/checkpoints").json()
+    assert [c["step"] for c in checkpoints] == [6]  # rank 0 alone wrote it, the whole model gathered
+
+
+def rank_pids(home: Path) -> list[int]:
+    """The rank processes of this test's worker (its RLRUN_HOME in their environment, started by
+    multiprocessing's spawn), oldest first: the launcher starts rank 0 first."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = set((entry / "environ").read_bytes().split(b"\0"))
+            cmd = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RLRUN_HOME={home}".encode() in env and b"spawn_main" in cmd:
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def test_killing_a_rank_requeues_the_run_which_resumes_and_finishes(client: TestClient, home: Path) -> None:
+    run_id = submit(client, "ddp", max_steps=24, checkpoint_every=3)
+    deadline = time.monotonic() + 180
+    while max(losses(client, run_id), default=0) < 4:  # a checkpoint (step 3) exists
+        assert time.monotonic() < deadline, "the run never reached step 4"
+        time.sleep(0.5)
+    pids = rank_pids(home)
+    assert len(pids) == 2, pids
+    os.kill(pids[-1], signal.SIGKILL)  # rank 1
+    done = wait_for(client, run_id, lambda r: r["status"] in FINISHED, timeout=300)
+    assert done["status"] == "succeeded", done
+    events = client.get(f"/v1/runs/{run_id}/events", params={"limit": 1000}).json()["data"]
+    lost = [e for e in events if e["kind"] == "status" and "lost a rank" in str(e.get("data"))]
+    assert len(lost) == 1 and lost[0]["message"] == "queued", events
+    assert "resumed from checkpoint" in " ".join(e["message"] for e in events)
+    assert sorted(losses(client, run_id)) == list(range(1, 25))  # every step logged once (upserted)

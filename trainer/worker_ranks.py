@@ -1,0 +1,164 @@
+"""A run with ``resources.devices > 1``: the worker claims it as usual and starts its loop as that many
+ranks (trainer/rank_launch.py), staying the run's lease holder while they train.
+
+- Models are resolved here first (tiny presets built, ``run:`` references looked up), so the ranks never
+  query the database for them; rank 0 alone writes to the database (metrics, events, checkpoints).
+- Devices: one GPU per rank on a CUDA worker (the worker's visible GPUs, ``CUDA_VISIBLE_DEVICES``), CPU
+  processes with gloo on a worker without CUDA; a run asking for more than the worker has fails at start,
+  saying how many it sees.
+- Stops: rank 0 reads cancel/pause at each step boundary and every rank stops there (a checkpoint of the
+  work since the last one is kept). A long phase is not interrupted inside a rank; if the ranks are still
+  running ``STOP_GRACE_SECONDS`` after the request, the worker ends them (nothing kept since the last
+  checkpoint), as a stop inside a phase does in a one-process run.
+- A rank that dies or raises ends all of them (``RankFailed``); the worker then puts the run back in the
+  queue to resume from its last checkpoint, or fails it after ``max_attempts`` losses, the lost-worker path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from sqlalchemy import select
+
+from api.db import make_engine, make_session_factory
+from api.models import Run
+from api.settings import Settings
+from trainer.distributed import Ranks
+from trainer.phases import RunStopped
+from trainer.rank_launch import RankJob, RanksStopped, launch
+from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
+from trainer.specs import AnyRunSpec
+from trainer.stop_watch import StopWatch
+
+STOP_GRACE_SECONDS = 60.0
+
+
+def check_devices(devices: int) -> None:
+    """Refuse a run that asks for more devices than this worker has, saying how many it sees."""
+    if torch.cuda.is_available():
+        have = torch.cuda.device_count()
+        kind = "GPU(s) (CUDA_VISIBLE_DEVICES)"
+    else:
+        have = os.cpu_count() or 1
+        kind = "CPU cores (no CUDA: ranks are CPU processes on gloo)"
+    if devices > have:
+        raise ValueError(
+            f"resources.devices is {devices} but this worker sees {have} {kind}: send the run to a queue "
+            "whose workers have that many (docs/runs.md, multi-device runs)"
+        )
+
+
+def rank_context(
+    models: dict[str, str], cache_dir: str, checkpoint_dir: str, resume_from: str | None, ranks: Ranks
+) -> LoopContext:
+    """A rank's loop context: the models the worker resolved, the run's folders, its rank."""
+
+    def resolve(ref: str) -> str:
+        if ref not in models:
+            raise ValueError(f"model {ref!r} was not resolved before the ranks started")
+        return models[ref]
+
+    return LoopContext(
+        cache_dir=Path(cache_dir),
+        checkpoint_dir=Path(checkpoint_dir),
+        resolve_model=resolve,
+        resume_from=Path(resume_from) if resume_from else None,
+        ranks=ranks,
+    )
+
+
+def rank_zero_reporter(database_url: str, run_id: str, worker_id: str, lease_seconds: int) -> Reporter:
+    """Rank 0's reporter: the run's database reporter, its phases shown but never interrupted inside the
+    rank (every rank must stop at the same point: step boundaries, or the worker ends them all)."""
+    from trainer.worker import DbReporter
+
+    factory = make_session_factory(make_engine(database_url))
+    reporter = DbReporter(factory, uuid.UUID(run_id), worker_id, lease_seconds)
+    reporter.watch = StopWatch(lambda: False, reporter.write_progress)
+    reporter.watch.start()
+    return reporter
+
+
+def rank_zero_result(reporter: Reporter, result: LoopResult) -> dict[str, Any]:
+    """What rank 0 hands back to the worker, its metrics written first."""
+    flush = getattr(reporter, "flush", None)
+    if callable(flush):
+        flush()
+    watch = getattr(reporter, "watch", None)
+    if watch is not None:
+        watch.close()
+    return {
+        "status": result.status,
+        "output": str(result.output_path) if result.output_path else None,
+        "final_metrics": result.final_metrics,
+    }
+
+
+class StopPoll:
+    """True once a cancel or pause has waited ``grace`` seconds for the ranks to stop by themselves."""
+
+    def __init__(self, session_factory: Any, run_id: uuid.UUID, grace: float, every: float = 1.0):
+        self.sf, self.run_id, self.grace, self.every = session_factory, run_id, grace, every
+        self.asked_at: float | None = None
+        self.checked = 0.0
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if self.asked_at is None and now - self.checked >= self.every:
+            self.checked = now
+            with self.sf() as session:
+                row = session.execute(
+                    select(Run.cancel_requested, Run.pause_requested).where(Run.id == self.run_id)
+                ).one()
+            if row[0] or row[1]:
+                self.asked_at = now
+        return self.asked_at is not None and now - self.asked_at >= self.grace
+
+
+def run_on_ranks(
+    spec: AnyRunSpec,
+    data: RunData,
+    ctx: LoopContext,
+    *,
+    settings: Settings,
+    session_factory: Any,
+    run_id: uuid.UUID,
+    worker_id: str,
+) -> LoopResult:
+    """Train ``spec`` on ``spec.resources.devices`` ranks; the loop's result as rank 0 saw it. A stop the
+    ranks did not honour in time raises ``RunStopped``; a lost rank raises ``RankFailed``."""
+    devices = spec.resources.devices
+    check_devices(devices)
+    refs = {spec.model, *(spec.model_refs.values())}
+    reference = getattr(spec, "reference_model", None)
+    models = {ref: ctx.resolve_model(ref) for ref in refs | ({reference} if reference else set())}
+    job = RankJob(
+        spec=spec.model_dump(mode="json"),
+        data=data,
+        context=functools.partial(
+            rank_context,
+            models,
+            str(ctx.cache_dir),
+            str(ctx.checkpoint_dir),
+            str(ctx.resume_from) if ctx.resume_from else None,
+        ),
+        reporter=functools.partial(
+            rank_zero_reporter, settings.resolved_database_url, str(run_id), worker_id, settings.lease_seconds
+        ),
+        collect=rank_zero_result,
+        sharding=spec.resources.sharding,
+    )
+    try:
+        out = launch(job, devices, poll=StopPoll(session_factory, run_id, STOP_GRACE_SECONDS))
+    except RanksStopped as exc:
+        raise RunStopped(str(exc)) from exc
+    output = out["output"]
+    return LoopResult(
+        status=out["status"], output_path=Path(output) if output else None, final_metrics=out["final_metrics"]
+    )
