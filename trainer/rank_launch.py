@@ -101,10 +101,24 @@ def run_rank(job: RankJob) -> Any:
     return record(_run_rank)(job)
 
 
+def _die_with_parent() -> None:
+    """Linux: this rank is killed when the process that started it dies (a worker killed with -9 must not
+    leave ranks training, and writing, behind it)."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:  # no glibc: the lease still stops an orphan's writes
+            pass
+
+
 def _run_rank(job: RankJob) -> Any:
     from trainer.loops import LOOPS
     from trainer.specs import parse_spec
 
+    _die_with_parent()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

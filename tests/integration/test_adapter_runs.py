@@ -111,4 +111,5 @@ def test_a_cuda_only_spec_on_a_worker_without_cuda_fails_at_start_saying_why(
     done = wait_for(client, resp.json()["id"], lambda r: r["status"] in FINISHED)
     assert done["status"] == "failed" and reason in done["error"], done
     events = client.get(f"/v1/runs/{done['id']}/events").json()["data"]
-    assert any(reason in e["message"] for e in events), events  # the failure says why in its events
+    failed = [e for e in events if e["kind"] == "status" and e["message"] == "failed"]
+    assert len(failed) == 1 and reason in failed[0]["data"]["error"], events  # its events say why

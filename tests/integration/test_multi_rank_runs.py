@@ -13,12 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from tests.factories import jsonl
 from tests.integration.flow import FINISHED, all_metrics, pg_redis_worker, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    # CPU ranks with gloo; a CUDA worker gives each rank a GPU (the 2-GPU check: tests/loops/test_gpu.py)
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo ranks"),
+]
 
 PAIRS = [
     {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}

@@ -22,7 +22,9 @@ from trainer.rank_launch import RankFailed, RankJob, launch
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec
 
-pytestmark = pytest.mark.slow
+# Ranks on CPU with gloo; on a machine with CUDA the ranks would take GPUs (tests/loops/test_gpu.py has the
+# 2-GPU NCCL check), so these run where there is none.
+gloo_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo ranks; NCCL: test_gpu.py")
 
 STEPS = 10
 
@@ -69,6 +71,8 @@ KEYS = {
 }
 
 
+@pytest.mark.slow
+@gloo_only
 @pytest.mark.parametrize(("algorithm", "sharding"), [("dpo", "ddp"), ("dpo", "fsdp"), ("sft", "fsdp")])
 def test_two_ranks_make_the_single_process_updates(
     algorithm: str, sharding: str, tiny_cache: Path, tmp_path: Path
@@ -89,6 +93,8 @@ def test_two_ranks_make_the_single_process_updates(
         torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow
+@gloo_only
 @pytest.mark.parametrize(("how", "reason"), [("raise", "OSError: rank 1 lost its disk"), ("die", "signal 9")])
 def test_a_rank_that_fails_or_dies_ends_every_rank_naming_it(
     how: str, reason: str, tiny_cache: Path, tmp_path: Path

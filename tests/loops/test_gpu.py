@@ -158,3 +158,41 @@ def test_mixed_precision_runs_track_fp32_on_cuda(
     assert half.series("loss") == pytest.approx(fp32.series("loss"), rel=5e-2, abs=5e-2)
     lora = run(precision, {"r": 8, "alpha": 16})
     assert all(v == v for v in lora.series("loss"))  # finite: the adapter trains over a half base
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_nccl_ranks_make_the_one_gpu_updates(sharding: str, tiny_cache: Path, tmp_path: Path) -> None:
+    """The multi-rank path on GPUs: 2 ranks with NCCL, one GPU each, follow the one-GPU run of the same
+    global batch (the CPU gloo version, to 1e-5, is tests/loops/test_distributed.py)."""
+    import functools
+
+    from tests.factories import loop_ctx
+    from tests.loops.addition_rows import PAIRS
+    from tests.loops.rank_helpers import memory_reporter, metrics_and_result, rank_context
+    from trainer.loops import LOOPS
+    from trainer.rank_launch import RankJob, launch
+    from trainer.reporting import MemoryReporter, RunData
+
+    spec = {
+        "algorithm": "dpo",
+        "model": "tiny:llama-10m",
+        "dataset_id": str(uuid.uuid4()),
+        "hyperparameters": {"max_steps": 10, "batch_size": 8, "learning_rate": 1e-4},
+    }
+    one = MemoryReporter()
+    LOOPS["dpo"](parse_spec(spec), RunData(train=PAIRS), one, loop_ctx(tiny_cache, tmp_path / "one"))
+    job = RankJob(
+        spec=spec,
+        data=RunData(train=PAIRS),
+        context=functools.partial(rank_context, str(tiny_cache), str(tmp_path / "two")),
+        reporter=memory_reporter,
+        collect=metrics_and_result,
+        sharding=sharding,  # type: ignore[arg-type]
+    )
+    t0 = time.perf_counter()
+    two = launch(job, 2)
+    print(f"2 NCCL ranks ({sharding}), 10 DPO steps on tiny:llama-10m: {time.perf_counter() - t0:.1f} s")  # noqa: T201
+    losses = [v for _, k, v in two["metrics"] if k == "loss"]
+    assert two["status"] == "succeeded" and len(losses) == 10
+    assert losses == pytest.approx(one.series("loss"), abs=1e-4)
