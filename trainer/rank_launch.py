@@ -125,9 +125,14 @@ def _run_rank(job: RankJob) -> Any:
     try:
         ranks = current(job.sharding)
         spec = parse_spec(job.spec)
+        context = job.context(ranks)
+        if ranks.main:  # a preset is built once, by rank 0 (transformers saves only on the main rank)
+            for ref in {spec.model, *spec.model_refs.values()}:
+                context.resolve_model(ref)
+        dist.barrier()
         inner = job.reporter() if ranks.main else None
         reporter = RankReporter(inner, ranks)
-        result = LOOPS[spec.algorithm](spec, job.data, reporter, job.context(ranks))
+        result = LOOPS[spec.algorithm](spec, job.data, reporter, context)
         return job.collect(inner, result) if inner is not None else None
     finally:
         dist.destroy_process_group()

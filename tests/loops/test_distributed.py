@@ -95,6 +95,21 @@ def test_two_ranks_make_the_single_process_updates(
 
 @pytest.mark.slow
 @gloo_only
+def test_a_lora_run_on_sharded_ranks_builds_its_preset_once_and_matches(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    """LoRA over FSDP2, the ranks starting from an empty model cache: rank 0 builds the preset (transformers
+    saves only on the main rank, so two ranks building it at once left a broken folder), the adapter trains
+    as in one process."""
+    spec = {**run_spec("dpo"), "adapter": {"r": 4, "alpha": 8}}
+    one = single(spec, tiny_cache, tmp_path / "one")
+    two = two_ranks(spec, "fsdp", tmp_path / "fresh-cache", tmp_path / "two")
+    for key in ("loss", "rewards/margin", "final/loss"):
+        assert series(two["metrics"], key) == pytest.approx(series(one["metrics"], key), abs=1e-5), key
+
+
+@pytest.mark.slow
+@gloo_only
 @pytest.mark.parametrize(("how", "reason"), [("raise", "OSError: rank 1 lost its disk"), ("die", "signal 9")])
 def test_a_rank_that_fails_or_dies_ends_every_rank_naming_it(
     how: str, reason: str, tiny_cache: Path, tmp_path: Path
