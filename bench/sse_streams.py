@@ -55,7 +55,7 @@ from typing import Any
 import httpx
 from sqlalchemy import create_engine, text
 
-from rlrun.demo import addition_pairs, free_port, wait_healthy
+from rlrun.demo import addition_pairs, free_port, stop_process, wait_healthy
 
 GOAL_P95_MS = 200.0
 GOAL_STEPS_RATIO = 0.8
@@ -96,12 +96,7 @@ def serve(home: Path, env: dict[str, str]) -> Iterator[tuple[httpx.Client, int]]
                 wait_healthy(client, proc)
                 yield client, proc.pid
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc, timeout=40)
 
 
 def start_run(client: httpx.Client) -> str:

@@ -46,6 +46,16 @@ def free_port() -> int:
         return port
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGTERM (a warm shutdown), then SIGKILL if ``proc`` has not exited within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_healthy(client: httpx.Client, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -281,11 +291,7 @@ def run_demo(
             print("rlrun demo: done" if ok else "rlrun demo: FAILED")
             return 0 if ok else 1
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         log_file.close()
         if not ok:
             tail = log_path.read_text(errors="replace").splitlines()[-30:]

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from rlrun.demo import addition_pairs, free_port, wait_healthy
+from rlrun.demo import addition_pairs, free_port, stop_process, wait_healthy
 from tests.factories import jsonl
 
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -83,11 +83,7 @@ def embedded_server(home: Path, env: dict[str, str] | None = None) -> Iterator[h
             wait_healthy(client, proc)
             yield client
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, timeout=40)
         log.close()
     assert proc.returncode == 0, (home / "serve.log").read_text()[-3000:]
 
@@ -143,11 +139,7 @@ def pg_redis_worker(home: Path, env: dict[str, str] | None = None) -> Iterator[A
         with TestClient(create_app(settings)) as client:
             yield client
     finally:
-        worker.terminate()
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        stop_process(worker)
         log.close()
         print(Path(log.name).read_text()[-3000:])
         next(gen, None)

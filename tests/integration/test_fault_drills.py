@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from api.migrate import upgrade_head
-from rlrun.demo import addition_pairs, free_port, wait_healthy
+from rlrun.demo import addition_pairs, free_port, stop_process, wait_healthy
 from tests.conftest import pg_test_database
 from tests.factories import jsonl
 from tests.integration.flow import FINISHED, all_metrics, wait_for
@@ -52,11 +52,7 @@ class Proc:
 
     def stop(self) -> None:
         if self.p is not None and self.p.poll() is None:
-            self.p.terminate()
-            try:
-                self.p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
+            stop_process(self.p)
 
 
 class Stack:
