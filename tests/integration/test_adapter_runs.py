@@ -12,18 +12,13 @@ from fastapi.testclient import TestClient
 
 from tests.factories import jsonl
 from tests.integration.flow import FINISHED, all_metrics, pg_redis_worker, wait_for
+from tests.loops.addition_rows import pairs, prompts, sft
 from trainer.adapters import BASE_FILE, is_adapter_folder
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ADAPTER = {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
-PAIRS = [
-    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
-    for a in range(6)
-    for b in range(6)
-]
-SFT = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(6) for b in range(6)]
-PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)]
+PAIRS, SFT, PROMPTS = pairs(6), sft(6), prompts(6)
 RL_HP = {"prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 4, "kl_coef": 0.05}
 
 

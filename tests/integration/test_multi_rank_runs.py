@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 
 from tests.factories import jsonl
 from tests.integration.flow import FINISHED, all_metrics, pg_redis_worker, wait_for
+from tests.loops.addition_rows import pairs
 
 pytestmark = [
     pytest.mark.integration,
@@ -26,11 +27,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo ranks"),
 ]
 
-PAIRS = [
-    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
-    for a in range(6)
-    for b in range(6)
-]
+PAIRS = pairs(6)
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,24 @@
-"""The addition rows the run-kind tests train on (16 of each kind: a+b for a, b < 4)."""
+"""The addition rows the run-kind tests train on: a+b for a, b < n (16 of each kind by default)."""
 
 from __future__ import annotations
 
-PAIRS = [
-    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
-    for a in range(4)
-    for b in range(4)
-]
-SFT = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(4) for b in range(4)]
-PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)]
+from typing import Any
+
+
+def pairs(n: int = 4) -> list[dict[str, Any]]:
+    return [
+        {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+        for a in range(n)
+        for b in range(n)
+    ]
+
+
+def sft(n: int = 4) -> list[dict[str, Any]]:
+    return [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(n) for b in range(n)]
+
+
+def prompts(n: int = 4) -> list[dict[str, Any]]:
+    return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(n) for b in range(n)]
+
+
+PAIRS, SFT, PROMPTS = pairs(), sft(), prompts()
