@@ -135,9 +135,8 @@ def run_on_ranks(
     ranks did not honour in time raises ``RunStopped``; a lost rank raises ``RankFailed``."""
     devices = spec.resources.devices
     check_devices(devices)
-    refs = {spec.model, *(spec.model_refs.values())}
-    reference = getattr(spec, "reference_model", None)
-    models = {ref: ctx.resolve_model(ref) for ref in refs | ({reference} if reference else set())}
+    # Every model reference of the spec (``model_refs`` holds reference_model and reward models too).
+    models = {ref: ctx.resolve_model(ref) for ref in {spec.model, *spec.model_refs.values()}}
     job = RankJob(
         spec=spec.model_dump(mode="json"),
         data=data,
