@@ -164,13 +164,13 @@ def launch(job: RankJob, world: int, *, poll: Callable[[], bool] | None = None) 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     port = free_port()
-    with _log_dir() as logs, _own_signal_handlers():
+    with tempfile.TemporaryDirectory(prefix="rlrun-ranks-") as logs, _own_signal_handlers():
         context = start_processes(
             name="rlrun-rank",
             entrypoint=run_rank,
             args=dict.fromkeys(range(world), (job,)),
             envs={r: rank_env(r, world, port) for r in range(world)},
-            logs_specs=DefaultLogsSpecs(log_dir=str(logs)),
+            logs_specs=DefaultLogsSpecs(log_dir=logs),
         )
         try:
             while (done := context.wait(timeout=POLL_SECONDS, period=0.05)) is None:
@@ -218,9 +218,3 @@ def _own_signal_handlers() -> Iterator[None]:
         if threading.current_thread() is threading.main_thread():
             for sig, handler in kept.items():
                 signal.signal(sig, handler)
-
-
-@contextmanager
-def _log_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="rlrun-ranks-") as tmp:
-        yield Path(tmp)
