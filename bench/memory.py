@@ -82,7 +82,7 @@ CUDA = os.environ.get("RLRUN_BENCH_CUDA") == "1"  # set by --cuda for the child 
 
 
 def run_rlrun(task: str, config: str, cache: Path, data: list[dict[str, Any]]) -> tuple[float, float]:
-    from tests.factories import loop_ctx
+    from tests.loop_context import loop_ctx
     from trainer.loops import LOOPS
     from trainer.reporting import MemoryReporter, RunData
     from trainer.specs import parse_spec

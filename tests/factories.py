@@ -8,7 +8,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -21,7 +20,6 @@ from api.main import create_app
 from api.models import Dataset, DatasetRow, Run, utcnow
 from api.settings import Settings
 from rlrun.demo import free_port
-from trainer.reporting import LoopContext
 
 
 class FakeEnqueue:
@@ -116,24 +114,6 @@ def make_run(session: Session, dataset: Dataset, **over: Any) -> Run:
     session.add(run)
     session.flush()
     return run
-
-
-def loop_ctx(
-    tiny_cache: Path, out: Path, resume_from: Path | None = None, runs: dict[str, Path] | None = None
-) -> LoopContext:
-    """A loop context for tests: tiny presets from ``tiny_cache``, ``run:`` references from ``runs``."""
-    from trainer.models import resolve_model
-
-    def run_output(ref: str) -> Path:
-        assert runs is not None and ref in runs, f"unexpected run reference {ref}"
-        return runs[ref]
-
-    return LoopContext(
-        cache_dir=tiny_cache,
-        checkpoint_dir=out,
-        resume_from=resume_from,
-        resolve_model=lambda ref: resolve_model(ref, cache_dir=tiny_cache, run_output=run_output),
-    )
 
 
 @contextmanager

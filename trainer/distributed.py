@@ -49,6 +49,9 @@ class Ranks:
         return self.world > 1
 
 
+ONE = Ranks()  # a run on one process
+
+
 def current(sharding: Sharding = "ddp") -> Ranks:
     """The ranks of the initialised process group (one rank when there is none)."""
     if not dist.is_available() or not dist.is_initialized():
@@ -86,6 +89,15 @@ def gather_rows(t: Tensor, ranks: Ranks) -> Tensor:
     parts = [torch.empty_like(t) for _ in range(ranks.world)]
     dist.all_gather(parts, t.contiguous())
     return torch.cat(parts)
+
+
+def gather_objects(obj: T, ranks: Ranks) -> list[T]:
+    """Every rank's ``obj`` (anything picklable) in rank order, on every rank (``[obj]`` on one rank)."""
+    if not ranks.active:
+        return [obj]
+    out: list[Any] = [None] * ranks.world
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def sum_over_ranks(t: Tensor, ranks: Ranks) -> Tensor:

@@ -252,7 +252,15 @@ def test_malformed_run_references_are_422_not_500(session: Session) -> None:
 DEVICE_REFUSALS = [
     ({"devices": 3}, {}, "dpo", "resources.devices (3) must divide hyperparameters.batch_size (4)"),
     ({"devices": 2}, {"micro_batch_size": 4}, "dpo", "micro_batch_size (4) must divide each device's share"),
-    ({"devices": 2}, {}, "reward_model", "supported for sft and dpo runs so far, not reward_model"),
+    ({"devices": 2}, {}, "reward_model", "supported for sft, dpo and the group family"),
+    ({"devices": 2}, {}, "ppo", "so far, not ppo"),
+    (
+        {"devices": 2},
+        {"prompts_per_step": 3},
+        "grpo",
+        "devices (2) must divide hyperparameters.prompts_per_step (3)",
+    ),
+    ({"devices": 2}, {"engine": "vllm"}, "grpo", "engine 'vllm' on several devices is not supported yet"),
 ]
 
 
@@ -261,7 +269,10 @@ def test_a_multi_device_spec_that_cannot_split_its_batch_is_refused(
     session: Session, resources: dict[str, Any], hp: dict[str, Any], algorithm: str, message: str
 ) -> None:
     pairs = make_dataset(session)
-    spec = {**dpo_spec(pairs.id, **hp), "algorithm": algorithm, "resources": resources}
+    if algorithm in ("ppo", "grpo"):
+        spec = {**rl(pairs.id, algorithm, hyperparameters=hp), "resources": resources}
+    else:
+        spec = {**dpo_spec(pairs.id, **hp), "algorithm": algorithm, "resources": resources}
     before = count(session)
     with api_client(session) as client:
         resp = client.post("/v1/runs", json=spec)

@@ -22,3 +22,8 @@ def prompts(n: int = 4) -> list[dict[str, Any]]:
 
 
 PAIRS, SFT, PROMPTS = pairs(), sft(), prompts()
+
+
+# A reward the random tiny preset earns about half the time (a vowel anywhere in the completion), so its
+# groups have reward variance and the RL updates are not zero; "numeric" on addition is almost always 0.
+VOWEL_REWARD = [{"name": "regex", "params": {"pattern": "[aeiou]"}}]

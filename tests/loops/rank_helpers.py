@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from tests.factories import loop_ctx
+from tests.loop_context import loop_ctx
 from trainer.distributed import Ranks
 from trainer.reporting import LoopContext, LoopResult, MemoryReporter, Reporter
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tests.factories import loop_ctx
-from tests.loops.addition_rows import PAIRS, PROMPTS, SFT
+from tests.loop_context import loop_ctx
+from tests.loops.addition_rows import PAIRS, PROMPTS, SFT, VOWEL_REWARD
 from trainer.loops import LOOPS
 from trainer.models import load_causal_lm, load_reward_model
 from trainer.reporting import MemoryReporter, RunData
@@ -26,12 +26,12 @@ CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]] = 
     "dpo": ({}, PAIRS, {"batch_size": 4}),
     "reward_model": ({}, PAIRS, {"batch_size": 4}),
     "grpo": (
-        {"rewards": [{"name": "numeric"}]},
+        {"rewards": VOWEL_REWARD},
         PROMPTS,
         {**RL_HP, "loss_aggregation": "seq_mean_token_mean"},
     ),
-    "dr_grpo": ({"rewards": [{"name": "numeric"}]}, PROMPTS, RL_HP),
-    "ppo": ({"rewards": [{"name": "numeric"}]}, PROMPTS, {**RL_HP, "loss_aggregation": "seq_mean_token_sum"}),
+    "dr_grpo": ({"rewards": VOWEL_REWARD}, PROMPTS, RL_HP),
+    "ppo": ({"rewards": VOWEL_REWARD}, PROMPTS, {**RL_HP, "loss_aggregation": "seq_mean_token_sum"}),
 }
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.factories import loop_ctx
-from tests.loops.addition_rows import PAIRS, PROMPTS, SFT
+from tests.loop_context import loop_ctx
+from tests.loops.addition_rows import PAIRS, PROMPTS, SFT, VOWEL_REWARD
 from trainer.adapters import BASE_FILE, is_adapter_folder, load_adapter
 from trainer.loops import LOOPS
 from trainer.models import load_causal_lm, load_reward_model, tiny_model_dir
@@ -27,8 +27,8 @@ CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any]]] = 
     "sft": ({}, SFT, {"batch_size": 4}),
     "dpo": ({}, PAIRS, {"batch_size": 4}),
     "reward_model": ({}, PAIRS, {"batch_size": 4}),
-    "grpo": ({"rewards": [{"name": "numeric"}]}, PROMPTS, RL),
-    "ppo": ({"rewards": [{"name": "numeric"}]}, PROMPTS, RL),
+    "grpo": ({"rewards": VOWEL_REWARD}, PROMPTS, RL),
+    "ppo": ({"rewards": VOWEL_REWARD}, PROMPTS, RL),
 }
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.factories import loop_ctx
-from tests.loops.addition_rows import PAIRS, PROMPTS, SFT
+from tests.loop_context import loop_ctx
+from tests.loops.addition_rows import PAIRS, PROMPTS, SFT, VOWEL_REWARD
 from trainer.loops import LOOPS
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec
@@ -20,8 +20,8 @@ CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any], str
     "sft": ({}, SFT, {"batch_size": 4}, "loss"),
     "dpo": ({}, PAIRS, {"batch_size": 4}, "loss"),
     "reward_model": ({}, PAIRS, {"batch_size": 4}, "loss"),
-    "grpo": ({"rewards": [{"name": "numeric"}]}, PROMPTS, RL, "loss/total"),
-    "ppo": ({"rewards": [{"name": "numeric"}]}, PROMPTS, RL, "loss/value"),
+    "grpo": ({"rewards": VOWEL_REWARD}, PROMPTS, RL, "loss/total"),
+    "ppo": ({"rewards": VOWEL_REWARD}, PROMPTS, RL, "loss/value"),
 }
 
 

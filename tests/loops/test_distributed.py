@@ -1,7 +1,9 @@
-"""One run on 2 ranks (gloo on CPU, started by torch's elastic launcher): DPO over DDP and over FSDP2, and
-SFT over FSDP2, make the single-process run's updates on the same global batch, so their losses and
-metrics match to 1e-5 over 10 steps, and the final model (written by rank 0 alone, gathered from the
-shards under FSDP2) equals the single-process one. A rank that raises or dies ends every rank, naming it."""
+"""One run on 2 ranks (gloo on CPU, started by torch's elastic launcher): DPO and GRPO over DDP and over
+FSDP2, and SFT over FSDP2, make the single-process run's updates on the same global batch, so their losses
+and metrics match to 1e-5 over 10 steps, and the final model (written by rank 0 alone, gathered from the
+shards under FSDP2) equals the single-process one. GRPO's ranks each sample their half of a step's prompts
+(row-keyed sampling draws what one process would) and gather the rollouts. A rank that raises or dies ends
+every rank, naming it."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.factories import loop_ctx
-from tests.loops.addition_rows import PAIRS, SFT
+from tests.loop_context import loop_ctx
+from tests.loops.addition_rows import PAIRS, PROMPTS, SFT, VOWEL_REWARD
 from tests.loops.rank_helpers import failing_context, memory_reporter, metrics_and_result, rank_context
 from trainer.loops import LOOPS
 from trainer.models import load_causal_lm
@@ -29,12 +31,31 @@ gloo_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo ranks
 STEPS = 10
 
 
+# GRPO: 4 prompts x 4 samples a step in 2 minibatches (2 updates), KL to the reference in the loss, and a
+# greedy evaluation of 5 held-out prompts (an odd count: the ranks' shares wrap around) every 5 steps.
+GRPO = {
+    "prompts_per_step": 4,
+    "samples_per_prompt": 4,
+    "max_new_tokens": 6,
+    "minibatch_size": 8,
+    "eval_every": 5,
+    "sample_every": 0,
+}
+
+
 def run_spec(algorithm: str = "dpo", **hp: Any) -> dict[str, Any]:
+    online = algorithm == "grpo"
     return {
         "algorithm": algorithm,
         "model": "tiny:llama-0.4m",
         "dataset_id": str(uuid.uuid4()),
-        "hyperparameters": {"max_steps": STEPS, "batch_size": 4, "learning_rate": 1e-3, **hp},
+        **({"rewards": VOWEL_REWARD} if online else {}),
+        "hyperparameters": {
+            "max_steps": STEPS,
+            "learning_rate": 1e-3,
+            **(GRPO if online else {"batch_size": 4}),
+            **hp,
+        },
     }
 
 
@@ -43,6 +64,8 @@ def series(metrics: list[tuple[int, str, float]], key: str) -> list[float]:
 
 
 def rows(spec: dict[str, Any]) -> RunData:
+    if spec["algorithm"] == "grpo":
+        return RunData(train=PROMPTS, validation=PROMPTS[-5:])
     return RunData(train=PAIRS if spec["algorithm"] == "dpo" else SFT)
 
 
@@ -50,6 +73,15 @@ def single(spec: dict[str, Any], tiny_cache: Path, out: Path) -> dict[str, Any]:
     reporter = MemoryReporter()
     result = LOOPS[spec["algorithm"]](parse_spec(spec), rows(spec), reporter, loop_ctx(tiny_cache, out))
     return metrics_and_result(reporter, result)
+
+
+SINGLE: dict[str, dict[str, Any]] = {}  # one process's run of each plain spec, shared by DDP and FSDP2
+
+
+def single_once(algorithm: str, tiny_cache: Path, out: Path) -> dict[str, Any]:
+    if algorithm not in SINGLE:
+        SINGLE[algorithm] = single(run_spec(algorithm), tiny_cache, out)
+    return SINGLE[algorithm]
 
 
 def two_ranks(spec: dict[str, Any], sharding: str, tiny_cache: Path, out: Path) -> dict[str, Any]:
@@ -68,22 +100,37 @@ def two_ranks(spec: dict[str, Any], sharding: str, tiny_cache: Path, out: Path) 
 KEYS = {
     "dpo": ("loss", "rewards/accuracy", "rewards/margin", "logps/chosen", "grad_norm", "final/loss"),
     "sft": ("loss", "token_accuracy", "grad_norm", "final/loss", "final/token_accuracy"),
+    "grpo": (
+        "loss/total",
+        "loss/policy",
+        "kl/ref",
+        "kl/seq",
+        "policy/entropy",
+        "reward/mean",
+        "adv/std",
+        "response/length_mean",
+        "grad_norm",
+        "eval/accuracy",
+    ),
 }
+COUNTS = {"final/loss": 1, "final/token_accuracy": 1, "eval/accuracy": 3}  # else one per step
 
 
 @pytest.mark.slow
 @gloo_only
-@pytest.mark.parametrize(("algorithm", "sharding"), [("dpo", "ddp"), ("dpo", "fsdp"), ("sft", "fsdp")])
+@pytest.mark.parametrize(
+    ("algorithm", "sharding"),
+    [("dpo", "ddp"), ("dpo", "fsdp"), ("sft", "fsdp"), ("grpo", "ddp"), ("grpo", "fsdp")],
+)
 def test_two_ranks_make_the_single_process_updates(
     algorithm: str, sharding: str, tiny_cache: Path, tmp_path: Path
 ) -> None:
-    spec = run_spec(algorithm)
-    one = single(spec, tiny_cache, tmp_path / "one")
-    two = two_ranks(spec, sharding, tiny_cache, tmp_path / "two")
+    one = single_once(algorithm, tiny_cache, tmp_path / "one")
+    two = two_ranks(run_spec(algorithm), sharding, tiny_cache, tmp_path / "two")
     assert two["status"] == "succeeded"
     for key in KEYS[algorithm]:
         expected = series(one["metrics"], key)
-        assert len(expected) == (1 if key.startswith("final/") else STEPS)
+        assert len(expected) == COUNTS.get(key, STEPS), key
         tolerance = {"rel": 1e-5} if key == "grad_norm" else {"abs": 1e-5}  # norms ~10: float32 rounding
         assert series(two["metrics"], key) == pytest.approx(expected, **tolerance), key
     assert two["checkpoints"] == one["checkpoints"] == [STEPS]

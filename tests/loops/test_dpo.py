@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.factories import loop_ctx
+from tests.loop_context import loop_ctx
 from trainer.data.preference import collate_pairs, tokenize_pair
 from trainer.loops.dpo import run_dpo, sequence_logps
 from trainer.models import load_causal_lm, tiny_model_dir

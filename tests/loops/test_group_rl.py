@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.factories import loop_ctx
+from tests.loop_context import loop_ctx
 from trainer.data.prompts import PromptSet
 from trainer.data.sampling import EpochSampler
 from trainer.loops.group_rl import run_group_rl

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.factories import loop_ctx
+from tests.loop_context import loop_ctx
 from trainer.loops.dpo import run_dpo
 from trainer.loops.group_rl import run_group_rl
 from trainer.loops.reward_model import run_reward_model

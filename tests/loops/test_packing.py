@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlrun.formats import normalize_preference
-from tests.factories import loop_ctx
+from tests.loop_context import loop_ctx
 from trainer.data.packing import first_fit_decreasing, pack_sequences
 from trainer.loops import LOOPS
 from trainer.loops.common import packed_completion_logits

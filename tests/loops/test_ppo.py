@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.factories import loop_ctx
+from tests.loop_context import loop_ctx
 from trainer.checkpoints import STATE_FILE
 from trainer.loops.common import seed_everything
 from trainer.loops.ppo import run_ppo, token_advantages, token_values

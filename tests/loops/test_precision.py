@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.factories import loop_ctx
+from tests.loop_context import loop_ctx
 from tests.loops.addition_rows import SFT
 from trainer.loops import LOOPS
 from trainer.loops.common import accumulate_and_step, make_optimizer

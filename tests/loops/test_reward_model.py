@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.factories import loop_ctx
+from tests.loop_context import loop_ctx
 from trainer.data.reward import collate_groups, tokenize_group, tokenize_groups
 from trainer.loops.common import seed_everything
 from trainer.loops.reward_model import (

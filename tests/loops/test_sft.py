@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.factories import loop_ctx
+from tests.loop_context import loop_ctx
 from trainer.data.sft import TokenizedExample, collate_examples, tokenize_example, truncate
 from trainer.loops.sft import completion_sums, run_sft, sft_loss
 from trainer.models import load_causal_lm, tiny_model_dir

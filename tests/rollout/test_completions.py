@@ -69,15 +69,13 @@ def test_rejects_misaligned_rows() -> None:
         completions_from_generate(right_padded, [[5, 6, 7], [8]], 2, 3, EOS, PAD, tok)
 
 
-def test_generate_kwargs_greedy_and_sampling() -> None:
-    greedy = generate_kwargs(
-        SamplingParams(max_new_tokens=5, temperature=0.0, top_k=7), eos_id=EOS, pad_id=PAD
-    )
-    assert greedy["do_sample"] is False
-    assert {"temperature", "top_p", "top_k"}.isdisjoint(greedy)  # unused by greedy; setting them warns
-    assert greedy["max_new_tokens"] == 5 and greedy["eos_token_id"] == EOS and greedy["pad_token_id"] == PAD
-    sample = generate_kwargs(SamplingParams(temperature=0.7, top_p=0.9), eos_id=EOS, pad_id=PAD)
-    assert sample["do_sample"] is True
-    assert (sample["temperature"], sample["top_p"], sample["top_k"]) == (0.7, 0.9, 0)
-    # neutral values that override a checkpoint's generation_config
-    assert sample["repetition_penalty"] == 1.0 and sample["min_p"] == 0.0 and sample["num_beams"] == 1
+def test_generate_kwargs_decode_greedily_with_neutral_settings() -> None:
+    """generate's own sampling is off for a sampled call too (HFEngine adds the row-keyed processors), and
+    every setting that would reshape the distribution is given neutral, over the checkpoint's config."""
+    for params in (SamplingParams(max_new_tokens=5, temperature=0.0, top_k=7), SamplingParams(top_p=0.9)):
+        kwargs = generate_kwargs(params, eos_id=EOS, pad_id=PAD)
+        assert kwargs["do_sample"] is False
+        assert {"temperature", "top_p", "top_k"}.isdisjoint(kwargs)  # unused by greedy; setting them warns
+        assert kwargs["eos_token_id"] == EOS and kwargs["pad_token_id"] == PAD
+        assert kwargs["repetition_penalty"] == 1.0 and kwargs["num_beams"] == 1
+    assert generate_kwargs(SamplingParams(max_new_tokens=5), eos_id=EOS, pad_id=PAD)["max_new_tokens"] == 5

@@ -5,6 +5,7 @@ and call these."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from trainer.algorithms.kl_control import KL_CONTROLLERS, KLController
 from trainer.algorithms.logprobs import entropy_from_logits, token_logprobs
 from trainer.algorithms.policy_losses import POLICY_LOSSES, ClipParams
 from trainer.data.prompts import PromptSet, tokenize_prompts
+from trainer.distributed import Ranks, current, gather_rows, is_sharded, padded_share, sum_over_ranks, unwrap
 from trainer.loops.common import accumulate_and_step, is_due, micro_batches
 from trainer.loops.rollouts import (
     StepRollouts,
@@ -79,7 +81,13 @@ def prepare_rl(
         elif ref_path is not None:
             reference, _ = load_causal_lm(ref_path, dtype=frozen_dtype(hp.precision))
             reference.to(start.device).eval().requires_grad_(False)
-        engine = make_engine(hp.engine, model=policy, tokenizer=tokenizer, model_path=start.model_path)
+        engine = make_engine(
+            hp.engine,
+            model=unwrap(policy),
+            tokenizer=tokenizer,
+            model_path=start.model_path,
+            synced_gpus=ctx.ranks.active and is_sharded(policy),
+        )
         reward = build_reward(spec.rewards, ctx.resolve_model, start.device)
         eval_reward = (
             build_reward(spec.eval_rewards, ctx.resolve_model, start.device) if spec.eval_rewards else reward
@@ -102,8 +110,10 @@ def prepare_rl(
 def evaluate_held_out(session: TrainingSession, parts: RlParts, hp: OnlineRlHyperparameters) -> None:
     """Greedy held-out accuracy of the current policy (the ``eval`` phase), kept as ``last_eval``."""
     with session.reporter.phase("eval", len(parts.val_prompts.ids)):
-        parts.engine.sync_weights(session.model)
-        session.last_eval = evaluate_greedy(parts.engine, parts.val_prompts, parts.eval_reward, hp, hp.seed)
+        parts.engine.sync_weights(unwrap(session.model))
+        session.last_eval = evaluate_greedy(
+            parts.engine, parts.val_prompts, parts.eval_reward, hp, hp.seed, session.ranks
+        )
 
 
 def kl_controller(hp: OnlineRlHyperparameters, session: TrainingSession) -> KLController:
@@ -125,7 +135,7 @@ def sample_step(
     """This step's rollouts from the current policy, and the seconds they took."""
     t0 = time.perf_counter()
     with session.reporter.phase("rollouts"):
-        parts.engine.sync_weights(session.model)
+        parts.engine.sync_weights(unwrap(session.model))
         ro = collect_rollouts(
             parts.engine,
             parts.prompts,
@@ -134,6 +144,7 @@ def sample_step(
             hp,
             greedy_baseline=greedy_baseline,
             seed=hp.seed * 100_003 + session.step,
+            ranks=session.ranks,
         )
     return ro, time.perf_counter() - t0
 
@@ -234,21 +245,26 @@ def forward_logps(model: Any, batch: TokenBatch) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def frozen_logps(model: Any, batch: TokenBatch, chunk: int = 64) -> Tensor:
-    """Per-token log-probs without grad, in chunks (old policy, reference)."""
+def frozen_logps(model: Any, batch: TokenBatch, chunk: int = 64, ranks: Ranks | None = None) -> Tensor:
+    """Per-token log-probs without grad, in chunks (old policy, reference). On several ranks (``ranks``,
+    default: the process group's) each computes its ``padded_share`` of the rows and the parts are
+    gathered: every rank gets all rows' log-probs."""
+    ranks = current() if ranks is None else ranks
+    rows = torch.tensor(padded_share(len(batch.input_ids), ranks), dtype=torch.long)
+    mine = batch.select(rows.to(batch.input_ids.device))
     was_training = model.training
     model.eval()
     out = [
-        forward_logps(model, batch.select(torch.arange(i, min(i + chunk, len(batch.input_ids)))))[1]
-        for i in range(0, len(batch.input_ids), chunk)
+        forward_logps(model, mine.select(torch.arange(i, min(i + chunk, len(rows)))))[1]
+        for i in range(0, len(rows), chunk)
     ]
     model.train(was_training)
-    return torch.cat(out)
+    return gather_rows(torch.cat(out), ranks)[: len(batch.input_ids)]
 
 
 def reference_logps(parts: RlParts, batch: TokenBatch) -> Tensor | None:
     """Per-token log-probs of the frozen reference (None without one); for an adapter run the policy
-    with its adapter off."""
+    with its adapter off. Split over the ranks (``frozen_logps``)."""
     if parts.reference is None:
         return None
     with adapter_off(parts.reference):
@@ -313,17 +329,33 @@ class WeightedMeans:
     def means(self) -> dict[str, Tensor]:
         return {k: v if k in self.SUMMED else v / max(self.weights[k], 1e-12) for k, v in self.sums.items()}
 
+    def add_up_ranks(self, ranks: Ranks) -> None:
+        """Sum the sums and weights over the ranks (one collective), so ``means`` is the whole minibatch's
+        on every rank."""
+        if not ranks.active:
+            return
+        keys = sorted(self.sums)
+        device = self.sums[keys[0]].device
+        packed = torch.stack(
+            [self.sums[k] for k in keys] + [torch.tensor(self.weights[k], device=device) for k in keys]
+        )
+        total = sum_over_ranks(packed, ranks)
+        self.sums = {k: total[i] for i, k in enumerate(keys)}
+        self.weights = {k: float(total[len(keys) + i]) for i, k in enumerate(keys)}
+
 
 @dataclass(frozen=True)
 class ActorBatch:
     """A minibatch for the actor: tokens, the mask of tokens that count, advantages, old and reference
-    log-probs (None: on-policy, the update's own detached log-probs; no reference)."""
+    log-probs (None: on-policy, the update's own detached log-probs; no reference), and which rows are
+    real (``real``: 1, or 0 for a rank's filler row, whose mask is all zero; None: all)."""
 
     tokens: TokenBatch
     mask: Tensor
     adv: Tensor
     old_logp: Tensor | None
     ref_logp: Tensor | None
+    real: Tensor | None = None
 
     def select(self, idx: Tensor) -> ActorBatch:
         return ActorBatch(
@@ -332,7 +364,28 @@ class ActorBatch:
             self.adv[idx],
             None if self.old_logp is None else self.old_logp[idx],
             None if self.ref_logp is None else self.ref_logp[idx],
+            None if self.real is None else self.real[idx],
         )
+
+    @property
+    def n_real(self) -> Tensor:
+        """How many rows are real (not a rank's filler), as a float tensor."""
+        if self.real is None:
+            return torch.tensor(float(len(self.adv)), device=self.adv.device)
+        return self.real.sum()
+
+    def rank_share(self, ranks: Ranks) -> ActorBatch:
+        """This rank's equal share of the rows (``padded_share``): the rows past the end wrap around as
+        filler rows whose mask is zero, so they add nothing to a loss or a statistic, yet every rank runs
+        as many micro-batches as the others (their backward passes are collectives)."""
+        if not ranks.active:
+            return self
+        n = len(self.adv)
+        size = -(-n // ranks.world)
+        positions = torch.arange(ranks.rank * size, (ranks.rank + 1) * size, device=self.adv.device)
+        real = (positions < n).float()
+        part = self.select(positions % n)
+        return dataclasses.replace(part, mask=part.mask * real[:, None], real=real)
 
 
 def micro_slices(n: int, size: int | None, device: torch.device) -> list[Tensor]:
@@ -364,7 +417,7 @@ def actor_loss(
     if mb.ref_logp is not None:
         kl_tok = KL_ESTIMATORS[hp.kl_estimator](logp, mb.ref_logp)
         stats["kl/ref"] = masked_mean(kl_tok.detach(), mb.mask)
-        stats["kl/seq"] = (kl_tok.detach() * mb.mask).sum(-1).mean()
+        stats["kl/seq"] = (kl_tok.detach() * mb.mask).sum() / mb.n_real.clamp(min=1)
         if hp.kl_placement == "loss" and kl_coef > 0:
             per_token = per_token + kl_coef * kl_tok
     entropy = entropy_from_logits(logits)
@@ -400,21 +453,26 @@ def actor_step(
 ) -> dict[str, Tensor]:
     """One optimizer step of the policy on a minibatch (``actor_loss``), in micro-batches of
     ``hp.micro_batch_size`` rows whose gradients add up to the minibatch's (each aggregated with the
-    minibatch's ``batch_normaliser``); returns its stats."""
+    minibatch's ``batch_normaliser``); returns its stats. On several ranks each takes its share of the
+    minibatch's rows (``ActorBatch.rank_share``) and the stats are summed over them: the update and the
+    stats are the whole minibatch's."""
     normaliser = batch_normaliser(mb.mask, hp.loss_aggregation)
+    ranks = current()
+    mine = mb.rank_share(ranks)
     means = WeightedMeans()
 
     def losses() -> Iterator[Tensor]:
-        for rows in micro_slices(len(mb.adv), hp.micro_batch_size, mb.adv.device):
-            part = mb.select(rows)
+        for rows in micro_slices(len(mine.adv), hp.micro_batch_size, mine.adv.device):
+            part = mine.select(rows)
             loss, stats = actor_loss(policy, part, hp, kl_coef, normaliser)
-            means.add(stats, tokens=float(part.mask.sum()), rows=float(len(rows)))
+            means.add(stats, tokens=float(part.mask.sum()), rows=float(part.n_real))
             yield loss
 
     with checkpointed_training(policy, hp.gradient_checkpointing):
         grad_norm = accumulate_and_step(
             policy, optimizer, losses(), hp.max_grad_norm, skip_nonfinite=hp.on_nonfinite == "skip"
         )
+    means.add_up_ranks(ranks)
     stats = means.means()
     stats["skipped_updates"] = torch.tensor(float(grad_norm is None))
     stats["grad_norm"] = grad_norm if grad_norm is not None else torch.tensor(float("nan"))

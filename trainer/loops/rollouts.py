@@ -1,9 +1,15 @@
 """Rollouts and their rewards, shared by the online-RL loops: sample G completions per prompt, score them
 with the verifiers / reward model, refill groups without signal (DAPO), summarise, store samples, and
-evaluate greedily on held-out prompts."""
+evaluate greedily on held-out prompts.
+
+On several ranks each rank generates and scores its share of the prompts, then the ranks' completions and
+rewards are gathered, so every rank holds the whole step's rollouts (as one process would, row for row:
+sampling is keyed by the global row, trainer/rollout/row_sampling.py) and takes the same decisions
+(which groups to keep, advantages) before training on its share."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +18,7 @@ import torch
 
 from trainer.data.prompts import PromptSet
 from trainer.data.sampling import EpochSampler
+from trainer.distributed import ONE, Ranks, gather_objects, padded_share
 from trainer.rewards.composite import CompositeReward, RewardComponent, RewardResult
 from trainer.rewards.reward_model_scorer import RewardModelScorer
 from trainer.rewards.verifiers import Sample
@@ -64,6 +71,43 @@ def score(
     return reward(samples)
 
 
+def generate_scored(
+    engine: RolloutEngine,
+    prompts: PromptSet,
+    idx: Sequence[int],
+    n: int,
+    params: SamplingParams,
+    reward: CompositeReward,
+    max_new_tokens: int,
+    ranks: Ranks,
+) -> tuple[list[Completion], RewardResult]:
+    """``n`` completions of each PromptSet row in ``idx`` (prompt-major) and their rewards.
+
+    On several ranks each generates and scores its ``padded_share`` of ``idx`` (equal counts, so a sharded
+    model's collective forwards line up), passing the global index of its first row so its samples are
+    those one process would draw; the parts are gathered in rank order and cut back to ``len(idx) * n``:
+    every rank returns the whole batch's completions and rewards."""
+    mine = [idx[k] for k in padded_share(len(idx), ranks)]
+    first_row = ranks.rank * len(mine) * n if ranks.active else 0
+    comps = engine.generate(
+        [prompts.ids[j] for j in mine], n, dataclasses.replace(params, first_row=first_row)
+    )
+    result = score(comps, prompts, [mine[k // n] for k in range(len(comps))], reward, max_new_tokens)
+    if not ranks.active:
+        return comps, result
+    parts = gather_objects((comps, result), ranks)
+    rows = len(idx) * n
+    everyone = [c for part, _ in parts for c in part][:rows]
+    comps = [dataclasses.replace(c, prompt_index=k // n) for k, c in enumerate(everyone)]
+    names = parts[0][1].components
+    result = RewardResult(
+        total=[v for _, r in parts for v in r.total][:rows],
+        components={name: [v for _, r in parts for v in r.components[name]][:rows] for name in names},
+        failures=sum(r.failures for _, r in parts),
+    )
+    return comps, result
+
+
 @dataclass
 class StepRollouts:
     """The groups a step trains on: completions prompt-major, G per group."""
@@ -102,25 +146,25 @@ def collect_rollouts(
     *,
     greedy_baseline: bool,
     seed: int,
+    ranks: Ranks = ONE,
 ) -> StepRollouts:
     """``prompts_per_step`` groups of G completions. With dynamic sampling a group whose rewards are all
     equal (no learning signal) is dropped and more prompts are sampled, up to ``max_refill_rounds`` extra
-    rounds; the step may end with fewer groups, never with a zero-variance one."""
+    rounds; the step may end with fewer groups, never with a zero-variance one. On several ranks the
+    prompts are split among them and the rollouts gathered (``generate_scored``): every rank returns the
+    whole step's."""
     G, out = hp.samples_per_prompt, StepRollouts()
     for round_ in range(1 + (hp.max_refill_rounds if hp.dynamic_sampling else 0)):
         idx = sampler.next_batch()
-        comps = engine.generate(
-            [prompts.ids[j] for j in idx], G, sampling_params(hp, seed=seed * 1009 + round_)
-        )
-        pidx = [idx[k // G] for k in range(len(comps))]
-        result = score(comps, prompts, pidx, reward, hp.max_new_tokens)
+        params = sampling_params(hp, seed=seed * 1009 + round_)
+        comps, result = generate_scored(engine, prompts, idx, G, params, reward, hp.max_new_tokens, ranks)
         out.failures += result.failures
         baselines: list[float] | None = None
         if greedy_baseline:  # ReMax: one greedy rollout per prompt, its reward is the baseline
-            greedy = engine.generate(
-                [prompts.ids[j] for j in idx], 1, sampling_params(hp, seed=seed, greedy=True)
-            )
-            baselines = score(greedy, prompts, idx, reward, hp.max_new_tokens).total
+            greedy = sampling_params(hp, seed=seed, greedy=True)
+            baselines = generate_scored(engine, prompts, idx, 1, greedy, reward, hp.max_new_tokens, ranks)[
+                1
+            ].total
         for g, j in enumerate(idx):
             sl = slice(g * G, (g + 1) * G)
             out.groups_sampled += 1
@@ -178,14 +222,20 @@ def sample_records(
 
 
 def evaluate_greedy(
-    engine: RolloutEngine, prompts: PromptSet, reward: CompositeReward, hp: OnlineRlHyperparameters, seed: int
+    engine: RolloutEngine,
+    prompts: PromptSet,
+    reward: CompositeReward,
+    hp: OnlineRlHyperparameters,
+    seed: int,
+    ranks: Ranks = ONE,
 ) -> dict[str, float]:
     """Greedy completions of held-out prompts scored by ``reward``: ``eval/accuracy`` is its mean
-    (the fraction correct for a 0/1 verifier such as exact_match)."""
+    (the fraction correct for a 0/1 verifier such as exact_match); split over the ranks."""
     if not prompts.ids:
         return {}
-    completions = engine.generate(prompts.ids, 1, sampling_params(hp, seed=seed, greedy=True))
-    result = score(completions, prompts, list(range(len(prompts.ids))), reward, hp.max_new_tokens)
+    params = sampling_params(hp, seed=seed, greedy=True)
+    every = range(len(prompts.ids))
+    completions, result = generate_scored(engine, prompts, every, 1, params, reward, hp.max_new_tokens, ranks)
     lengths = [len(c.token_ids) for c in completions]
     return {
         "eval/accuracy": sum(result.total) / len(result.total),

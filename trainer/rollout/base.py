@@ -14,8 +14,11 @@ class SamplingParams:
     """How to sample; one object per ``generate`` call.
 
     ``temperature == 0`` or ``greedy=True`` means greedy decoding (``top_p``/``top_k`` are then ignored).
-    ``seed`` makes a call reproducible for the same inputs, engine and batch size; ``None`` draws from the
-    engine's own random state (for HF the global torch RNG, which the loop seeds once per run).
+    ``seed`` makes a call reproducible; ``None`` draws from the engine's own random state (for HF the
+    global torch RNG, which the loop seeds once per run). The HF engine keys each row's draws by ``seed``
+    and the row's global index, ``first_row`` + its index in the call (trainer/rollout/row_sampling.py):
+    a prompt's samples do not depend on the batch around it, so ranks that each generate a share of a
+    step's prompts (passing their share's first row) sample what one process sampling them all would.
     """
 
     max_new_tokens: int = 64
@@ -24,6 +27,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     greedy: bool = False
     seed: int | None = None
+    first_row: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -34,6 +38,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.first_row < 0:
+            raise ValueError(f"first_row must be >= 0, got {self.first_row}")
 
     @property
     def is_greedy(self) -> bool:

@@ -9,7 +9,9 @@ from trainer.rollout.base import RolloutEngine
 EngineName = Literal["hf", "vllm"]
 
 
-def make_engine(name: EngineName, *, model: Any, tokenizer: Any, model_path: str) -> RolloutEngine:
+def make_engine(
+    name: EngineName, *, model: Any, tokenizer: Any, model_path: str, synced_gpus: bool = False
+) -> RolloutEngine:
     """A rollout engine that generates with ``model``'s current weights; the one place that reads ``name``.
 
     Args:
@@ -17,6 +19,7 @@ def make_engine(name: EngineName, *, model: Any, tokenizer: Any, model_path: str
         model: the policy being trained.
         tokenizer: its tokenizer (HF engine; vLLM loads its own from ``model_path``).
         model_path: folder or hub id the policy was loaded from (vLLM builds its copy from it).
+        synced_gpus: the model is sharded over ranks that generate together (HF: ``HFEngine``'s).
 
     Raises:
         ValueError: unknown ``name``, listing the valid ones.
@@ -25,7 +28,7 @@ def make_engine(name: EngineName, *, model: Any, tokenizer: Any, model_path: str
     if name == "hf":
         from trainer.rollout.hf_engine import HFEngine
 
-        return HFEngine(model, tokenizer)
+        return HFEngine(model, tokenizer, synced_gpus=synced_gpus)
     if name == "vllm":
         from trainer.rollout.vllm_engine import VllmEngine
 

@@ -3,7 +3,9 @@
 The policy generates in place (no copy of the weights), so ``sync_weights`` has nothing to move. Each call
 left-pads a chunk of prompts, repeats every prompt ``n`` times (prompt-major, as ``num_return_sequences``
 would), runs ``generate`` with the KV cache under ``no_grad`` in eval mode, and cuts each row back to what
-was really generated with ``completions_from_generate``.
+was really generated with ``completions_from_generate``. Sampling draws from each row's own seeded stream
+(trainer/rollout/row_sampling.py), so the chunk size, or the ranks a step's prompts are split over, do not
+change what a prompt samples.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from transformers import LogitsProcessorList
 
 from trainer.rollout.base import Completion, SamplingParams, check_generate_args
+from trainer.rollout.row_sampling import row_processors
 
 
 def left_pad(prompts: Sequence[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,21 +101,6 @@ def completions_from_generate(
 
 
 @contextlib.contextmanager
-def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
-    """Seed torch for the block and restore the previous RNG state afterwards (``fork_rng``), so a seeded
-    rollout neither depends on nor disturbs the loop's own random stream; ``None`` leaves the RNG alone."""
-    if seed is None:
-        yield
-        return
-    cuda_devices = []
-    if device.type == "cuda":
-        cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()]
-    with torch.random.fork_rng(devices=cuda_devices):
-        torch.manual_seed(seed)
-        yield
-
-
-@contextlib.contextmanager
 def _eval_mode(model: Any) -> Iterator[None]:
     """Eval mode (no dropout) and no autograd for the block; the caller's training flag comes back after."""
     was_training = model.training
@@ -133,10 +122,19 @@ class HFEngine:
         device: where inputs go; defaults to the device of the model's first parameter.
         batch_size: rows (prompt x sample) per ``generate`` call; a chunk holds ``max(1, batch_size // n)``
             whole prompts, so with ``n > batch_size`` one prompt's ``n`` rows go together.
+        synced_gpus: every rank of a sharded (FSDP) model runs this engine at once: each forward pass is
+            a collective, so a rank whose rows have all stopped keeps stepping until every rank's have
+            (transformers' ``synced_gpus``).
     """
 
     def __init__(
-        self, model: Any, tokenizer: Any, *, device: str | torch.device | None = None, batch_size: int = 64
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        device: str | torch.device | None = None,
+        batch_size: int = 64,
+        synced_gpus: bool = False,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -146,34 +144,45 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.batch_size = batch_size
+        self.synced_gpus = synced_gpus
         self.eos_id: int = tokenizer.eos_token_id
         self.pad_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
 
     def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
         """n completions per prompt, prompt-major; see ``RolloutEngine.generate``.
 
-        With ``params.seed`` set the global torch RNG is seeded for the call and restored afterwards, so the
-        same seed, prompts and ``batch_size`` give the same samples. Greedy with ``n > 1`` returns ``n``
-        identical copies.
+        Row ``k`` of the call (``k = prompt * n + sample``) samples from the stream of global row
+        ``params.first_row + k`` of ``params.seed``: the same seed gives the same samples whatever
+        ``batch_size``, and the global torch RNG is neither read nor moved (without a seed, one draw from it
+        seeds the call). Greedy with ``n > 1`` returns ``n`` identical copies.
         """
         check_generate_args(prompts, n)
+        if params.seed is None and not params.is_greedy:
+            params = dataclasses.replace(params, seed=int(torch.randint(0, 2**62, ()).item()))
         per_chunk = max(1, self.batch_size // n)
         out: list[Completion] = []
-        with _eval_mode(self.model), _seeded(params.seed, self.device):
+        with _eval_mode(self.model):
             for start in range(0, len(prompts), per_chunk):
                 chunk = [list(p) for p in prompts[start : start + per_chunk]]
-                done = self._generate_chunk(chunk, n, params)
+                first = params.first_row + start * n
+                done = self._generate_chunk(chunk, n, params, range(first, first + len(chunk) * n))
                 out += [dataclasses.replace(c, prompt_index=c.prompt_index + start) for c in done]
         return out
 
-    def _generate_chunk(self, chunk: list[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+    def _generate_chunk(
+        self, chunk: list[list[int]], n: int, params: SamplingParams, rows: range
+    ) -> list[Completion]:
         # Repeating rows ourselves (rather than num_return_sequences) gives the same prompt-major order and
         # also works for greedy decoding, where generate refuses num_return_sequences > 1.
         input_ids, mask = left_pad([p for p in chunk for _ in range(n)], self.pad_id)
+        kwargs = generate_kwargs(params, eos_id=self.eos_id, pad_id=self.pad_id)
+        if not params.is_greedy:
+            kwargs["logits_processor"] = LogitsProcessorList(row_processors(params, rows, self.device))
         sequences = self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=mask.to(self.device),
-            **generate_kwargs(params, eos_id=self.eos_id, pad_id=self.pad_id),
+            synced_gpus=self.synced_gpus,
+            **kwargs,
         )
         return completions_from_generate(
             sequences, chunk, n, input_ids.shape[1], self.eos_id, self.pad_id, self.tokenizer
@@ -187,12 +196,14 @@ class HFEngine:
 
 
 def generate_kwargs(params: SamplingParams, *, eos_id: int, pad_id: int) -> dict[str, Any]:
-    """Keyword arguments for ``generate`` that sample from exactly the policy's (tempered, truncated)
-    distribution.
+    """Keyword arguments for ``generate`` that decode greedily from exactly the policy's distribution; a
+    sampled call adds ``row_processors`` (temperature, top-k, top-p, then each row's noise), so generate's
+    own sampling is off in both cases.
 
     Transformers fills every setting left unset from the checkpoint's ``generation_config.json`` (which may
-    carry e.g. ``repetition_penalty=1.05`` or ``top_k=20``) and then from global defaults (``top_k=50``), so
-    each setting that reshapes the distribution is given explicitly here, neutral unless ``params`` asks.
+    carry e.g. ``repetition_penalty=1.05``, ``top_k=20`` or ``do_sample=True``) and then from global
+    defaults (``top_k=50``), so each setting that reshapes the distribution is given explicitly here,
+    neutral; the sampling knobs are left out (greedy decoding ignores them; setting them makes it warn).
     """
     kwargs: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
@@ -205,16 +216,4 @@ def generate_kwargs(params: SamplingParams, *, eos_id: int, pad_id: int) -> dict
         "repetition_penalty": 1.0,
         "no_repeat_ngram_size": 0,
     }
-    if params.is_greedy:
-        # Sampling-only knobs are left out: greedy ignores them, and setting them makes generate warn.
-        return kwargs | {"do_sample": False}
-    return kwargs | {
-        "do_sample": True,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,  # 0 disables the top-k warper
-        "min_p": 0.0,
-        "typical_p": 1.0,
-        "epsilon_cutoff": 0.0,
-        "eta_cutoff": 0.0,
-    }
+    return kwargs | {"do_sample": False}

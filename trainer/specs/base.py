@@ -159,7 +159,7 @@ class AdapterSpec(_Frozen):
         return v
 
 
-MULTI_RANK_ALGORITHMS = ("sft", "dpo")  # the loops that split a batch over ranks so far
+MULTI_RANK_RUNS = "sft, dpo and the group family (grpo, dr_grpo, dapo, rloo, reinforce*, remax)"
 
 
 class ResourcesSpec(_Frozen):
@@ -170,8 +170,8 @@ class ResourcesSpec(_Frozen):
         ge=1,
         le=64,
         description="Processes (ranks) this run trains on, one per GPU on a CUDA worker (NCCL), or CPU "
-        "processes (gloo) on a CPU worker. Each takes an equal share of every batch: `batch_size` must "
-        "divide evenly (and by `micro_batch_size` within a share). Supported for sft and dpo so far.",
+        "processes (gloo) on a CPU worker. Each takes an equal share of every batch: `batch_size` (online "
+        "RL: `prompts_per_step`) must divide evenly. Supported for " + MULTI_RANK_RUNS + " so far.",
     )
     sharding: Literal["ddp", "fsdp"] = Field(
         default="ddp",
@@ -247,27 +247,31 @@ class _RunSpecBase(_Frozen):
             raise ValueError("give validation_dataset_id or validation_fraction, not both")
         return self
 
+    def rank_split(self) -> tuple[str, int] | None:
+        """The batch a multi-rank run splits over its ranks, as (field path, size); None: this run kind
+        does not run on several ranks yet. Overridden by the spec classes whose loops do."""
+        return None
+
     @model_validator(mode="after")
     def _ranks_split_the_batch(self) -> _RunSpecBase:
         n = self.resources.devices
         if n == 1:
             return self
-        algorithm = getattr(self, "algorithm", "")
-        if algorithm not in MULTI_RANK_ALGORITHMS:
+        split = self.rank_split()
+        if split is None:
             raise ValueError(
-                f"resources.devices > 1 is supported for {' and '.join(MULTI_RANK_ALGORITHMS)} runs so far, "
-                f"not {algorithm}"
+                f"resources.devices > 1 is supported for {MULTI_RANK_RUNS} runs so far, "
+                f"not {getattr(self, 'algorithm', '')}"
             )
+        name, size = split
+        if size % n:
+            raise ValueError(f"resources.devices ({n}) must divide {name} ({size})")
         hp: Any = getattr(self, "hyperparameters", None)
-        if hp is not None and hp.batch_size % n:
-            raise ValueError(
-                f"resources.devices ({n}) must divide hyperparameters.batch_size ({hp.batch_size})"
-            )
-        share = hp.batch_size // n if hp is not None else 1
-        if hp is not None and hp.micro_batch_size is not None and share % hp.micro_batch_size:
+        online = hasattr(hp, "prompts_per_step")  # online RL splits each minibatch as it comes
+        if not online and hp.micro_batch_size is not None and (size // n) % hp.micro_batch_size:
             raise ValueError(
                 f"hyperparameters.micro_batch_size ({hp.micro_batch_size}) must divide each device's share "
-                f"of the batch ({share} = batch_size / resources.devices)"
+                f"of the batch ({size // n} = batch_size / resources.devices)"
             )
         if (
             self.adapter is not None

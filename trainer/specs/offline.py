@@ -90,6 +90,9 @@ class DpoSpec(_ReferencedSpecBase):
     hyperparameters: DpoHyperparameters = Field(default_factory=DpoHyperparameters)
     dataset_kinds: ClassVar[tuple[str, ...]] = ("preference",)
 
+    def rank_split(self) -> tuple[str, int] | None:
+        return "hyperparameters.batch_size", self.hyperparameters.batch_size
+
 
 class SftSpec(_RunSpecBase):
     """Supervised fine-tuning on prompt/completion pairs or chat conversations."""
@@ -97,6 +100,9 @@ class SftSpec(_RunSpecBase):
     algorithm: Literal["sft"] = Field(description="Run type.")
     hyperparameters: SftHyperparameters = Field(default_factory=SftHyperparameters)
     dataset_kinds: ClassVar[tuple[str, ...]] = ("sft",)
+
+    def rank_split(self) -> tuple[str, int] | None:
+        return "hyperparameters.batch_size", self.hyperparameters.batch_size
 
 
 class RewardModelSpec(_RunSpecBase):

@@ -281,6 +281,11 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
                 "adapter with engine 'vllm' is not supported yet (the engine would need the adapter's "
                 "weights at every step): use engine 'hf', or train the whole model"
             )
+        if self.resources.devices > 1 and hp.engine == "vllm":
+            raise ValueError(
+                "engine 'vllm' on several devices is not supported yet (each rank would need its own vLLM "
+                "with row-keyed seeds): use engine 'hf' with resources.devices > 1"
+            )
         return self
 
 
@@ -299,6 +304,9 @@ class GroupRlSpec(_OnlineRlSpecBase):
     def _apply_preset(cls, data: Any) -> Any:
         algorithm = data.get("algorithm") if isinstance(data, dict) else None
         return _with_preset(data, GROUP_PRESETS[algorithm]) if algorithm in GROUP_PRESETS else data
+
+    def rank_split(self) -> tuple[str, int] | None:
+        return "hyperparameters.prompts_per_step", self.hyperparameters.prompts_per_step
 
     @model_validator(mode="after")
     def _remax_baseline(self) -> GroupRlSpec:
