@@ -1,8 +1,26 @@
 """Seconds per DPO step: rlrun's ``run_dpo`` against TRL's ``DPOTrainer``, same model, data and settings.
 
-Both train the built-in ``tiny:llama-10m`` (random-init Llama, ~11M parameters) from the same folder on
-the same 200 addition preference pairs (``rlrun.demo.addition_pairs``): 8 pairs per step, max_length 64,
-AdamW lr 1e-3 constant, beta 0.1, sigmoid loss, fp32 on CPU, no eval and no saving during training.
+Both train the built-in ``tiny:llama-10m`` (random-init Llama, ~11M parameters) from the same folder, 8
+pairs per step, AdamW lr 1e-3 constant, beta 0.1, sigmoid loss, fp32 on CPU, no eval and no saving during
+training, on two datasets (``--data``):
+
+- ``addition``: 200 addition preference pairs (``rlrun.demo.addition_pairs``), max_length 64, 40 steps;
+- ``hh``: the first 200 pairs of the HH-RLHF file (``tests/data/hh-rlhf``, a copy of shared/data; prompt =
+  the shared conversation up to the last Assistant turn, by the upload path's own converter) whose prompt
+  and longer answer fit 512 tokens, so neither trainer truncates (TRL 1.16 has only ``max_length``; rlrun
+  ``max_prompt_length`` 256 is not reached), max_length 512, 20 steps;
+
+and in both reference modes (``--modes``), each trainer in the mode that matches the other's:
+
+- ``precompute``: every pair's reference log-probs in one pass before step 1 (rlrun
+  ``reference_mode: precompute``, TRL ``precompute_ref_log_probs=True``), counted in setup and total;
+- ``per-step``: the reference forward for a step's pairs during the step (rlrun ``lazy``, which computes
+  a pair's values the first time a step uses it and keeps them; TRL's default, every step).
+
+Model FLOPs utilisation (MFU): ``6 * N * tokens`` per step for the policy's forward and backward (N the
+parameter count, tokens the batch's real tokens; the reference pass adds ``2 * N * tokens`` per pair once,
+counted over the run), divided by the steady step time and by this machine's fp32 matmul peak, measured
+here with a 2048 x 2048 matmul on all threads. It says how far from the hardware limit each trainer is.
 
 What is timed, for each, from one clock start to the end of the last optimizer step:
 
@@ -24,14 +42,15 @@ forward over all 200 pairs; TRL's costs one forward over the batch at every step
 grows with --steps (break-even near steps * 8 = 200) while the steady ratio does not. The loss and
 reward accuracy are train-batch means over the last logging window (10 steps): a check that both trained.
 
-Run: ``make bench`` (runs every file in bench/) or ``.venv/bin/python bench/dpo_vs_trl.py --steps N``
-after ``.venv/bin/pip install -e '.[dev,bench]'``.
+Run: ``make bench`` (runs every file in bench/) or ``.venv/bin/python bench/dpo_vs_trl.py`` (``--data
+addition --modes precompute --steps N`` for one cell) after ``.venv/bin/pip install -e '.[dev,bench]'``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import shlex
@@ -49,6 +68,8 @@ from unittest import mock
 import torch
 
 from rlrun.demo import addition_pairs
+from rlrun.formats import normalize_preference
+from trainer.data.preference import tokenize_pair
 from trainer.loops import dpo as dpo_loop
 from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
 from trainer.reporting import LoopContext, MemoryReporter, RunData
@@ -57,13 +78,65 @@ from trainer.specs import parse_spec
 PRESET = "llama-10m"
 N_PAIRS = 200
 BATCH = 8
-MAX_LENGTH = 64
-MAX_PROMPT_LENGTH = 32
 LR = 1e-3
 BETA = 0.1
 SEED = 0
 WARMUP_STEPS = 5  # left out of the steady-state s/step
 LOG_WINDOW = 10  # TRL averages its logged metrics over this many steps; ours are averaged the same way
+
+
+HH = Path(__file__).resolve().parents[1] / "tests" / "data" / "hh-rlhf" / "harmless-base-test-1300.jsonl"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One dataset at its lengths, and the step budget it is run for by default."""
+
+    name: str
+    rows: list[dict[str, str]]
+    max_length: int
+    max_prompt_length: int
+    steps: int
+
+
+def addition_case() -> Case:
+    return Case("addition", addition_pairs(N_PAIRS), 64, 32, 40)
+
+
+def hh_case(tokenizer: Any) -> Case:
+    """The first N_PAIRS HH-RLHF pairs whose prompt fits 256 tokens and prompt + answer 512 (each tokenised
+    as rlrun does; so neither trainer truncates anything)."""
+    rows = []
+    for line in HH.read_text().splitlines():
+        row = normalize_preference(json.loads(line))[0]
+        prompt = len(tokenizer(row["prompt"])["input_ids"])
+        longest = max(len(tokenizer(row["prompt"] + row[k])["input_ids"]) for k in ("chosen", "rejected"))
+        if prompt <= 256 and longest <= 510:
+            rows.append(row)
+        if len(rows) == N_PAIRS:
+            break
+    return Case("hh", rows, 512, 256, 20)
+
+
+def tokens_per_pair(case: Case, tokenizer: Any) -> float:
+    """Mean real tokens of a pair's two sequences (prompt + chosen, prompt + rejected), as rlrun tokenises."""
+    pairs = [
+        tokenize_pair(r, tokenizer, max_length=case.max_length, max_prompt_length=case.max_prompt_length)
+        for r in case.rows
+    ]
+    return sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs) / len(pairs)
+
+
+def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
+    """This machine's fp32 matmul rate on all of torch's threads (FLOP/s), best of ``reps``."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
 
 
 class Stamp(NamedTuple):
@@ -85,6 +158,8 @@ class Timing:
     step_ends: list[Stamp]
     loss: float
     accuracy: float
+    case: str = ""
+    mode: str = ""
 
     @property
     def steps(self) -> int:
@@ -146,7 +221,8 @@ def warm_up(model_dir: Path) -> None:
     model(input_ids=ids, labels=ids).loss.backward()
 
 
-def run_rlrun(model_dir: Path, rows: list[dict[str, str]], steps: int, work: Path) -> Timing:
+def run_rlrun(model_dir: Path, case: Case, mode: str, steps: int, work: Path) -> Timing:
+    rows = case.rows
     spec = parse_spec(
         {
             "algorithm": "dpo",
@@ -154,15 +230,15 @@ def run_rlrun(model_dir: Path, rows: list[dict[str, str]], steps: int, work: Pat
             "dataset_id": str(uuid.uuid4()),
             "hyperparameters": {
                 "loss_type": "sigmoid",
-                # The documented comparison: one reference pass over every pair before step 1 (the
-                # default, lazy, computes a step's pairs when first used: the same values, spread out).
-                "reference_mode": "precompute",
+                # precompute: one reference pass over every pair before step 1; lazy: a step's pairs
+                # when first used (the same values, spread over the steps), TRL's per-step peer.
+                "reference_mode": "precompute" if mode == "precompute" else "lazy",
                 "beta": BETA,
                 "learning_rate": LR,
                 "batch_size": BATCH,
                 "max_steps": steps,
-                "max_length": MAX_LENGTH,
-                "max_prompt_length": MAX_PROMPT_LENGTH,
+                "max_length": case.max_length,
+                "max_prompt_length": case.max_prompt_length,
                 "seed": SEED,
                 "log_every": 1,
                 "eval_every": 0,
@@ -189,10 +265,12 @@ def run_rlrun(model_dir: Path, rows: list[dict[str, str]], steps: int, work: Pat
         step_ends=[reporter.step_ends[s] for s in range(1, steps + 1)],
         loss=window_mean(reporter.series("loss"), steps),
         accuracy=window_mean(reporter.series("rewards/accuracy"), steps),
+        case=case.name,
+        mode=mode,
     )
 
 
-def trl_config(steps: int, work: Path) -> Any:
+def trl_config(steps: int, work: Path, case: Case, mode: str) -> Any:
     from trl import DPOConfig
 
     return DPOConfig(
@@ -207,8 +285,9 @@ def trl_config(steps: int, work: Path) -> Any:
         max_grad_norm=1.0,
         beta=BETA,
         loss_type=["sigmoid"],
-        max_length=MAX_LENGTH,
-        precompute_ref_log_probs=False,  # TRL's default: a reference forward at every step
+        max_length=case.max_length,
+        precompute_ref_log_probs=mode == "precompute",  # TRL's default (False): a reference forward per step
+        precompute_ref_batch_size=BATCH,
         gradient_checkpointing=False,  # TRL defaults to True; rlrun does not checkpoint
         bf16=False,  # TRL defaults to bf16; both run fp32
         fp16=False,
@@ -225,7 +304,7 @@ def trl_config(steps: int, work: Path) -> Any:
     )
 
 
-def run_trl(model_dir: Path, rows: list[dict[str, str]], steps: int, work: Path) -> Timing:
+def run_trl(model_dir: Path, case: Case, mode: str, steps: int, work: Path) -> Timing:
     import datasets
     from transformers import PrinterCallback, TrainerCallback
     from trl import DPOTrainer
@@ -242,10 +321,10 @@ def run_trl(model_dir: Path, rows: list[dict[str, str]], steps: int, work: Path)
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.ends.append(stamp())
 
-    args = trl_config(steps, work)
+    args = trl_config(steps, work, case, mode)
     model, tokenizer = load_causal_lm(str(model_dir))
     ref_model, _ = load_causal_lm(str(model_dir))  # passed in, so TRL does not reload it inside the clock
-    dataset = datasets.Dataset.from_list(rows)
+    dataset = datasets.Dataset.from_list(case.rows)
     clock = StepClock()
     start = stamp()
     trainer = DPOTrainer(
@@ -268,6 +347,8 @@ def run_trl(model_dir: Path, rows: list[dict[str, str]], steps: int, work: Path)
         step_ends=clock.ends,
         loss=float(logs[-1]["loss"]),
         accuracy=float(logs[-1]["rewards/accuracies"]),
+        case=case.name,
+        mode=mode,
     )
 
 
@@ -283,27 +364,34 @@ def quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
-def print_table(results: list[Timing]) -> None:
-    header = f"{'':8}{'steps':>7}{'setup s':>10}{'total s':>10}{'s/step':>10}{'steady s/step':>15}"
-    header += f"{'cpu s/step':>12}{'loss':>9}{'acc':>7}"
+def print_table(results: list[Timing], mfu: dict[str, float]) -> None:
+    """One row per trainer and cell, then each cell's ratios. ``mfu``: model FLOPs per steady step of each
+    case, over the peak (``main``)."""
+    header = f"{'':8}{'data':>9}{'mode':>11}{'steps':>6}{'setup s':>9}{'total s':>9}{'s/step':>9}"
+    header += f"{'steady':>9}{'cpu s/step':>11}{'MFU %':>7}{'loss':>8}{'acc':>6}"
     print(header)
     for r in results:
-        row = f"{r.name:8}{r.steps:>7}{r.setup_s:>10.2f}{r.total_s:>10.2f}{r.per_step_s:>10.4f}"
-        row += f"{r.steady_s:>15.4f}{r.cpu_per_step_s:>12.4f}{r.loss:>9.4f}{r.accuracy:>7.2f}"
+        row = f"{r.name:8}{r.case:>9}{r.mode:>11}{r.steps:>6}{r.setup_s:>9.2f}{r.total_s:>9.2f}"
+        row += f"{r.per_step_s:>9.4f}{r.steady_s:>9.4f}{r.cpu_per_step_s:>11.4f}"
+        row += f"{100 * mfu[r.case] / r.steady_s:>7.2f}{r.loss:>8.4f}{r.accuracy:>6.2f}"
         print(row)
-    ours, trl = results
-    print(f"ratio = TRL s/step / rlrun s/step = {trl.per_step_s / ours.per_step_s:.2f}")
-    print(f"steady ratio (after {WARMUP_STEPS} warm-up steps) = {trl.steady_s / ours.steady_s:.2f}")
-    cpu_ratio = trl.cpu_per_step_s / ours.cpu_per_step_s
-    print(f"cpu-time ratio (process CPU seconds, same span as s/step) = {cpu_ratio:.2f}")
+    for ours, trl in zip(results[::2], results[1::2], strict=True):
+        print(
+            f"ratio TRL / rlrun, {ours.case} {ours.mode}: s/step {trl.per_step_s / ours.per_step_s:.2f}, "
+            f"steady {trl.steady_s / ours.steady_s:.2f}, cpu {trl.cpu_per_step_s / ours.cpu_per_step_s:.2f}"
+            f"  (goal >= 2.0)"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps for each trainer")
-    steps = parser.parse_args(argv).steps
-    if steps < 1:
-        parser.error("--steps must be at least 1")
+    parser.add_argument("--data", default="addition,hh", help="addition, hh, or both (comma-separated)")
+    parser.add_argument("--modes", default="precompute,per-step", help="precompute, per-step, or both")
+    parser.add_argument("--steps", type=int, default=0, help="optimizer steps (default: 40 addition, 20 hh)")
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    if set(modes) - {"precompute", "per-step"}:
+        parser.error("--modes takes precompute and/or per-step")
     quiet()
     import transformers
     import trl
@@ -312,25 +400,39 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"transformers {transformers.__version__}, trl {trl.__version__}; tiny:{PRESET}, {N_PAIRS} pairs, "
-        f"batch {BATCH}, max_length {MAX_LENGTH}, "
-        f"lr {LR}, beta {BETA}, sigmoid, fp32, cpu"
+        f"batch {BATCH}, lr {LR}, beta {BETA}, sigmoid, fp32, cpu"
     )
-    rows = addition_pairs(N_PAIRS)
+    peak = matmul_peak_flops()
+    print(f"fp32 matmul peak here (2048 x 2048, best of 5): {peak / 1e9:.1f} GFLOP/s")
+    results: list[Timing] = []
+    mfu: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
         work = Path(tmp)
         model_dir = tiny_model_dir(PRESET, work / "cache")
+        model, tokenizer = load_causal_lm(str(model_dir))
+        n_params = sum(p.numel() for p in model.parameters())
+        del model
         warm_up(model_dir)
-        results = []
-        for run in (run_rlrun, run_trl):
-            torch.manual_seed(SEED)
-            results.append(run(model_dir, rows, steps, work))
-            gc.collect()
-    print_table(results)
+        for name in args.data.split(","):
+            if name not in ("addition", "hh"):
+                parser.error(f"unknown --data {name!r}: addition or hh")
+            case = addition_case() if name == "addition" else hh_case(tokenizer)
+            tokens = tokens_per_pair(case, tokenizer)
+            mfu[case.name] = 6 * n_params * tokens * BATCH / peak  # seconds of peak per step's model FLOPs
+            print(
+                f"{case.name}: {len(case.rows)} pairs, {tokens:.0f} tokens/pair, max_length {case.max_length}"
+            )
+            for mode in modes:
+                steps = args.steps or case.steps
+                for run in (run_rlrun, run_trl):
+                    torch.manual_seed(SEED)
+                    results.append(run(model_dir, case, mode, steps, work / f"{case.name}-{mode}"))
+                    gc.collect()
+    print_table(results, mfu)
     print(
-        "note: rlrun precomputes reference log-probs once (counted in its setup and total); TRL runs the "
-        "reference forward every step (its default; precompute_ref_log_probs=True is the like-for-like mode)."
+        "note: the reference pass (precompute: all pairs before step 1; per-step: a step's pairs) is in each "
+        "trainer's time; MFU counts the policy's forward and backward only (6 N tokens per step)."
     )
-    print(f"note: the one-time pass covers {N_PAIRS} pairs, the per-step passes {BATCH} x {steps} pairs.")
 
 
 if __name__ == "__main__":

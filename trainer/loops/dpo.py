@@ -24,6 +24,7 @@ from trainer.algorithms.logprobs import token_logprobs
 from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossFn, PreferenceParams
 from trainer.data.packing import PackedBatch, pack_sequences
 from trainer.data.preference import PairBatch, TokenizedPair, collate_pairs, tokenize_pair
+from trainer.data.shared_prompt import SharedPromptBatch, collate_shared, shared_attention
 from trainer.distributed import (
     Ranks,
     gather_rows,
@@ -51,14 +52,18 @@ from trainer.specs import DpoSpec
 REFERENCE_BATCH = 16
 
 
-PairCollate = Callable[[list[TokenizedPair]], "PairBatch | PackedBatch"]
+AnyPairBatch = PairBatch | PackedBatch | SharedPromptBatch
+PairCollate = Callable[[list[TokenizedPair]], AnyPairBatch]
 
 
-def pair_collate(pad_id: int, packing: int | None) -> PairCollate:
-    """Pairs -> one batch of their chosen then rejected sequences: padded rows (``collate_pairs``), or with
-    ``packing`` (a row capacity in tokens) packed rows (trainer/data/packing.py), in the same order."""
+def pair_collate(pad_id: int, packing: int | None, shared_prompt: bool = False) -> PairCollate:
+    """Pairs -> one batch of their chosen then rejected sequences: padded rows (``collate_pairs``), with
+    ``packing`` (a row capacity in tokens) packed rows (trainer/data/packing.py), in the same order, or with
+    ``shared_prompt`` one ``prompt | chosen | rejected`` row per pair (trainer/data/shared_prompt.py)."""
 
-    def collate(pairs: list[TokenizedPair]) -> PairBatch | PackedBatch:
+    def collate(pairs: list[TokenizedPair]) -> AnyPairBatch:
+        if packing is None and shared_prompt:
+            return collate_shared(pairs, pad_id)
         if packing is None:
             return collate_pairs(pairs, pad_id)
         seqs = [(p.prompt + p.chosen, len(p.prompt)) for p in pairs]
@@ -68,10 +73,65 @@ def pair_collate(pad_id: int, packing: int | None) -> PairCollate:
     return collate
 
 
-def sequence_logps(model: Any, batch: PairBatch | PackedBatch, device: torch.device) -> Tensor:
+def attention_mask_for(model: Any, allowed: Tensor) -> Tensor:
+    """A 4D mask in the form the model's attention takes it: boolean for SDPA (True: attend), additive
+    float for eager attention (0, or the dtype's minimum where masked)."""
+    if getattr(unwrap(model).config, "_attn_implementation", "sdpa") == "eager":
+        return torch.zeros(allowed.shape, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(torch.float32).min
+        )
+    return allowed
+
+
+def shared_prompt_logps(model: Any, batch: SharedPromptBatch, device: torch.device) -> Tensor:
+    """``sequence_logps`` of a shared-prompt batch: one forward with the 4D mask and position ids of
+    trainer/data/shared_prompt.py, logits only at ``batch.keep``; (2B,) chosen then rejected."""
+    allowed = shared_attention(batch.segment.to(device))
+    logits = model(
+        input_ids=batch.input_ids.to(device),
+        attention_mask=attention_mask_for(model, allowed),
+        position_ids=batch.position_ids.to(device),
+        use_cache=False,
+        logits_to_keep=batch.keep.to(device),
+    ).logits
+    sums = []
+    for targets, mask in (
+        (batch.chosen_targets, batch.chosen_mask),
+        (batch.rejected_targets, batch.rejected_mask),
+    ):
+        logp = token_logprobs(logits, targets.to(device)).float()
+        sums.append((logp * mask.to(device)).sum(-1))
+    return torch.cat(sums)
+
+
+class SharedPromptUnsupported(ValueError):
+    """The model's attention does not follow a custom 4D mask (e.g. flash attention)."""
+
+
+@torch.no_grad()
+def check_shared_prompt(model: Any, device: torch.device) -> None:
+    """Refuse the shared-prompt layout for a model whose attention ignores a custom 4D mask: a probe pair's
+    log-probs must match the padded layout's (two forwards of a few tokens)."""
+    was_training = model.training
+    model.eval()
+    pair = [TokenizedPair(prompt=[1, 2, 3], chosen=[4, 5, 6], rejected=[7, 8])]
+    shared = shared_prompt_logps(model, collate_shared(pair, 0), device)
+    padded = sequence_logps(model, collate_pairs(pair, 0), device)
+    model.train(was_training)
+    if not torch.allclose(shared, padded, atol=1e-2, rtol=1e-3):
+        raise SharedPromptUnsupported(
+            "shared_prompt: this model's attention does not follow a custom 4D mask (the rejected answer "
+            f"would see the chosen one; log-probs {shared.tolist()} vs {padded.tolist()} padded)"
+        )
+
+
+def sequence_logps(model: Any, batch: AnyPairBatch, device: torch.device) -> Tensor:
     """(2B,) sum over completion tokens of log pi(y_t | x, y_<t); one forward pass for chosen and rejected,
     logits only where they predict a completion token (``completion_logits``), in the model's dtype (the
-    per-token log-probs are summed in float32). A packed batch sums each token into its sequence."""
+    per-token log-probs are summed in float32). A packed batch sums each token into its sequence; a
+    shared-prompt batch runs each prompt once (``shared_prompt_logps``)."""
+    if isinstance(batch, SharedPromptBatch):
+        return shared_prompt_logps(model, batch, device)
     if isinstance(batch, PackedBatch):
         logits, targets, scored, sequence = packed_completion_logits(model, batch, device)
         logp = token_logprobs(logits, targets).float() * scored
@@ -176,7 +236,7 @@ def evaluate(
 
 def micro_losses(
     model: Any,
-    parts: list[tuple[list[int], PairBatch | PackedBatch]],
+    parts: list[tuple[list[int], AnyPairBatch]],
     idx: list[int],
     ref: Tensor,
     loss_fn: PreferenceLossFn,
@@ -272,7 +332,14 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         reference.model = copy.deepcopy(unwrap(model)).to(reference.dtype).eval().requires_grad_(False)
 
     no_grad_batch = min(REFERENCE_BATCH, hp.micro_batch_size or hp.batch_size)
-    collate = pair_collate(pad_id, hp.max_length if hp.packing else None)
+    shared_prompt = hp.shared_prompt and not hp.packing
+    if shared_prompt:
+        try:
+            check_shared_prompt(model, device)
+        except SharedPromptUnsupported as exc:
+            shared_prompt = False
+            reporter.event("warning", f"{exc}; using the padded layout (the same values, slower)")
+    collate = pair_collate(pad_id, hp.max_length if hp.packing else None, shared_prompt)
     if hp.packing:
         check_packing(model, device)
 

@@ -49,6 +49,17 @@ class DpoHyperparameters(TrainingHyperparameters):
         "the values computed travel in checkpoints, so a resumed run reads the same ones.",
     )
     packing: bool = Field(default=False, description=PACKING_DOC)
+    shared_prompt: bool = Field(
+        default=True,
+        description=(
+            "Run each pair's prompt once: one `prompt | chosen | rejected` row per pair, with position "
+            "ids and a 4D attention mask that keep the rejected answer from seeing the chosen one, so "
+            "every log-prob is the padded layout's (to float rounding) for P + C + R token positions "
+            "instead of 2P + C + R. A model whose attention ignores custom 4D masks (e.g. flash "
+            "attention) is detected at start and runs the padded layout, with a warning event. Not "
+            "combined with `packing` (packing wins)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> DpoHyperparameters:
