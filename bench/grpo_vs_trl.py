@@ -59,6 +59,7 @@ from unittest import mock
 import torch
 
 from trainer.loops import group_rl as group_rl_loop
+from trainer.loops import session as session_module
 from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
 from trainer.reporting import LoopContext, MemoryReporter, RunData
 from trainer.rewards.verifiers import Sample, numeric
@@ -251,7 +252,8 @@ def run_rlrun(
     clock = GenerateClock()
     clock.install(loaded[0])
     reporter = TimedReporter()
-    with mock.patch.object(group_rl_loop, "load_causal_lm", lambda _path: loaded):
+    # the loops load the policy through the session (load_trainable); the already loaded copy stands in
+    with mock.patch.object(session_module, "load_causal_lm", lambda _path, *args, **kwargs: loaded):
         start = stamp()
         result = group_rl_loop.run_group_rl(spec, RunData(train=rows), reporter, ctx)
     assert result.status == "succeeded" and reporter.setup_end is not None

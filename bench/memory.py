@@ -97,8 +97,8 @@ def run_rlrun(task: str, config: str, cache: Path, data: list[dict[str, Any]]) -
         "precision": "bf16" if CUDA else "fp32",
         "packing": config == "lora+gc+pack",
     }
-    if task == "dpo":
-        hp |= {"max_prompt_length": MAX_PROMPT, "reference_mode": "precompute"}
+    if task == "dpo":  # the padded layout, as the figures in docs/benchmarks.md were measured (and TRL pads)
+        hp |= {"max_prompt_length": MAX_PROMPT, "reference_mode": "precompute", "shared_prompt": False}
     spec = parse_spec(
         {
             "algorithm": task,
