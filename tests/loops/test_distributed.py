@@ -133,7 +133,10 @@ def test_two_ranks_make_the_single_process_updates(
         expected = series(one["metrics"], key)
         assert len(expected) == COUNTS.get(key, STEPS), key
         tolerance = {"rel": 1e-5} if key == "grad_norm" else {"abs": 1e-5}  # norms ~10: float32 rounding
-        assert series(two["metrics"], key) == pytest.approx(expected, **tolerance), key
+        got = series(two["metrics"], key)
+        if key == "rewards/accuracy":  # step 1: policy == reference, each implicit reward is float noise
+            got, expected = got[1:], expected[1:]  # around 0 and its sign (the accuracy) means nothing
+        assert got == pytest.approx(expected, **tolerance), key
     assert two["checkpoints"] == one["checkpoints"] == [STEPS]
     a, _ = load_causal_lm(one["output"])
     b, _ = load_causal_lm(two["output"])  # rank 0's save: the whole model, gathered from the shards
