@@ -184,3 +184,18 @@ def test_a_worker_refuses_more_devices_than_it_sees_saying_how_many() -> None:
     check_devices(have)
     with pytest.raises(ValueError, match=rf"resources.devices is {have + 1} but this worker sees {have} "):
         check_devices(have + 1)
+
+
+def test_a_short_share_is_filled_with_rows_that_count_for_nothing() -> None:
+    """5 rows over 2 ranks: rank 0 takes rows 0-2, rank 1 rows 3, 4 and a filler (row 0 again) whose mask
+    is zero and which is not counted as a row (no process group needed: the split is arithmetic)."""
+    from trainer.distributed import Ranks
+    from trainer.loops.rl_common import ActorBatch, TokenBatch
+
+    ids = torch.arange(5)[:, None].repeat(1, 3)
+    tokens = TokenBatch(ids, torch.ones_like(ids), torch.ones(5, 2))
+    batch = ActorBatch(tokens, torch.ones(5, 2), torch.arange(5.0), None, None)
+    zero, one = batch.rank_share(Ranks(0, 2)), batch.rank_share(Ranks(1, 2))
+    assert zero.adv.tolist() == [0, 1, 2] and zero.mask.sum() == 6 and float(zero.n_real) == 3
+    assert one.adv.tolist() == [3, 4, 0] and one.mask.tolist() == [[1, 1], [1, 1], [0, 0]]
+    assert float(one.n_real) == 2

@@ -380,11 +380,11 @@ class ActorBatch:
         as many micro-batches as the others (their backward passes are collectives)."""
         if not ranks.active:
             return self
-        n = len(self.adv)
-        size = -(-n // ranks.world)
-        positions = torch.arange(ranks.rank * size, (ranks.rank + 1) * size, device=self.adv.device)
-        real = (positions < n).float()
-        part = self.select(positions % n)
+        rows = padded_share(len(self.adv), ranks)
+        first = ranks.rank * len(rows)  # the share's place before wrapping: past len(adv) is filler
+        device = self.adv.device
+        real = (torch.arange(first, first + len(rows), device=device) < len(self.adv)).float()
+        part = self.select(torch.tensor(rows, dtype=torch.long, device=device))
         return dataclasses.replace(part, mask=part.mask * real[:, None], real=real)
 
 
