@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +23,13 @@ from torch import Tensor
 from trainer.adapters import adapter_off, has_adapter
 from trainer.algorithms.logprobs import token_logprobs
 from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossFn, PreferenceParams
+from trainer.data.length_groups import (
+    CPU_PASS_OVERHEAD,
+    GPU_PASS_OVERHEAD,
+    PaddingCost,
+    attention_span_of,
+    group_by_length,
+)
 from trainer.data.packing import PackedBatch, pack_sequences
 from trainer.data.preference import PairBatch, TokenizedPair, collate_pairs, tokenize_pair
 from trainer.data.shared_prompt import SharedPromptBatch, collate_shared, shared_attention
@@ -37,6 +45,7 @@ from trainer.distributed import (
 from trainer.loops.common import (
     check_packing,
     completion_logits,
+    micro_batches,
     packed_completion_logits,
     to_floats,
 )
@@ -71,6 +80,46 @@ def pair_collate(pad_id: int, packing: int | None, shared_prompt: bool = False) 
         return pack_sequences(seqs, packing, pad_id)
 
     return collate
+
+
+@dataclass(frozen=True)
+class PairGrouping:
+    """How a layout's pairs are grouped into passes (trainer/data/length_groups.py): by the length of the
+    row(s) a pair takes, at ``cost``; ``None`` for packed rows, which have no padding to save (their
+    passes keep the order they come in)."""
+
+    cost: PaddingCost | None
+    shared_prompt: bool = False
+
+    def length(self, pair: TokenizedPair) -> int:
+        n_p, n_c, n_r = len(pair.prompt), len(pair.chosen), len(pair.rejected)
+        return n_p + n_c + n_r if self.shared_prompt else n_p + max(n_c, n_r)
+
+    def groups(
+        self, pairs: Sequence[TokenizedPair], max_rows: int, equal_passes: bool = False
+    ) -> list[list[int]]:
+        """Positions into ``pairs`` in groups of at most ``max_rows``: cut where padding costs least, or
+        (``equal_passes``: ranks must run as many passes as each other) ``ceil(n / max_rows)`` groups."""
+        if not pairs:
+            return []
+        if self.cost is None:
+            return [list(p) for p in micro_batches(range(len(pairs)), max_rows)]
+        fixed = -(-len(pairs) // max_rows) if equal_passes else None
+        return group_by_length([self.length(p) for p in pairs], max_rows, self.cost, fixed)
+
+
+def pair_grouping(model: Any, device: torch.device, packing: bool, shared_prompt: bool) -> PairGrouping:
+    """The grouping of a run's layout on ``device``: a pass's fixed cost measured on CPU (a guess on GPU),
+    attention's cost from the model's shape. A padded pair is two rows (chosen, rejected): half the
+    overhead per row keeps ``cost.of(rows, L)`` the cost of that many pairs."""
+    if packing:
+        return PairGrouping(None)
+    config = unwrap(model).config
+    config = getattr(config, "get_text_config", lambda: config)()
+    n_parameters = sum(p.numel() for p in unwrap(model).parameters())
+    span = attention_span_of(n_parameters, config.hidden_size, config.num_hidden_layers)
+    overhead = GPU_PASS_OVERHEAD if device.type == "cuda" else CPU_PASS_OVERHEAD
+    return PairGrouping(PaddingCost(overhead if shared_prompt else overhead / 2, span), shared_prompt)
 
 
 def attention_mask_for(model: Any, allowed: Tensor) -> Tensor:
@@ -152,19 +201,22 @@ def all_pair_logps(
     batch_size: int,
     device: torch.device,
     progress: Phase | None = None,
+    grouping: PairGrouping = PairGrouping(None),
+    equal_passes: bool = False,
 ) -> Tensor:
-    """(N, 2) [chosen, rejected] sequence log-probs of every pair, in eval mode; ``progress`` counts pairs."""
+    """(N, 2) [chosen, rejected] sequence log-probs of every pair, in eval mode; ``progress`` counts pairs.
+    Passes of at most ``batch_size`` pairs grouped by ``grouping`` (``equal_passes``: as many as any
+    rank with as many pairs runs, for a sharded model); the rows come back in ``pairs``' order."""
     was_training = model.training
     model.eval()
-    out = [torch.zeros(0, 2)]
-    for i in range(0, len(pairs), batch_size):
-        chunk = pairs[i : i + batch_size]
-        logps = sequence_logps(model, collate(list(chunk)), device)
-        out.append(torch.stack([logps[: len(chunk)], logps[len(chunk) :]], dim=1).cpu())
+    out = torch.zeros(len(pairs), 2)
+    for group in grouping.groups(pairs, batch_size, equal_passes):
+        logps = sequence_logps(model, collate([pairs[i] for i in group]), device)
+        out[group] = torch.stack([logps[: len(group)], logps[len(group) :]], dim=1).cpu().float()
         if progress is not None:
-            progress.advance(len(chunk))
+            progress.advance(len(group))
     model.train(was_training)
-    return torch.cat(out)
+    return out
 
 
 class ReferenceLogps:
@@ -225,9 +277,11 @@ def evaluate(
     prefix: str,
     progress: Phase | None = None,
     batch_size: int = REFERENCE_BATCH,
+    grouping: PairGrouping = PairGrouping(None),
+    equal_passes: bool = False,
 ) -> dict[str, float]:
     """``<prefix>/*`` metrics over ``pairs`` (reference log-probs ``ref``) with the current policy."""
-    logps = all_pair_logps(model, pairs, collate, batch_size, device, progress)
+    logps = all_pair_logps(model, pairs, collate, batch_size, device, progress, grouping, equal_passes)
     chosen_logratio, rejected_logratio = logps[:, 0] - ref[:, 0], logps[:, 1] - ref[:, 1]
     stats = pair_stats(chosen_logratio, rejected_logratio, params.beta)
     stats["loss"] = loss_fn(chosen_logratio, rejected_logratio, params).mean()
@@ -237,28 +291,36 @@ def evaluate(
 def micro_losses(
     model: Any,
     parts: list[tuple[list[int], AnyPairBatch]],
-    idx: list[int],
     ref: Tensor,
     loss_fn: PreferenceLossFn,
     params: PreferenceParams,
     device: torch.device,
     out: dict[str, list[Tensor]],
-    total: int | None = None,
+    total: int,
 ) -> Iterator[Tensor]:
-    """For each micro-batch (its pair indices and batch) the sum of its pairs' losses over the whole
-    batch's ``total`` pairs (default ``len(idx)``; a rank of a multi-rank run holds a share of the batch):
-    the micro-batch losses add up to the batch's mean loss. One forward pass
-    when asked; ``out`` collects the detached chosen and rejected log-probs and each micro-batch loss."""
-    at = {pair: row for row, pair in enumerate(idx)}
+    """For each micro-batch (the rows of ``ref`` its pairs are, and its batch) the sum of its pairs'
+    losses over the whole batch's ``total`` pairs (a rank of a multi-rank run holds a share of the batch):
+    the micro-batch losses add up to the batch's mean loss, in whatever groups the pairs travel. One
+    forward pass when asked; ``out`` collects the rows, the detached chosen and rejected log-probs and
+    each micro-batch loss."""
     for rows, batch in parts:
         logps = sequence_logps(model, batch, device)
         chosen, rejected = logps[: len(rows)], logps[len(rows) :]
-        ref_rows = ref[[at[i] for i in rows]]
-        loss = loss_fn(chosen - ref_rows[:, 0], rejected - ref_rows[:, 1], params).sum() / (total or len(idx))
+        ref_rows = ref[rows]
+        loss = loss_fn(chosen - ref_rows[:, 0], rejected - ref_rows[:, 1], params).sum() / total
+        out.setdefault("rows", []).append(torch.as_tensor(rows, dtype=torch.long))
         out.setdefault("chosen", []).append(chosen.detach())
         out.setdefault("rejected", []).append(rejected.detach())
         out.setdefault("loss", []).append(loss.detach())
         yield loss
+
+
+def in_row_order(out: dict[str, list[Tensor]], key: str) -> Tensor:
+    """``out[key]``'s values (collected group by group by ``micro_losses``) put back in row order."""
+    rows, values = torch.cat(out["rows"]), torch.cat(out[key])
+    ordered = torch.empty_like(values)
+    ordered[rows.to(values.device)] = values
+    return ordered
 
 
 class Reference:
@@ -342,13 +404,24 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     collate = pair_collate(pad_id, hp.max_length if hp.packing else None, shared_prompt)
     if hp.packing:
         check_packing(model, device)
+    # Pairs travel in groups of similar length (trainer/data/length_groups.py): the same losses and
+    # gradients, less padding. Ranks whose pairs differ run as many passes as each other.
+    grouping = pair_grouping(model, device, bool(hp.packing), shared_prompt)
+    max_rows = hp.micro_batch_size or hp.batch_size
 
     def computer(rows: list[TokenizedPair]) -> Callable[[list[int], Phase], Tensor]:
         def compute(idx: list[int], progress: Phase) -> Tensor:
             ref_model = reference.get()
             with adapter_off(unwrap(ref_model)):
                 return all_pair_logps(
-                    ref_model, [rows[i] for i in idx], collate, no_grad_batch, device, progress
+                    ref_model,
+                    [rows[i] for i in idx],
+                    collate,
+                    no_grad_batch,
+                    device,
+                    progress,
+                    grouping,
+                    ranks.active,
                 )
 
         return compute
@@ -400,6 +473,8 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
                 "final",
                 progress,
                 no_grad_batch,
+                grouping,
+                ranks.active,
             )
         )
 
@@ -415,6 +490,8 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
             "eval",
             progress,
             no_grad_batch,
+            grouping,
+            ranks.active,
         )
 
     for _ in session.steps():
@@ -426,13 +503,15 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         ref_batch = ref.get(idx).to(device)
         first = ranks.rank * len(mine)
         ref_mine = ref_batch[first : first + len(mine)]
-        parts = [(list(p), collate([pairs[i] for i in p])) for p in session.micro_batches(mine)]
+        mine_pairs = [pairs[i] for i in mine]
+        groups = grouping.groups(mine_pairs, max_rows, equal_passes=ranks.active)
+        parts = [(g, collate([mine_pairs[q] for q in g])) for g in groups]
         out: dict[str, list[Tensor]] = {}
         grad_norm = session.update(
-            micro_losses(model, parts, mine, ref_mine, loss_fn, params, device, out, total=len(idx))
+            micro_losses(model, parts, ref_mine, loss_fn, params, device, out, total=len(idx))
         )
-        chosen = gather_rows(torch.cat(out["chosen"]), ranks)  # every rank's, in batch order
-        rejected = gather_rows(torch.cat(out["rejected"]), ranks)
+        chosen = gather_rows(in_row_order(out, "chosen"), ranks)  # every rank's, in batch order
+        rejected = gather_rows(in_row_order(out, "rejected"), ranks)
         chosen_logratio, rejected_logratio = chosen - ref_batch[:, 0], rejected - ref_batch[:, 1]
         loss = sum_over_ranks(torch.stack(out["loss"]).sum(), ranks)
         n_tokens = int(sum_over_ranks(torch.tensor(sum(b.n_tokens for _, b in parts)), ranks))
