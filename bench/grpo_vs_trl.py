@@ -69,7 +69,7 @@ PRESET = "llama-10m"
 N_PROMPTS = 64
 PROMPTS_PER_STEP = 2
 G = 4  # completions per prompt
-MAX_NEW_TOKENS = 16
+NEW_TOKENS = (16, 128)  # the completion budgets the bench runs by default (--new-tokens)
 MAX_PROMPT_LENGTH = 32
 LR = 1e-4
 CLIP = 0.2
@@ -98,6 +98,7 @@ class Timing:
     generate_s: float  # wall seconds inside model.generate over the timed span
     completion_length: float  # mean tokens per completion over all steps
     reward: float  # mean reward over all steps
+    new_tokens: int = 0
     load: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-minute load average at the end
 
     @property
@@ -158,6 +159,7 @@ class TimedReporter(MemoryReporter):
 class GenerateClock:
     """Wraps a model's ``generate``: forces the full completion length and adds up the wall time."""
 
+    new_tokens: int
     seconds: float = 0.0
     calls: int = 0
 
@@ -165,7 +167,7 @@ class GenerateClock:
         inner = model.generate
 
         def generate(*args: Any, **kwargs: Any) -> Any:
-            kwargs["min_new_tokens"] = MAX_NEW_TOKENS  # EOS masked until the budget is spent: equal lengths
+            kwargs["min_new_tokens"] = self.new_tokens  # EOS masked until the budget is spent: equal lengths
             begin = time.perf_counter()
             out = inner(*args, **kwargs)
             self.seconds += time.perf_counter() - begin
@@ -205,7 +207,7 @@ def warm_up(model_dir: Path) -> None:
 
 
 def run_rlrun(
-    model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path
+    model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path, new_tokens: int
 ) -> tuple[Timing, TimedReporter]:
     spec = parse_spec(
         {
@@ -219,9 +221,9 @@ def run_rlrun(
                 "max_steps": steps,
                 "prompts_per_step": PROMPTS_PER_STEP,
                 "samples_per_prompt": G,
-                "max_new_tokens": MAX_NEW_TOKENS,
+                "max_new_tokens": new_tokens,
                 "max_prompt_length": MAX_PROMPT_LENGTH,
-                "max_length": MAX_PROMPT_LENGTH + MAX_NEW_TOKENS,
+                "max_length": MAX_PROMPT_LENGTH + new_tokens,
                 "temperature": TEMPERATURE,
                 "top_p": 1.0,
                 "top_k": 0,
@@ -249,7 +251,7 @@ def run_rlrun(
         resolve_model=lambda ref: resolve_model(ref, cache_dir=cache, run_output=lambda _ref: work),
     )
     loaded = load_causal_lm(str(model_dir))  # loading is outside the clock, as for TRL
-    clock = GenerateClock()
+    clock = GenerateClock(new_tokens)
     clock.install(loaded[0])
     reporter = TimedReporter()
     # the loops load the policy through the session (load_trainable); the already loaded copy stands in
@@ -266,11 +268,12 @@ def run_rlrun(
         generate_s=clock.seconds,  # every generate call falls inside the timed span (no eval)
         completion_length=mean(reporter.series("response/length_mean")),
         reward=mean(reporter.series("reward/mean")),
+        new_tokens=new_tokens,
     )
     return timing, reporter
 
 
-def trl_config(steps: int, work: Path) -> Any:
+def trl_config(steps: int, work: Path, new_tokens: int) -> Any:
     from trl import GRPOConfig
 
     return GRPOConfig(
@@ -281,7 +284,7 @@ def trl_config(steps: int, work: Path) -> Any:
         gradient_accumulation_steps=1,
         steps_per_generation=1,  # one optimizer step per generation batch
         num_iterations=1,
-        max_completion_length=MAX_NEW_TOKENS,
+        max_completion_length=new_tokens,
         temperature=TEMPERATURE,
         top_p=1.0,
         top_k=0,
@@ -312,26 +315,30 @@ def trl_config(steps: int, work: Path) -> Any:
     )
 
 
-def numeric_reward(
-    completions: list[str], answer: list[str], prompts: list[str], **_: Any
-) -> list[float | None]:
-    """rlrun's ``numeric`` verifier with TRL's reward-function signature."""
-    return [
-        numeric(
-            Sample(
-                prompt=p,
-                completion=c,
-                row={"prompt": p, "answer": a, "meta": {}},
-                n_tokens=0,
-                max_new_tokens=MAX_NEW_TOKENS,
-                truncated=False,
+def numeric_reward(new_tokens: int) -> Any:
+    """rlrun's ``numeric`` verifier as a reward function with TRL's signature."""
+
+    def numeric_reward(
+        completions: list[str], answer: list[str], prompts: list[str], **_: Any
+    ) -> list[float | None]:
+        return [
+            numeric(
+                Sample(
+                    prompt=p,
+                    completion=c,
+                    row={"prompt": p, "answer": a, "meta": {}},
+                    n_tokens=0,
+                    max_new_tokens=new_tokens,
+                    truncated=False,
+                )
             )
-        )
-        for p, c, a in zip(prompts, completions, answer, strict=True)
-    ]
+            for p, c, a in zip(prompts, completions, answer, strict=True)
+        ]
+
+    return numeric_reward
 
 
-def run_trl(model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path) -> Timing:
+def run_trl(model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path, new_tokens: int) -> Timing:
     import datasets
     from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
@@ -348,9 +355,9 @@ def run_trl(model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path)
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.ends.append(stamp())
 
-    args = trl_config(steps, work)
+    args = trl_config(steps, work, new_tokens)
     model, tokenizer = load_causal_lm(str(model_dir))
-    generate_clock = GenerateClock()
+    generate_clock = GenerateClock(new_tokens)
     generate_clock.install(model)
     # An all-empty ``meta`` struct is not an Arrow type; TRL's reward function needs only prompt and answer.
     dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
@@ -358,7 +365,7 @@ def run_trl(model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path)
     start = stamp()
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[numeric_reward],
+        reward_funcs=[numeric_reward(new_tokens)],
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -377,6 +384,7 @@ def run_trl(model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path)
         generate_s=generate_clock.seconds,
         completion_length=mean([float(e["completions/mean_length"]) for e in logs]),
         reward=mean([float(e["reward"]) for e in logs]),
+        new_tokens=new_tokens,
     )
 
 
@@ -392,32 +400,46 @@ def quiet() -> None:
     warnings.filterwarnings("ignore")
 
 
+def mean_of(runs: list[Timing], value: Any) -> float:
+    return mean([value(r) for r in runs])
+
+
 def print_table(results: list[Timing]) -> None:
-    header = f"{'':8}{'steps':>7}{'setup s':>10}{'total s':>10}{'s/step':>10}{'steady s/step':>15}"
+    """Every run, then per completion budget the ratios of the contenders' means over the rounds."""
+    header = (
+        f"{'':8}{'new tok':>8}{'steps':>7}{'setup s':>10}{'total s':>10}{'s/step':>10}{'steady s/step':>15}"
+    )
     header += f"{'cpu s/step':>12}{'generate s/step':>17}{'rest s/step':>13}"
     header += f"{'compl len':>11}{'reward':>8}{'load':>6}"
     print(header)
     for r in results:
-        row = f"{r.name:8}{r.steps:>7}{r.setup_s:>10.2f}{r.total_s:>10.2f}{r.per_step_s:>10.4f}"
+        row = f"{r.name:8}{r.new_tokens:>8}{r.steps:>7}{r.setup_s:>10.2f}{r.total_s:>10.2f}"
+        row += f"{r.per_step_s:>10.4f}"
         row += f"{r.steady_s:>15.4f}{r.cpu_per_step_s:>12.4f}{r.generate_per_step_s:>17.4f}"
         row += f"{r.rest_per_step_s:>13.4f}{r.completion_length:>11.2f}{r.reward:>8.3f}{r.load:>6.2f}"
         print(row)
-    ours, trl = results
-    print(f"ratio = TRL s/step / rlrun s/step = {trl.per_step_s / ours.per_step_s:.2f}")
-    print(f"steady ratio (after {WARMUP_STEPS} warm-up steps) = {trl.steady_s / ours.steady_s:.2f}")
-    cpu_ratio = trl.cpu_per_step_s / ours.cpu_per_step_s
-    print(f"cpu-time ratio (process CPU seconds, same span as s/step) = {cpu_ratio:.2f}")
-    gen_ratio = trl.generate_per_step_s / ours.generate_per_step_s
-    rest_ratio = trl.rest_per_step_s / ours.rest_per_step_s
-    print(f"generate ratio = {gen_ratio:.2f}; rest (everything but generate) ratio = {rest_ratio:.2f}")
+    for tokens in dict.fromkeys(r.new_tokens for r in results):
+        ours = [r for r in results if r.new_tokens == tokens and r.name == "rlrun"]
+        trl = [r for r in results if r.new_tokens == tokens and r.name == "TRL"]
+
+        def ratio(value: Any, ours: list[Timing] = ours, trl: list[Timing] = trl) -> float:
+            return mean_of(trl, value) / mean_of(ours, value)
+
+        print(
+            f"ratio TRL / rlrun at {tokens} new tokens (means of {len(ours)} runs each): "
+            f"s/step {ratio(lambda r: r.per_step_s):.2f}, steady {ratio(lambda r: r.steady_s):.2f}, "
+            f"cpu {ratio(lambda r: r.cpu_per_step_s):.2f}, "
+            f"generate {ratio(lambda r: r.generate_per_step_s):.2f}, "
+            f"rest {ratio(lambda r: r.rest_per_step_s):.2f}  (goal >= 1.5)"
+        )
 
 
 def print_split(reporter: TimedReporter, ours: Timing) -> None:
     gen_s, train_s = mean(reporter.series("perf/gen_s")), mean(reporter.series("perf/train_s"))
     other = ours.per_step_s - gen_s - train_s
     print(
-        f"rlrun split per step (its perf/* metrics, mean over {ours.steps} steps): "
-        f"gen {gen_s:.4f} s (of which generate() {ours.generate_per_step_s:.4f} s) + "
+        f"rlrun split per step at {ours.new_tokens} new tokens (its perf/* metrics, mean over {ours.steps} "
+        f"steps): gen {gen_s:.4f} s (of which generate() {ours.generate_per_step_s:.4f} s) + "
         f"train {train_s:.4f} s + other {other:.4f} s (setup, metrics; spread over the steps) "
         f"= {ours.per_step_s:.4f} s; gen is {gen_s / (gen_s + train_s):.0%} of gen+train"
     )
@@ -426,9 +448,16 @@ def print_split(reporter: TimedReporter, ours: Timing) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps for each trainer")
-    steps = parser.parse_args(argv).steps
-    if steps < 1:
-        parser.error("--steps must be at least 1")
+    parser.add_argument(
+        "--new-tokens", default=",".join(map(str, NEW_TOKENS)), help="completion budgets, comma-separated"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="runs of each contender per budget, in the order AB BA AB ..."
+    )
+    args = parser.parse_args(argv)
+    budgets = [int(t) for t in args.new_tokens.split(",")]
+    if args.steps < 1 or args.rounds < 1 or min(budgets) < 1:
+        parser.error("--steps, --rounds and every --new-tokens must be at least 1")
     quiet()
     import transformers
     import trl
@@ -437,23 +466,35 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"transformers {transformers.__version__}, trl {trl.__version__}; tiny:{PRESET}, "
-        f"{N_PROMPTS} prompts, {PROMPTS_PER_STEP} prompts x G={G} x {MAX_NEW_TOKENS} new tokens per step, "
+        f"{N_PROMPTS} prompts, {PROMPTS_PER_STEP} prompts x G={G} x {budgets} new tokens per step, "
         f"temperature {TEMPERATURE}, lr {LR}, no KL, clip {CLIP}, fp32, cpu; "
         f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus"
     )
     rows = addition_prompts(N_PROMPTS)
+    results: list[Timing] = []
+    splits: list[tuple[TimedReporter, Timing]] = []
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
         work = Path(tmp)
         model_dir = tiny_model_dir(PRESET, work / "cache")
         warm_up(model_dir)
-        torch.manual_seed(SEED)
-        ours, reporter = run_rlrun(model_dir, rows, steps, work)
-        gc.collect()
-        torch.manual_seed(SEED)
-        trl_timing = run_trl(model_dir, rows, steps, work)
-        gc.collect()
-    print_table([ours, trl_timing])
-    print_split(reporter, ours)
+        for tokens in budgets:
+            for round_ in range(args.rounds):
+                # Whoever runs first in a process runs slower (allocator and page first touches: measured
+                # 0.84 with rlrun first, 1.04 with TRL first), so the order alternates: AB, BA, ...
+                order = ("rlrun", "TRL") if round_ % 2 == 0 else ("TRL", "rlrun")
+                for name in order:
+                    torch.manual_seed(SEED)
+                    out = work / f"{tokens}-{round_}-{name}"
+                    if name == "rlrun":
+                        ours, reporter = run_rlrun(model_dir, rows, args.steps, out, tokens)
+                        results.append(ours)
+                        splits.append((reporter, ours))
+                    else:
+                        results.append(run_trl(model_dir, rows, args.steps, out, tokens))
+                    gc.collect()
+    print_table(results)
+    for reporter, ours in splits:
+        print_split(reporter, ours)
     print(f"load average after the runs: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus")
     print(
         "note: with one epoch over one minibatch both use the update's own detached log-probs as the old "
