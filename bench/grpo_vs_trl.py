@@ -498,8 +498,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"load average after the runs: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus")
     print(
         "note: with one epoch over one minibatch both use the update's own detached log-probs as the old "
-        "policy's (no extra no-grad pass); TRL computes logits only for the completion positions "
-        "(logits_to_keep), rlrun for every position. Both generate with transformers' generate()."
+        "policy's (no extra no-grad pass); both compute logits only over the completion positions "
+        "(logits_to_keep). Both generate with transformers' generate()."
     )
     print(
         "note: TRL's split is not reported by TRL itself; its generate s/step comes from the same wrapper "
