@@ -18,9 +18,21 @@ and in both reference modes (``--modes``), each trainer in the mode that matches
   a pair's values the first time a step uses it and keeps them; TRL's default, every step).
 
 Model FLOPs utilisation (MFU): ``6 * N * tokens`` per step for the policy's forward and backward (N the
-parameter count, tokens the batch's real tokens; the reference pass adds ``2 * N * tokens`` per pair once,
-counted over the run), divided by the steady step time and by this machine's fp32 matmul peak, measured
-here with a 2048 x 2048 matmul on all threads. It says how far from the hardware limit each trainer is.
+parameter count, tokens the batch's real tokens as the standard layout counts them, each pair's prompt
+twice: ``2P + C + R``), divided by the steady step time and by this machine's fp32 matmul peak, measured
+here with a 2048 x 2048 matmul on all threads. It is the same work for both trainers, so for rlrun, which
+runs each prompt once, it is an effective figure (its real utilisation is lower by ``(P + C + R) / (2P +
+C + R)``, 0.73 on HH); it says how far from the hardware limit each trainer is on the task.
+
+Where the time goes (torch.profiler, rlrun's steady steps, 2026-12-04): on HH per-step, ``aten::mm``
+65% of CPU time (the weight matmuls, forward and backward), SDPA flash attention forward + backward
+13.5%, elementwise ``mul``/``add``/``pow``/``silu`` (RoPE, RMSNorm, SwiGLU) 9%, Python 4%, fused AdamW
+0.4%; on addition precompute ``aten::mm`` 63%, fused AdamW 8%, Python 8%, clipping's norms 2%,
+attention 2%. Both are bound by the matmuls, so what is left to gain is tokens not computed: each pair's
+prompt runs once (``shared_prompt``) and pairs travel in length groups, so no row pays the batch's
+longest (trainer/data/length_groups.py). On HH at 512 that is about 2,340 token positions a step (8
+pairs) against TRL's 6,520 padded; on the addition pairs (about 9 tokens a pair, one group) 74 against
+TRL's 115: a ceiling near 1.6x at the same matmul rate, which the steady ratios reach.
 
 What is timed, for each, from one clock start to the end of the last optimizer step:
 

@@ -12,6 +12,7 @@ from trainer.algorithms.preference_losses import (
     PreferenceParams,
     bradley_terry,
     cdpo,
+    chosen_nll,
     get_preference_loss,
     hinge,
     ipo,
@@ -169,3 +170,9 @@ def test_kwise_fewer_than_two_valid_is_zero_without_nan() -> None:
     (g,) = torch.autograd.grad(out.sum(), scores)
     assert out.tolist() == [0.0]
     assert not torch.isnan(g).any()
+
+
+def test_chosen_nll_is_each_pairs_nll_per_token() -> None:
+    """-log pi(y_w|x) / |y_w| by hand; a zero count is taken as 1 (never a division by zero)."""
+    got = chosen_nll(torch.tensor([-6.0, -2.0, -3.0]), torch.tensor([3.0, 1.0, 0.0]))
+    assert got.tolist() == [2.0, 2.0, 3.0]

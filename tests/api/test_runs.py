@@ -50,6 +50,7 @@ def test_bad_specs_are_refused_with_the_field_named_and_store_nothing(session: S
             "hyperparameters": {"batch_size": 8, "micro_batch_size": 3},
         },
         "hyperparameters.eval_max_rows": {**dpo_spec(ds.id), "hyperparameters": {"eval_max_rows": 0}},
+        "hyperparameters.rpo_alpha": {**dpo_spec(ds.id), "hyperparameters": {"rpo_alpha": -0.5}},
         "hyperparameters.reference_mode": {**dpo_spec(ds.id), "hyperparameters": {"reference_mode": "eager"}},
         "adapter.target_modules": {**dpo_spec(ds.id), "adapter": {"target_modules": []}},
         "adapter.type": {**dpo_spec(ds.id), "adapter": {"type": "dora"}},

@@ -23,6 +23,8 @@ from trainer.data.preference import tokenize_pair
 from trainer.loops import dpo as dpo_loop
 from trainer.loops.dpo import (
     PairGrouping,
+    PairObjective,
+    chosen_tokens,
     in_row_order,
     micro_losses,
     pair_collate,
@@ -154,8 +156,9 @@ def test_grouped_passes_give_the_one_pass_gradient(tiny_cache: Path) -> None:
         parts = [(g, collate([pairs[q] for q in g])) for g in groups]
         out: dict[str, list[torch.Tensor]] = {}
         model.zero_grad()
-        sigmoid = PREFERENCE_LOSSES["sigmoid"]
-        for loss in micro_losses(model, parts, ref, sigmoid, params, cpu, out, len(pairs)):
+        objective = PairObjective(PREFERENCE_LOSSES["sigmoid"], params)
+        tokens = chosen_tokens(pairs)
+        for loss in micro_losses(model, parts, ref, tokens, objective, cpu, out, len(pairs)):
             loss.backward()
         values.append(torch.stack([in_row_order(out, "chosen"), in_row_order(out, "rejected")]))
         grads.append([p.grad.clone() for p in model.parameters()])

@@ -143,6 +143,25 @@ def hinge(chosen_logratio: Tensor, rejected_logratio: Tensor, p: PreferenceParam
     return torch.relu(1.0 - p.beta * (chosen_logratio - rejected_logratio))
 
 
+def chosen_nll(chosen_logps: Tensor, chosen_tokens: Tensor) -> Tensor:
+    """RPO's negative log-likelihood term: the chosen answer's NLL per token, one value per pair.
+
+    Args:
+        chosen_logps: (B,) ``log pi(y_w|x)`` summed over the chosen answer's scored tokens.
+        chosen_tokens: (B,) how many tokens that sum covers (at least 1).
+
+    Returns:
+        (B,) ``-log pi(y_w|x) / |y_w|``.
+
+    Formula: the objective is ``L_DPO + alpha * L_NLL`` with ``L_NLL = -log pi(y_w|x) / |y_w|``, each pair's
+    NLL normalised by its own length. Source: Pang et al. 2024, "Iterative Reasoning Preference
+    Optimization", eq. 1 (TRL's ``rpo_alpha``, which normalises over the batch's chosen tokens instead).
+    DPO alone can lower the chosen answers' likelihood along with the rejected ones' (the margin grows
+    while both fall); the NLL term holds the chosen answers up.
+    """
+    return -chosen_logps / chosen_tokens.clamp(min=1).to(chosen_logps.dtype)
+
+
 def bradley_terry(
     r_chosen: Tensor,
     r_rejected: Tensor,

@@ -22,7 +22,12 @@ from torch import Tensor
 
 from trainer.adapters import adapter_off, has_adapter
 from trainer.algorithms.logprobs import token_logprobs
-from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceLossFn, PreferenceParams
+from trainer.algorithms.preference_losses import (
+    PREFERENCE_LOSSES,
+    PreferenceLossFn,
+    PreferenceParams,
+    chosen_nll,
+)
 from trainer.data.length_groups import (
     CPU_PASS_OVERHEAD,
     GPU_PASS_OVERHEAD,
@@ -266,14 +271,40 @@ def pair_stats(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float) 
     }
 
 
+def chosen_tokens(pairs: Sequence[TokenizedPair]) -> Tensor:
+    """(B,) how many tokens of each pair's chosen answer are scored: all of them after a prompt; without
+    a prompt the first has nothing to be predicted from (every layout skips it)."""
+    return torch.tensor([len(p.chosen) - (0 if p.prompt else 1) for p in pairs], dtype=torch.float32)
+
+
+@dataclass(frozen=True)
+class PairObjective:
+    """What a pair costs: the preference loss ``loss_fn`` of its log-ratios, plus ``rpo_alpha`` times its
+    chosen answer's per-token NLL (``chosen_nll``; RPO) when ``rpo_alpha`` > 0."""
+
+    loss_fn: PreferenceLossFn
+    params: PreferenceParams
+    rpo_alpha: float = 0.0
+
+    def per_pair(
+        self, chosen: Tensor, rejected: Tensor, ref: Tensor, tokens: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        """(B,) losses of pairs with policy log-probs ``chosen``/``rejected``, reference ``ref`` (B, 2) and
+        ``tokens`` scored chosen tokens; and (B,) their chosen NLL per token (None without RPO)."""
+        loss = self.loss_fn(chosen - ref[:, 0], rejected - ref[:, 1], self.params)
+        if self.rpo_alpha == 0:
+            return loss, None
+        nll = chosen_nll(chosen, tokens.to(chosen.device))
+        return loss + self.rpo_alpha * nll, nll
+
+
 def evaluate(
     model: Any,
     pairs: Sequence[TokenizedPair],
     ref: Tensor,
     collate: PairCollate,
     device: torch.device,
-    loss_fn: PreferenceLossFn,
-    params: PreferenceParams,
+    objective: PairObjective,
     prefix: str,
     progress: Phase | None = None,
     batch_size: int = REFERENCE_BATCH,
@@ -283,8 +314,11 @@ def evaluate(
     """``<prefix>/*`` metrics over ``pairs`` (reference log-probs ``ref``) with the current policy."""
     logps = all_pair_logps(model, pairs, collate, batch_size, device, progress, grouping, equal_passes)
     chosen_logratio, rejected_logratio = logps[:, 0] - ref[:, 0], logps[:, 1] - ref[:, 1]
-    stats = pair_stats(chosen_logratio, rejected_logratio, params.beta)
-    stats["loss"] = loss_fn(chosen_logratio, rejected_logratio, params).mean()
+    stats = pair_stats(chosen_logratio, rejected_logratio, objective.params.beta)
+    loss, nll = objective.per_pair(logps[:, 0], logps[:, 1], ref, chosen_tokens(pairs))
+    stats["loss"] = loss.mean()
+    if nll is not None:
+        stats["nll/chosen"] = nll.mean()
     return {f"{prefix}/{k}": v for k, v in to_floats(stats).items()}
 
 
@@ -292,25 +326,27 @@ def micro_losses(
     model: Any,
     parts: list[tuple[list[int], AnyPairBatch]],
     ref: Tensor,
-    loss_fn: PreferenceLossFn,
-    params: PreferenceParams,
+    tokens: Tensor,
+    objective: PairObjective,
     device: torch.device,
     out: dict[str, list[Tensor]],
     total: int,
 ) -> Iterator[Tensor]:
-    """For each micro-batch (the rows of ``ref`` its pairs are, and its batch) the sum of its pairs'
-    losses over the whole batch's ``total`` pairs (a rank of a multi-rank run holds a share of the batch):
-    the micro-batch losses add up to the batch's mean loss, in whatever groups the pairs travel. One
-    forward pass when asked; ``out`` collects the rows, the detached chosen and rejected log-probs and
-    each micro-batch loss."""
+    """For each micro-batch (the rows of ``ref`` and ``tokens`` its pairs are, and its batch) the sum of
+    its pairs' losses over the whole batch's ``total`` pairs (a rank of a multi-rank run holds a share of
+    the batch): the micro-batch losses add up to the batch's mean loss, in whatever groups the pairs
+    travel. One forward pass when asked; ``out`` collects the rows, the detached chosen and rejected
+    log-probs (and chosen NLL with RPO) and each micro-batch loss."""
     for rows, batch in parts:
         logps = sequence_logps(model, batch, device)
         chosen, rejected = logps[: len(rows)], logps[len(rows) :]
-        ref_rows = ref[rows]
-        loss = loss_fn(chosen - ref_rows[:, 0], rejected - ref_rows[:, 1], params).sum() / total
+        per_pair, nll = objective.per_pair(chosen, rejected, ref[rows], tokens[rows])
+        loss = per_pair.sum() / total
         out.setdefault("rows", []).append(torch.as_tensor(rows, dtype=torch.long))
         out.setdefault("chosen", []).append(chosen.detach())
         out.setdefault("rejected", []).append(rejected.detach())
+        if nll is not None:
+            out.setdefault("nll", []).append(nll.detach())
         out.setdefault("loss", []).append(loss.detach())
         yield loss
 
@@ -370,8 +406,11 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
             return out
 
         pairs, val_pairs = tokenize(data.train), tokenize(data.validation)
-    loss_fn = PREFERENCE_LOSSES[hp.loss_type]
-    params = PreferenceParams(beta=hp.beta, label_smoothing=hp.label_smoothing)
+    objective = PairObjective(
+        PREFERENCE_LOSSES[hp.loss_type],
+        PreferenceParams(beta=hp.beta, label_smoothing=hp.label_smoothing),
+        hp.rpo_alpha,
+    )
     session = TrainingSession(start, hp, model, tokenizer, len(pairs))
     if session.finished_before:
         return session.result
@@ -468,8 +507,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
                 ref.get(final_idx),
                 collate,
                 device,
-                loss_fn,
-                params,
+                objective,
                 "final",
                 progress,
                 no_grad_batch,
@@ -485,8 +523,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
             val_ref.get(val_idx),
             collate,
             device,
-            loss_fn,
-            params,
+            objective,
             "eval",
             progress,
             no_grad_batch,
@@ -507,8 +544,9 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         groups = grouping.groups(mine_pairs, max_rows, equal_passes=ranks.active)
         parts = [(g, collate([mine_pairs[q] for q in g])) for g in groups]
         out: dict[str, list[Tensor]] = {}
+        tokens = chosen_tokens(mine_pairs)
         grad_norm = session.update(
-            micro_losses(model, parts, ref_mine, loss_fn, params, device, out, total=len(idx))
+            micro_losses(model, parts, ref_mine, tokens, objective, device, out, total=len(idx))
         )
         chosen = gather_rows(in_row_order(out, "chosen"), ranks)  # every rank's, in batch order
         rejected = gather_rows(in_row_order(out, "rejected"), ranks)
@@ -525,6 +563,8 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
                 "logps/chosen": chosen.mean(),
                 "logps/rejected": rejected.mean(),
             }
+            if "nll" in out:
+                stats["nll/chosen"] = gather_rows(in_row_order(out, "nll"), ranks).mean()
             metrics = session.train_metrics(stats, n_tokens, t0)
         metrics |= session.evaluate(held_out, evaluate_held_out)
         session.end_step(metrics, final)

@@ -41,6 +41,17 @@ class DpoHyperparameters(TrainingHyperparameters):
     max_prompt_length: int = Field(
         default=128, ge=1, description="Longest prompt in tokens (cut from the left)."
     )
+    rpo_alpha: float = Field(
+        default=0.0,
+        ge=0,
+        le=100.0,
+        description=(
+            "Weight of a negative log-likelihood term on the chosen answer added to each pair's loss (RPO, "
+            "Pang et al. 2024): loss + rpo_alpha * (-log pi(chosen|prompt) / chosen tokens). DPO alone can "
+            "lower the chosen answers' likelihood while it widens the margin; this holds them up. 1.0 is "
+            "the paper's value; 0 (default) is plain DPO. Logged as `nll/chosen`."
+        ),
+    )
     reference_mode: Literal["lazy", "precompute"] = Field(
         default="lazy",
         description="lazy: the reference log-probs of the pairs a step uses are computed when a step first "
