@@ -4,13 +4,16 @@ demo's 2-digit addition before and after DPO, plain and with RPO's NLL term (``r
 The starting point is the demo's SFT stage (``tiny:llama-char-0.4m``, 350 steps, batch 64, lr 1e-3 on
 the demo's SFT rows). DPO then trains on preference pairs built from the demo's RL problems (never the
 held-out ones): chosen = the right sum, rejected = a wrong sum off by 1 to 10 (at the same fixed width), 1
-pair per problem. For each seed, DPO runs with ``rpo_alpha`` 0 (plain DPO) and 1.0 (the RPO paper's
-value), the same steps, batch, lr and beta. Held-out exact match is greedy decoding of the 200 held-out
+pair per problem. For each learning rate and seed, DPO runs with ``rpo_alpha`` 0 (plain DPO) and 1.0 (the
+RPO paper's value), the same steps, batch and beta; and, as a control, SFT continued on the chosen answers
+alone for the same steps, batch and lr (``sft``): RPO's NLL term is that SFT loss, so the control says how
+much of RPO's gain the preference part adds. Held-out exact match is greedy decoding of the 200 held-out
 problems (the demo's ``exact_match`` metric) with the run's final model, through the same HF engine the RL
 runs evaluate with.
 
-Run: ``.venv/bin/python bench/dpo_generation.py`` (``--seeds 0,1,2 --steps 150``); a few minutes on 2
-CPU cores. Every run goes through the real loops (``run_sft``, ``run_dpo``) with the spec parser.
+Run: ``.venv/bin/python bench/dpo_generation.py`` (``--seeds 0,1,2 --steps 150 --lrs 1e-4,1e-3``); a few
+minutes on 2 CPU cores. Every run goes through the real loops (``run_sft``, ``run_dpo``) with the spec
+parser.
 """
 
 from __future__ import annotations
@@ -99,15 +102,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2", help="DPO seeds, comma-separated")
     parser.add_argument("--steps", type=int, default=150, help="DPO steps")
-    parser.add_argument("--lr", type=float, default=1e-4, help="DPO learning rate")
+    parser.add_argument("--lrs", default="1e-4,1e-3", help="learning rates, comma-separated")
     parser.add_argument("--alphas", default="0,1", help="rpo_alpha values, comma-separated")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     alphas = [float(a) for a in args.alphas.split(",")]
+    lrs = [float(x) for x in args.lrs.split(",")]
     print(f"command: cd {shlex.quote(os.getcwd())} && {shlex.join([sys.executable, *sys.argv])}")
     print(
         f"torch {torch.__version__}, {MODEL}; SFT {SFT_STEPS} steps (the demo's), then DPO {args.steps} "
-        f"steps, batch 16, lr {args.lr}, beta 0.1, sigmoid; held-out: the demo's 200 problems, greedy"
+        f"steps, batch 16, lr {lrs}, beta 0.1, sigmoid; held-out: the demo's 200 problems, greedy"
     )
     sft_rows, rl_rows, heldout = addition_tasks()
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
@@ -129,38 +133,43 @@ def main(argv: list[str] | None = None) -> None:
         outputs[f"run:{sft_id}"] = train(sft_spec, sft_rows, work, outputs)
         start = held_out_exact_match(outputs[f"run:{sft_id}"], heldout)
         print(f"after SFT: held-out exact match {start:.1%}")
-        results: dict[float, list[float]] = {a: [] for a in alphas}
-        for seed in seeds:
-            pairs = preference_pairs(rl_rows, seed)
-            for alpha in alphas:
-                began = time.perf_counter()
-                dpo_spec = {
-                    "algorithm": "dpo",
-                    "model": f"run:{sft_id}",
-                    "dataset_id": str(uuid.uuid4()),
-                    "hyperparameters": {
-                        "learning_rate": args.lr,
+        arms = [f"rpo_alpha {a:g}" for a in alphas] + ["sft"]
+        results: dict[tuple[float, str], list[float]] = {(lr, arm): [] for lr in lrs for arm in arms}
+        for lr in lrs:
+            for seed in seeds:
+                pairs = preference_pairs(rl_rows, seed)
+                for arm in arms:
+                    began = time.perf_counter()
+                    hp = {
+                        "learning_rate": lr,
                         "max_steps": args.steps,
                         "batch_size": 16,
-                        "beta": 0.1,
                         "max_length": 16,
-                        "max_prompt_length": 8,
-                        "rpo_alpha": alpha,
                         "seed": seed,
                         "log_every": 50,
                         "checkpoint_every": 0,
-                    },
-                }
-                end = held_out_exact_match(train(dpo_spec, pairs, work, outputs), heldout)
-                results[alpha].append(end)
-                print(
-                    f"seed {seed} rpo_alpha {alpha}: held-out exact match {start:.1%} -> {end:.1%} "
-                    f"({100 * (end - start):+.1f} points; {time.perf_counter() - began:.0f} s)"
-                )
-    print(f"{'rpo_alpha':>10}{'mean after':>12}{'min':>8}{'max':>8}{'mean change, points':>22}")
-    for alpha, ends in results.items():
+                    }
+                    if arm == "sft":
+                        rows = [{"prompt": p["prompt"], "completion": p["chosen"]} for p in pairs]
+                        spec = {"algorithm": "sft", "hyperparameters": hp}
+                    else:
+                        rows = pairs
+                        alpha = float(arm.split()[1])
+                        hp |= {"beta": 0.1, "max_prompt_length": 8, "rpo_alpha": alpha}
+                        spec = {"algorithm": "dpo", "hyperparameters": hp}
+                    spec |= {"model": f"run:{sft_id}", "dataset_id": str(uuid.uuid4())}
+                    end = held_out_exact_match(train(spec, rows, work, outputs), heldout)
+                    results[(lr, arm)].append(end)
+                    print(
+                        f"lr {lr:g} seed {seed} {arm}: held-out exact match {start:.1%} -> {end:.1%} "
+                        f"({100 * (end - start):+.1f} points; {time.perf_counter() - began:.0f} s)"
+                    )
+    print(f"held-out exact match after SFT: {start:.1%}; after {args.steps} more steps of:")
+    print(f"{'lr':>8}{'arm':>16}{'mean after':>12}{'min':>8}{'max':>8}{'mean change, points':>22}")
+    for (lr, arm), ends in results.items():
         mean = sum(ends) / len(ends)
-        print(f"{alpha:>10}{mean:>12.1%}{min(ends):>8.1%}{max(ends):>8.1%}{100 * (mean - start):>+22.1f}")
+        row = f"{lr:>8g}{arm:>16}{mean:>12.1%}{min(ends):>8.1%}{max(ends):>8.1%}"
+        print(row + f"{100 * (mean - start):>+22.1f}")
 
 
 if __name__ == "__main__":
