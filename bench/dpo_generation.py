@@ -9,7 +9,8 @@ RPO paper's value), the same steps, batch and beta; and, as a control, SFT conti
 alone for the same steps, batch and lr (``sft``): RPO's NLL term is that SFT loss, so the control says how
 much of RPO's gain the preference part adds. Held-out exact match is greedy decoding of the 200 held-out
 problems (the demo's ``exact_match`` metric) with the run's final model, through the same HF engine the RL
-runs evaluate with.
+runs evaluate with. Each line also names the run-health warnings the run raised (``code@step``;
+trainer/run_health.py), so the bench shows whether ``chosen_falling`` catches the runs that hurt.
 
 Run: ``.venv/bin/python bench/dpo_generation.py`` (``--seeds 0,1,2 --steps 150 --lrs 1e-4,1e-3``); a few
 minutes on 2 CPU cores. Every run goes through the real loops (``run_sft``, ``run_dpo``) with the spec
@@ -88,14 +89,17 @@ def held_out_exact_match(model_path: Path, heldout: list[dict[str, Any]]) -> flo
     return sum(scores) / len(scores)
 
 
-def train(spec: dict[str, Any], rows: list[dict[str, Any]], work: Path, outputs: dict[str, Path]) -> Path:
+def train(
+    spec: dict[str, Any], rows: list[dict[str, Any]], work: Path, outputs: dict[str, Path]
+) -> tuple[Path, list[str]]:
+    """The run's final model and the warning codes its run-health rules fired."""
     parsed = parse_spec(spec)
     run = run_sft if spec["algorithm"] == "sft" else run_dpo
     name = f"run-{uuid.uuid4().hex[:8]}"
     reporter = MemoryReporter()
     result = run(parsed, RunData(train=rows), reporter, context(work, outputs, name))  # type: ignore[arg-type]
     assert result.status == "succeeded" and result.output_path is not None
-    return result.output_path
+    return result.output_path, [f"{code}@{step}" for code, step, _ in reporter.warnings]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             },
         }
         sft_id = str(uuid.uuid4())
-        outputs[f"run:{sft_id}"] = train(sft_spec, sft_rows, work, outputs)
+        outputs[f"run:{sft_id}"], _ = train(sft_spec, sft_rows, work, outputs)
         start = held_out_exact_match(outputs[f"run:{sft_id}"], heldout)
         print(f"after SFT: held-out exact match {start:.1%}")
         arms = [f"rpo_alpha {a:g}" for a in alphas] + ["sft"]
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                         "batch_size": 16,
                         "max_length": 16,
                         "seed": seed,
-                        "log_every": 50,
+                        "log_every": 1,  # the run-health rules read logged steps
                         "checkpoint_every": 0,
                     }
                     if arm == "sft":
@@ -158,11 +162,13 @@ def main(argv: list[str] | None = None) -> None:
                         hp |= {"beta": 0.1, "max_prompt_length": 8, "rpo_alpha": alpha}
                         spec = {"algorithm": "dpo", "hyperparameters": hp}
                     spec |= {"model": f"run:{sft_id}", "dataset_id": str(uuid.uuid4())}
-                    end = held_out_exact_match(train(spec, rows, work, outputs), heldout)
+                    model_path, warned = train(spec, rows, work, outputs)
+                    end = held_out_exact_match(model_path, heldout)
                     results[(lr, arm)].append(end)
                     print(
                         f"lr {lr:g} seed {seed} {arm}: held-out exact match {start:.1%} -> {end:.1%} "
-                        f"({100 * (end - start):+.1f} points; {time.perf_counter() - began:.0f} s)"
+                        f"({100 * (end - start):+.1f} points; {time.perf_counter() - began:.0f} s); "
+                        f"warnings: {', '.join(warned) or 'none'}"
                     )
     print(f"held-out exact match after SFT: {start:.1%}; after {args.steps} more steps of:")
     print(f"{'lr':>8}{'arm':>16}{'mean after':>12}{'min':>8}{'max':>8}{'mean change, points':>22}")

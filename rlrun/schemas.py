@@ -141,11 +141,25 @@ class Progress(BaseModel):
     total: int | None = Field(default=None, description="Items in the phase; null when not known.")
 
 
-WARNING_CODES = ("zero_advantage", "loss_diverging", "kl_diverging", "reward_collapse", "nonfinite_skipped")
+WARNING_CODES = (
+    "zero_advantage",
+    "loss_diverging",
+    "kl_diverging",
+    "reward_collapse",
+    "chosen_falling",
+    "nonfinite_skipped",
+)
 
 
 class RunWarningRead(BaseModel):
-    code: Literal["zero_advantage", "loss_diverging", "kl_diverging", "reward_collapse", "nonfinite_skipped"]
+    code: Literal[
+        "zero_advantage",
+        "loss_diverging",
+        "kl_diverging",
+        "reward_collapse",
+        "chosen_falling",
+        "nonfinite_skipped",
+    ]
     step: int = Field(description="The step at which the rule fired.")
     message: str
 

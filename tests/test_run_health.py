@@ -130,9 +130,10 @@ def test_each_code_fires_once_and_together_in_code_order() -> None:
         "groups/zero_variance_frac": 1.0,
         "kl/ref": 9.0,
         "reward/std": 0.0,
+        "logps/chosen": -30.0,
         "skipped_updates": 1.0,
     }
-    steps = [{"reward/std": 1.0, "loss": 0.0}] + [bad | {"loss": 5.0}] * 10
+    steps = [{"reward/std": 1.0, "loss": 0.0, "logps/chosen": -5.0}] + [bad | {"loss": 5.0}] * 10
     got = fired(steps)
     assert sorted(code for code, _ in got) == sorted(WARNING_CODES)
     assert got == [
@@ -141,6 +142,7 @@ def test_each_code_fires_once_and_together_in_code_order() -> None:
         ("loss_diverging", 4),
         ("kl_diverging", 4),
         ("reward_collapse", 4),
+        ("chosen_falling", 4),
     ]
 
 
@@ -150,3 +152,28 @@ def test_window_one_and_validation() -> None:
         RunHealth(window=0)
     with pytest.raises(ValueError, match="kl_limit"):
         RunHealth(kl_limit=NAN)
+
+
+def test_chosen_falling_fires_when_the_chosen_nll_has_quadrupled_for_three_steps() -> None:
+    # first = -4: falling means below -4 - 3 * max(1, 4) = -16. 2: -16 is not below | 3, 4, 6: -17, -30,
+    # -16.5 falling (5 has no logps/chosen: not counted) -> fires at 6.
+    steps = [
+        {"logps/chosen": -4.0},
+        {"logps/chosen": -16.0},
+        {"logps/chosen": -17.0},
+        {"logps/chosen": -30.0},
+        {"loss": 0.2},
+        {"logps/chosen": -16.5},
+    ]
+    (w,) = feed(steps)
+    assert (w.code, w.step) == ("chosen_falling", 6)
+    assert "from -4 " in w.message and "logps/chosen=-30 at step 4" in w.message and "rpo_alpha" in w.message
+
+
+def test_chosen_falling_near_misses() -> None:
+    # A small first value needs a fall of at least 3 nats; one step back above the line resets.
+    assert fired([{"logps/chosen": -0.2}] + [{"logps/chosen": -3.1}] * 5) == []
+    assert fired([{"logps/chosen": -0.2}] + [{"logps/chosen": -3.3}] * 3) == [("chosen_falling", 4)]
+    down, up = {"logps/chosen": -50.0}, {"logps/chosen": -12.0}
+    assert fired([{"logps/chosen": -10.0}, down, down, up, down, down]) == []
+    assert fired([{"logps/chosen": -530.0}] + [{"logps/chosen": -2000.0}] * 5) == []  # HH sums: < 4x NLL
