@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -141,25 +141,20 @@ class Progress(BaseModel):
     total: int | None = Field(default=None, description="Items in the phase; null when not known.")
 
 
-WARNING_CODES = (
+# The run-health rules' codes (trainer/run_health.py WARNING_CODES, held equal by tests/test_run_health.py).
+WarningCode = Literal[
     "zero_advantage",
     "loss_diverging",
     "kl_diverging",
     "reward_collapse",
     "chosen_falling",
     "nonfinite_skipped",
-)
+]
+WARNING_CODES = get_args(WarningCode)
 
 
 class RunWarningRead(BaseModel):
-    code: Literal[
-        "zero_advantage",
-        "loss_diverging",
-        "kl_diverging",
-        "reward_collapse",
-        "chosen_falling",
-        "nonfinite_skipped",
-    ]
+    code: WarningCode
     step: int = Field(description="The step at which the rule fired.")
     message: str
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from rlrun.schemas import WARNING_CODES as SCHEMA_CODES
 from trainer.run_health import FLAT, KL_LIMIT, WARNING_CODES, WINDOW, RunHealth, RunWarning
 
 NAN, INF = math.nan, math.inf
@@ -177,3 +178,8 @@ def test_chosen_falling_near_misses() -> None:
     down, up = {"logps/chosen": -50.0}, {"logps/chosen": -12.0}
     assert fired([{"logps/chosen": -10.0}, down, down, up, down, down]) == []
     assert fired([{"logps/chosen": -530.0}] + [{"logps/chosen": -2000.0}] * 5) == []  # HH sums: < 4x NLL
+
+
+def test_the_api_schema_names_every_code_in_order() -> None:
+    """The API's warning schema (rlrun/schemas.py) is written apart from the rules; they must agree."""
+    assert SCHEMA_CODES == WARNING_CODES
