@@ -154,10 +154,10 @@ def chosen_nll(chosen_logps: Tensor, chosen_tokens: Tensor) -> Tensor:
         (B,) ``-log pi(y_w|x) / |y_w|``.
 
     Formula: the objective is ``L_DPO + alpha * L_NLL`` with ``L_NLL = -log pi(y_w|x) / |y_w|``, each pair's
-    NLL normalised by its own length. Source: Pang et al. 2024, "Iterative Reasoning Preference
-    Optimization", eq. 1 (TRL's ``rpo_alpha``, which normalises over the batch's chosen tokens instead).
-    DPO alone can lower the chosen answers' likelihood along with the rejected ones' (the margin grows
-    while both fall); the NLL term holds the chosen answers up.
+    NLL normalised by its own length (TRL's ``rpo_alpha`` normalises over the batch's chosen tokens instead).
+    Source: Pang et al. 2024, "Iterative Reasoning Preference Optimization", eq. 1.
+    Degenerate: a count of 0 is taken as 1 (no division by zero). DPO alone can lower the chosen answers'
+    likelihood along with the rejected ones' (the margin grows while both fall); this term holds them up.
     """
     return -chosen_logps / chosen_tokens.clamp(min=1).to(chosen_logps.dtype)
 
