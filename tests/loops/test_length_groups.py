@@ -75,9 +75,10 @@ def test_what_the_split_does_by_hand() -> None:
     assert group_by_length(lengths, 8, PaddingCost(10**6)) == [[1, 4, 3, 2, 5, 0]]
     # At 64 tokens a pass: short rows together, long rows together (one 500-row pass, not 6).
     assert group_by_length(lengths, 8, PaddingCost(64)) == [[1, 4, 3], [2, 5, 0]]
-    # Fixed count: equal consecutive runs of the sorted order, never an empty one.
-    assert group_by_length(lengths, 4, PaddingCost(64), n_groups=2) == [[1, 4, 3], [2, 5, 0]]
-    assert group_by_length([3, 1], 4, PaddingCost(64), n_groups=5) == [[1], [0]]
+    # Equal runs: ceil(6 / 4) = 2 consecutive runs of the sorted order, whatever the cost; never empty.
+    assert group_by_length(lengths, 4, PaddingCost(64), equal_runs=True) == [[1, 4, 3], [2, 5, 0]]
+    assert group_by_length(lengths, 4, PaddingCost(0), equal_runs=True) == [[1, 4, 3], [2, 5, 0]]
+    assert group_by_length([3, 1], 1, PaddingCost(10**6), equal_runs=True) == [[1], [0]]
     assert group_by_length([], 4, PaddingCost(64)) == []
     with pytest.raises(ValueError, match="max_rows"):
         group_by_length([1], 0, PaddingCost(64))
@@ -173,7 +174,8 @@ def test_equal_passes_give_every_rank_the_same_count() -> None:
     cost = PaddingCost(64, 1280)
     for lengths in ([10, 500, 20, 490, 30, 480, 40], [5] * 7, list(range(1, 8))):
         for max_rows in (1, 2, 3, 8):
-            groups = group_by_length(lengths, max_rows, cost, n_groups=-(-len(lengths) // max_rows))
+            groups = group_by_length(lengths, max_rows, cost, equal_runs=True)
             assert len(groups) == -(-len(lengths) // max_rows)
             assert sorted(itertools.chain(*groups)) == list(range(len(lengths)))
             assert max(map(len, groups)) - min(map(len, groups)) <= 1
+            assert max(map(len, groups)) <= max_rows

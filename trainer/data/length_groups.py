@@ -17,9 +17,8 @@ equals its weight matmuls. Counted in FLOPs, a token costs ``2N`` in the matmuls
 ``4 L d`` per layer in attention (QK^T and AV over L keys), equal at ``L = N / (2 d n_layers)``; measured on
 this machine, attention with a 4D mask runs at about half the matmuls' rate, so ``attention_span_of`` takes
 ``N / (4 d n_layers)`` (tiny:llama-10m: 1,280 tokens; a fit of the measured 8 x 300-token pass gave
-~1,150). With a fixed number
-of groups (``n_groups``, for ranks that must run the same number of passes) the sorted order is cut into
-equal consecutive runs instead.
+~1,150). With ``equal_runs`` (ranks that must run the same number of passes) the sorted order is cut into
+the fewest equal consecutive runs that fit ``max_rows``, ``ceil(n / max_rows)``, instead.
 """
 
 from __future__ import annotations
@@ -52,20 +51,20 @@ def attention_span_of(n_parameters: int, hidden_size: int, n_layers: int) -> flo
 
 
 def group_by_length(
-    lengths: Sequence[int], max_rows: int, cost: PaddingCost, n_groups: int | None = None
+    lengths: Sequence[int], max_rows: int, cost: PaddingCost, equal_runs: bool = False
 ) -> list[list[int]]:
     """Indices into ``lengths`` partitioned into groups of at most ``max_rows``, each group a run of the
     length-sorted order (shortest first), cut where ``cost`` summed over the groups is least; with
-    ``n_groups``, exactly ``ceil(n / max_rows)``-style equal runs: ``n_groups`` groups (at most one per
-    row) whose sizes differ by at most one."""
+    ``equal_runs``, into ``ceil(n / max_rows)`` runs whose sizes differ by at most one (a count that
+    depends only on ``n``, so ranks holding as many rows run as many passes)."""
     if max_rows < 1:
         raise ValueError(f"max_rows must be at least 1, got {max_rows}")
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     n = len(order)
     if n == 0:
         return []
-    if n_groups is not None:
-        k = max(1, min(n_groups, n))
+    if equal_runs:
+        k = -(-n // max_rows)
         bounds = [n * g // k for g in range(k + 1)]
         return [order[bounds[g] : bounds[g + 1]] for g in range(k)]
     # best[j]: least cost of the first j sorted rows; cut[j]: where the last group of that split starts.

@@ -109,8 +109,7 @@ class PairGrouping:
             return []
         if self.cost is None:
             return [list(p) for p in micro_batches(range(len(pairs)), max_rows)]
-        fixed = -(-len(pairs) // max_rows) if equal_passes else None
-        return group_by_length([self.length(p) for p in pairs], max_rows, self.cost, fixed)
+        return group_by_length([self.length(p) for p in pairs], max_rows, self.cost, equal_passes)
 
 
 def pair_grouping(model: Any, device: torch.device, packing: bool, shared_prompt: bool) -> PairGrouping:
