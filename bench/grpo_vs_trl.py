@@ -231,6 +231,7 @@ def run_rlrun(
                 "clip_low": CLIP,
                 "clip_high": CLIP,
                 "ppo_epochs": 1,
+                "minibatches": 1,  # one update per generation batch, as TRL here
                 "dynamic_sampling": False,
                 "weight_decay": 0.0,
                 "warmup_steps": 0,

@@ -13,9 +13,15 @@ from tests.loop_context import loop_ctx
 from tests.loops.addition_rows import PAIRS, PROMPTS, SFT, VOWEL_REWARD
 from trainer.loops import LOOPS
 from trainer.reporting import MemoryReporter, RunData
-from trainer.specs import parse_spec
+from trainer.specs import GROUP_PRESETS, parse_spec
 
-RL = {"prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 4, "kl_coef": 0.05}
+RL = {
+    "prompts_per_step": 2,
+    "samples_per_prompt": 4,
+    "max_new_tokens": 4,
+    "kl_coef": 0.05,
+    "dynamic_sampling": False,
+}
 CASES: dict[str, tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any], str]] = {
     "sft": ({}, SFT, {"batch_size": 4}, "loss"),
     "dpo": ({}, PAIRS, {"batch_size": 4}, "loss"),
@@ -85,9 +91,15 @@ def test_checkpointing_recomputes_the_blocks_in_the_backward(
         train(algorithm, checkpointing, False, tiny_cache, tmp_path / str(checkpointing))
         counts.append(calls["n"])
     plain, ckpt = counts
-    # 2 layers x 2 steps of one training forward each: 4 more calls. No-grad passes (final metrics,
-    # generation, old log-probs) are never checkpointed, so they count the same.
-    assert ckpt - plain == 2 * 2
+    # 2 layers x 2 steps x the training forwards of a step: SFT one; GRPO's preset ppo_epochs x minibatches
+    # (2 x 2; dynamic sampling is off, so every step trains on its 8 completions). No-grad passes (final
+    # metrics, generation, old log-probs) are never checkpointed, so they count the same.
+    updates = (
+        1
+        if algorithm == "sft"
+        else GROUP_PRESETS["grpo"]["ppo_epochs"] * GROUP_PRESETS["grpo"]["minibatches"]
+    )
+    assert ckpt - plain == 2 * 2 * updates
 
 
 def test_completion_logits_are_the_full_logits_without_the_prompt_positions(tiny_cache: Path) -> None:

@@ -109,7 +109,7 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
         ref_logp = reference_logps(parts, batch)
         # One epoch over one minibatch is on-policy: the old log-probs are the update's own forward pass
         # (detached), so the separate no-grad pass is skipped (as TRL does), unless KL-in-reward needs them.
-        on_policy = hp.ppo_epochs == 1 and (hp.minibatch_size or len(ro.completions)) >= len(ro.completions)
+        on_policy = hp.on_policy(len(ro.completions))
         kl_in_reward = ref_logp is not None and hp.kl_placement == "reward"
         old_logp = frozen_logps(policy, batch) if not on_policy or kl_in_reward else None
         scores = torch.tensor(ro.total, dtype=torch.float32, device=device)

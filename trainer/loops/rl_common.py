@@ -285,8 +285,9 @@ def response_mask(tokens: TokenBatch, completions: Sequence[Completion], mask_tr
 
 
 def minibatches(n: int, hp: OnlineRlHyperparameters, gen: torch.Generator) -> Iterator[Tensor]:
-    """``ppo_epochs`` passes over a fresh permutation of ``n`` rollouts, ``minibatch_size`` at a time."""
-    size = hp.minibatch_size or n
+    """``ppo_epochs`` passes over a fresh permutation of ``n`` rollouts, ``hp.minibatch_size_for(n)`` at a
+    time."""
+    size = hp.minibatch_size_for(n)
     for _ in range(hp.ppo_epochs):
         order = torch.randperm(n, generator=gen)
         for start in range(0, n, size):

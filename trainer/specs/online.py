@@ -133,9 +133,20 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
     loss_aggregation: AggregationName = preset_field(
         "token_mean", "How per-token losses become one number (docs/algorithms.md)."
     )
-    ppo_epochs: int = Field(default=1, ge=1, le=64, description="Passes over each step's rollouts.")
+    ppo_epochs: int = preset_field(1, "Passes over each step's rollouts.", ge=1, le=64)
+    minibatches: int = preset_field(
+        1,
+        "Optimizer steps per pass: each step's rollouts are cut into this many minibatches (ignored when "
+        "minibatch_size is set). With ppo_epochs 1 and 1 minibatch the update is on-policy and clipping "
+        "never acts (docs/algorithms.md).",
+        ge=1,
+        le=256,
+    )
     minibatch_size: int | None = Field(
-        default=None, ge=1, description="Completions per optimizer step (default: all of a step's rollouts)."
+        default=None,
+        ge=1,
+        description="Completions per optimizer step; overrides minibatches (default: a step's rollouts / "
+        "minibatches).",
     )
     clip_low: float = Field(
         default=0.2, gt=0, lt=1, description="PPO clip epsilon below 1 (ratio >= 1 - low)."
@@ -173,13 +184,23 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
             raise ValueError(
                 "dynamic_sampling needs samples_per_prompt >= 2 (a group of one has no variance)"
             )
-        step_batch = self.minibatch_size or self.prompts_per_step * self.samples_per_prompt
+        step_batch = self.minibatch_size_for(self.prompts_per_step * self.samples_per_prompt)
         if self.micro_batch_size is not None and step_batch % self.micro_batch_size:
             raise ValueError(
                 f"micro_batch_size ({self.micro_batch_size}) must divide the completions of one optimizer "
-                f"step ({step_batch}: minibatch_size, else prompts_per_step x samples_per_prompt)"
+                f"step ({step_batch}: minibatch_size, else prompts_per_step x samples_per_prompt / "
+                "minibatches, rounded up)"
             )
         return self
+
+    def minibatch_size_for(self, n: int) -> int:
+        """Completions per optimizer step when a step has ``n`` rollouts: ``minibatch_size`` if set, else
+        ``ceil(n / minibatches)``."""
+        return self.minibatch_size or max(1, -(-n // self.minibatches))
+
+    def on_policy(self, n: int) -> bool:
+        """One pass over one minibatch: the update's own forward pass gives the old log-probs, ratio = 1."""
+        return self.ppo_epochs == 1 and self.minibatch_size_for(n) >= n
 
 
 class GroupRlHyperparameters(OnlineRlHyperparameters):
@@ -188,15 +209,22 @@ class GroupRlHyperparameters(OnlineRlHyperparameters):
     advantage: AdvantageName = preset_field("grpo", "Advantage estimator (docs/algorithms.md).")
 
 
+# Update counts and dynamic sampling come from bench/learning.py (README "Does RL learn?"): with one
+# epoch over one minibatch the ratio is always 1 and clipping never acts; 2 epochs x 2 minibatches (4
+# updates per rollout batch, 3 of them clipped) with zero-variance groups dropped is what made GRPO's
+# held-out gains reliable on the addition task. reinforce and remax (no ratio, no clip) stay on-policy.
 GROUP_PRESETS: dict[str, dict[str, Any]] = {
-    # Shao et al. 2024 (DeepSeekMath): std-normalised group advantage, k3 KL in the loss, 1/|o| per sequence.
+    # Shao et al. 2024 (DeepSeekMath): std-normalised group advantage, k3 KL in the loss, 1/|o| per sequence;
+    # plus dynamic sampling (Yu et al. 2025), measured above.
     "grpo": {
         "advantage": "grpo",
         "policy_loss": "ppo_clip",
         "loss_aggregation": "seq_mean_token_mean",
         "clip_high": 0.2,
         "kl_coef": 0.04,
-        "dynamic_sampling": False,
+        "dynamic_sampling": True,
+        "ppo_epochs": 2,
+        "minibatches": 2,
     },
     # Liu et al. 2025: no std division, no length normalisation (constant normaliser), no KL.
     "dr_grpo": {
@@ -205,7 +233,9 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "loss_aggregation": "seq_mean_token_sum_norm",
         "clip_high": 0.2,
         "kl_coef": 0.0,
-        "dynamic_sampling": False,
+        "dynamic_sampling": True,
+        "ppo_epochs": 2,
+        "minibatches": 2,
     },
     # Yu et al. 2025: clip-higher, token-level loss, dynamic sampling, no KL.
     "dapo": {
@@ -215,6 +245,8 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "clip_high": 0.28,
         "kl_coef": 0.0,
         "dynamic_sampling": True,
+        "ppo_epochs": 2,
+        "minibatches": 2,
     },
     "rloo": {
         "advantage": "rloo",
@@ -222,7 +254,9 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "loss_aggregation": "token_mean",
         "clip_high": 0.2,
         "kl_coef": 0.0,
-        "dynamic_sampling": False,
+        "dynamic_sampling": True,
+        "ppo_epochs": 2,
+        "minibatches": 2,
     },
     "reinforce": {
         "advantage": "reinforce",
@@ -231,6 +265,8 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "clip_high": 0.2,
         "kl_coef": 0.0,
         "dynamic_sampling": False,
+        "ppo_epochs": 1,
+        "minibatches": 1,
     },
     "reinforce_pp": {
         "advantage": "reinforce_pp",
@@ -239,6 +275,8 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "clip_high": 0.2,
         "kl_coef": 0.0,
         "dynamic_sampling": False,
+        "ppo_epochs": 2,
+        "minibatches": 2,
     },
     "reinforce_baseline": {
         "advantage": "reinforce_baseline",
@@ -247,6 +285,8 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "clip_high": 0.2,
         "kl_coef": 0.0,
         "dynamic_sampling": False,
+        "ppo_epochs": 2,
+        "minibatches": 2,
     },
     # Li et al. 2023: the greedy completion's reward is the baseline.
     "remax": {
@@ -256,6 +296,8 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "clip_high": 0.2,
         "kl_coef": 0.0,
         "dynamic_sampling": False,
+        "ppo_epochs": 1,
+        "minibatches": 1,
     },
 }
 
@@ -294,8 +336,8 @@ class GroupRlSpec(_OnlineRlSpecBase):
 
     algorithm: GroupAlgorithm = Field(
         description="Preset: grpo, dr_grpo, dapo, rloo, reinforce, reinforce_pp, reinforce_baseline, remax. "
-        "Each fills advantage, policy_loss, loss_aggregation, clip_high, kl_coef and dynamic_sampling "
-        "unless given."
+        "Each fills advantage, policy_loss, loss_aggregation, clip_high, kl_coef, dynamic_sampling, "
+        "ppo_epochs and minibatches unless given."
     )
     hyperparameters: GroupRlHyperparameters = Field(default_factory=GroupRlHyperparameters)
 
@@ -360,6 +402,8 @@ PPO_PRESETS: dict[str, dict[str, Any]] = {
         "clip_high": 0.2,
         "kl_coef": 0.05,
         "dynamic_sampling": False,
+        "ppo_epochs": 2,
+        "minibatches": 2,
     },
     # Yuan et al. 2025: critic lambda 1 (unbiased value targets), actor lambda adapted to the length,
     # and the value model pretrained on the initial policy's rollouts before any actor update.
@@ -373,6 +417,8 @@ PPO_PRESETS: dict[str, dict[str, Any]] = {
         "clip_high": 0.2,
         "kl_coef": 0.05,
         "dynamic_sampling": False,
+        "ppo_epochs": 2,
+        "minibatches": 2,
     },
 }
 
