@@ -25,8 +25,8 @@ Tasks:
 
 Starting points: ``--sft-steps`` (default 250 and the demo's 350). Seeds seed the SFT run and the RL runs
 (sampling, shuffling), so each seed has its own pair of starting points. SFT learns this task abruptly: on
-2026-12-04 the 6 default starts were 9.0-65.0% held-out; at twice the demo's steps (700) they are 95-99%,
-which leaves RL nothing to gain (``--sft-steps 700`` measures whether it does harm there).
+2026-12-04 the 6 default starts were 9.0-65.0% held-out; at twice the demo's steps (700) they were 78.0-98.5%,
+which leaves little to gain (``--sft-steps 700`` measures whether RL does harm there).
 
 ``--set KEY=JSON`` overrides a shared RL hyperparameter for every rlrun run (the README's preset table was
 measured with it, e.g. ``--set ppo_epochs=1 --set minibatches=1 --set dynamic_sampling=false``).
