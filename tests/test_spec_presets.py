@@ -45,7 +45,7 @@ def test_the_stored_json_is_resolved_and_validates_to_the_same_spec() -> None:
 
 def test_a_preset_that_breaks_a_rule_is_refused_naming_the_rule() -> None:
     with pytest.raises(ValidationError, match="dynamic_sampling needs samples_per_prompt >= 2"):
-        parse_spec(spec("dapo", samples_per_prompt=1))
+        parse_spec(spec("dapo", samples_per_prompt=1, advantage="reinforce"))
     assert parse_spec(spec("dapo", samples_per_prompt=1, dynamic_sampling=False, advantage="reinforce"))
 
 

@@ -117,7 +117,10 @@ def test_a_preset_that_breaks_a_rule_is_refused_before_anything_is_stored(sessio
             ),
         )
     assert dapo.status_code == 422, dapo.text
-    assert "dynamic_sampling needs samples_per_prompt >= 2" in dapo.json()["error"]["message"]
+    # dapo's group advantage with one sample: refused with the root cause (every advantage is 0), which
+    # also rules out its preset's dynamic sampling.
+    assert dapo.json()["error"]["field"] == "hyperparameters.samples_per_prompt"
+    assert "every advantage is 0" in dapo.json()["error"]["message"]
     assert counts(session)[0] == before[0] + 1 and len(enqueue.sent) == 1  # only the explicit one
     assert explicit_off.status_code == 201, explicit_off.text
 

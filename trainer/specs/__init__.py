@@ -34,6 +34,7 @@ from trainer.specs.offline import (
     SftSpec,
 )
 from trainer.specs.online import (
+    GROUP_BASELINE_ADVANTAGES,
     GROUP_PRESETS,
     PPO_PRESETS,
     PRESET_MARK,
@@ -138,11 +139,6 @@ ALGORITHMS: tuple[str, ...] = (
     *get_args(GroupAlgorithm),
     *get_args(PpoAlgorithm),
 )
-
-
-# Advantages that compare the completions of one prompt: with one completion each is its own baseline and
-# every advantage is 0 (nothing is learned). REINFORCE, REINFORCE++, ReMax and PPO have other baselines.
-GROUP_BASELINE_ADVANTAGES = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_baseline"})
 
 
 def learning_problems(spec: AnyRunSpec) -> list[tuple[str, str]]:

@@ -67,6 +67,10 @@ def _with_preset(data: Any, preset: Mapping[str, Any]) -> Any:
     return {**data, "hyperparameters": {**preset, **given}}
 
 
+# Advantages that compare the completions of one prompt: with one completion each is its own baseline and
+# every advantage is 0 (nothing is learned). REINFORCE, REINFORCE++, ReMax and PPO have other baselines.
+GROUP_BASELINE_ADVANTAGES = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_baseline"})
+
 VerifierName = Literal["exact_match", "numeric", "regex", "format", "length_penalty", "overlong_penalty"]
 GroupAlgorithm = Literal[
     "grpo", "dr_grpo", "dapo", "rloo", "reinforce", "reinforce_pp", "reinforce_baseline", "remax"
@@ -180,7 +184,10 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
     def _fits(self) -> OnlineRlHyperparameters:
         if self.max_prompt_length + self.max_new_tokens > self.max_length:
             raise ValueError("max_prompt_length + max_new_tokens must not exceed max_length")
-        if self.dynamic_sampling and self.samples_per_prompt < 2:
+        # A group baseline with one sample is refused at submit with the root cause (every advantage is 0:
+        # trainer/specs/__init__.py learning_problems), which this message would hide behind the preset.
+        group_baseline = getattr(self, "advantage", None) in GROUP_BASELINE_ADVANTAGES
+        if self.dynamic_sampling and self.samples_per_prompt < 2 and not group_baseline:
             raise ValueError(
                 "dynamic_sampling needs samples_per_prompt >= 2 (a group of one has no variance)"
             )
