@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import random
 import shlex
@@ -48,13 +47,13 @@ import sys
 import tempfile
 import time
 import uuid
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from grpo_vs_trl import quiet  # a sibling script: python puts bench/ first on sys.path
 
 from rlrun.demo import addition_tasks
 from trainer.loops import LOOPS
@@ -303,19 +302,6 @@ def trl_grpo(start_path: Path, task: Task, args: argparse.Namespace, seed: int, 
     return out / "final"
 
 
-def quiet() -> None:
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    logging.getLogger("accelerate").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    os.environ["TQDM_DISABLE"] = "1"
-
-
 def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -374,10 +360,11 @@ def main(argv: list[str] | None = None) -> None:
         help="override a shared RL hyperparameter for every rlrun run (repeatable), e.g. --set kl_coef=0",
     )
     args = parser.parse_args(argv)
+    quiet()  # bench/grpo_vs_trl.py's: datasets, transformers and accelerate logging off
+    os.environ["TQDM_DISABLE"] = "1"
     for item in args.set:
         key, _, value = item.partition("=")
         RL_HYPERPARAMETERS[key] = json.loads(value)
-    quiet()
     contenders = args.algorithms.split(",")
     unknown = set(contenders) - {*RL_ALGORITHMS, "trl"}
     if unknown:
