@@ -218,8 +218,9 @@ class GroupRlHyperparameters(OnlineRlHyperparameters):
 
 # Update counts and dynamic sampling come from bench/learning.py (README "Does RL learn?"): with one
 # epoch over one minibatch the ratio is always 1 and clipping never acts; 2 epochs x 2 minibatches (4
-# updates per rollout batch, 3 of them clipped) with zero-variance groups dropped is what made GRPO's
-# held-out gains reliable on the addition task. reinforce and remax (no ratio, no clip) stay on-policy.
+# updates per rollout batch; the clip can act on the last 3) with zero-variance groups dropped lifted GRPO's
+# mean held-out gain on the addition task over 6 SFT starts from +12.6 points (min -3.5) to +30.8 (+3.5).
+# reinforce and remax (no ratio, no clip) stay on-policy.
 GROUP_PRESETS: dict[str, dict[str, Any]] = {
     # Shao et al. 2024 (DeepSeekMath): std-normalised group advantage, k3 KL in the loss, 1/|o| per sequence;
     # plus dynamic sampling (Yu et al. 2025), measured above.
