@@ -31,28 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from learning import Workspace, addition, held_out_accuracy  # sibling script: bench/ is first on sys.path
 
-from rlrun.demo import addition_tasks
-from trainer.loops.dpo import run_dpo
-from trainer.loops.sft import run_sft
-from trainer.models import load_causal_lm, resolve_model
-from trainer.reporting import LoopContext, MemoryReporter, RunData
-from trainer.rewards.verifiers import Sample, exact_match
-from trainer.rollout.base import SamplingParams
-from trainer.rollout.hf_engine import HFEngine
-from trainer.specs import parse_spec
+from trainer.reporting import RunData
 
 MODEL = "tiny:llama-char-0.4m"
 SFT_STEPS = 350
-
-
-def context(work: Path, outputs: dict[str, Path], name: str) -> LoopContext:
-    cache = work / "cache"
-    return LoopContext(
-        cache_dir=cache,
-        checkpoint_dir=work / name,
-        resolve_model=lambda ref: resolve_model(ref, cache_dir=cache, run_output=lambda r: outputs[r]),
-    )
 
 
 def preference_pairs(rows: list[dict[str, Any]], seed: int) -> list[dict[str, str]]:
@@ -68,38 +52,10 @@ def preference_pairs(rows: list[dict[str, Any]], seed: int) -> list[dict[str, st
     return pairs
 
 
-def held_out_exact_match(model_path: Path, heldout: list[dict[str, Any]]) -> float:
-    model, tokenizer = load_causal_lm(str(model_path))
-    engine = HFEngine(model, tokenizer)
-    prompts = [tokenizer(r["prompt"]).input_ids for r in heldout]
-    done = engine.generate(prompts, 1, SamplingParams(max_new_tokens=4, greedy=True))
-    scores = [
-        exact_match(
-            Sample(
-                prompt=r["prompt"],
-                completion=c.text,
-                row={**r, "meta": {}},
-                n_tokens=len(c.token_ids),
-                max_new_tokens=4,
-                truncated=False,
-            )
-        )
-        for r, c in zip(heldout, done, strict=True)
-    ]
-    return sum(scores) / len(scores)
-
-
-def train(
-    spec: dict[str, Any], rows: list[dict[str, Any]], work: Path, outputs: dict[str, Path]
-) -> tuple[Path, list[str]]:
+def train(ws: Workspace, spec: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[Path, list[str]]:
     """The run's final model and the warning codes its run-health rules fired."""
-    parsed = parse_spec(spec)
-    run = run_sft if spec["algorithm"] == "sft" else run_dpo
-    name = f"run-{uuid.uuid4().hex[:8]}"
-    reporter = MemoryReporter()
-    result = run(parsed, RunData(train=rows), reporter, context(work, outputs, name))  # type: ignore[arg-type]
-    assert result.status == "succeeded" and result.output_path is not None
-    return result.output_path, [f"{code}@{step}" for code, step, _ in reporter.warnings]
+    run, reporter = ws.train(spec, RunData(train=rows))
+    return ws.outputs[run], [f"{code}@{step}" for code, step, _ in reporter.warnings]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,9 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__}, {MODEL}; SFT {SFT_STEPS} steps (the demo's), then DPO {args.steps} "
         f"steps, batch 16, lr {lrs}, beta 0.1, sigmoid; held-out: the demo's 200 problems, greedy"
     )
-    sft_rows, rl_rows, heldout = addition_tasks()
+    task = addition()
+    sft_rows, rl_rows = task.sft, task.rl
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
-        work, outputs = Path(tmp), {}
+        ws = Workspace(Path(tmp))
         sft_spec = {
             "algorithm": "sft",
             "model": MODEL,
@@ -133,9 +90,8 @@ def main(argv: list[str] | None = None) -> None:
                 "checkpoint_every": 0,
             },
         }
-        sft_id = str(uuid.uuid4())
-        outputs[f"run:{sft_id}"], _ = train(sft_spec, sft_rows, work, outputs)
-        start = held_out_exact_match(outputs[f"run:{sft_id}"], heldout)
+        sft_run, _ = ws.train(sft_spec, RunData(train=sft_rows))
+        start = held_out_accuracy(ws.outputs[sft_run], task)
         print(f"after SFT: held-out exact match {start:.1%}")
         arms = [f"rpo_alpha {a:g}" for a in alphas] + ["sft"]
         results: dict[tuple[float, str], list[float]] = {(lr, arm): [] for lr in lrs for arm in arms}
@@ -161,9 +117,9 @@ def main(argv: list[str] | None = None) -> None:
                         alpha = float(arm.split()[1])
                         hp |= {"beta": 0.1, "max_prompt_length": 8, "rpo_alpha": alpha}
                         spec = {"algorithm": "dpo", "hyperparameters": hp}
-                    spec |= {"model": f"run:{sft_id}", "dataset_id": str(uuid.uuid4())}
-                    model_path, warned = train(spec, rows, work, outputs)
-                    end = held_out_exact_match(model_path, heldout)
+                    spec["model"] = sft_run
+                    model_path, warned = train(ws, spec, rows)
+                    end = held_out_accuracy(model_path, task)
                     results[(lr, arm)].append(end)
                     print(
                         f"lr {lr:g} seed {seed} {arm}: held-out exact match {start:.1%} -> {end:.1%} "
