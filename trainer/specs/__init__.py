@@ -149,8 +149,9 @@ def learning_problems(spec: AnyRunSpec) -> list[tuple[str, str]]:
     if not isinstance(spec, GroupRlSpec | PpoSpec):
         return problems
     hp = spec.hyperparameters
-    advantage = spec.hyperparameters.advantage if isinstance(spec, GroupRlSpec) else None
-    if advantage in GROUP_BASELINE_ADVANTAGES and hp.samples_per_prompt < 2:
+    if hp.group_baseline and hp.samples_per_prompt < 2:
+        assert isinstance(hp, GroupRlHyperparameters)
+        advantage = hp.advantage
         problems.append(
             (
                 "hyperparameters.samples_per_prompt",

@@ -186,8 +186,7 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
             raise ValueError("max_prompt_length + max_new_tokens must not exceed max_length")
         # A group baseline with one sample is refused at submit with the root cause (every advantage is 0:
         # trainer/specs/__init__.py learning_problems), which this message would hide behind the preset.
-        group_baseline = getattr(self, "advantage", None) in GROUP_BASELINE_ADVANTAGES
-        if self.dynamic_sampling and self.samples_per_prompt < 2 and not group_baseline:
+        if self.dynamic_sampling and self.samples_per_prompt < 2 and not self.group_baseline:
             raise ValueError(
                 "dynamic_sampling needs samples_per_prompt >= 2 (a group of one has no variance)"
             )
@@ -199,6 +198,11 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
                 "minibatches, rounded up)"
             )
         return self
+
+    @property
+    def group_baseline(self) -> bool:
+        """Whether the advantage compares the completions of one prompt (the group family overrides)."""
+        return False
 
     def minibatch_size_for(self, n: int) -> int:
         """Completions per optimizer step when a step has ``n`` rollouts: ``minibatch_size`` if set, else
@@ -214,6 +218,10 @@ class GroupRlHyperparameters(OnlineRlHyperparameters):
     """The group family: advantages from the rewards of the G completions of each prompt (no critic)."""
 
     advantage: AdvantageName = preset_field("grpo", "Advantage estimator (docs/algorithms.md).")
+
+    @property
+    def group_baseline(self) -> bool:
+        return self.advantage in GROUP_BASELINE_ADVANTAGES
 
 
 # Update counts and dynamic sampling come from bench/learning.py (README "Does RL learn?"): with one
