@@ -32,12 +32,13 @@ class OpenAIErrorInfo(BaseModel):
 
 
 class OpenAIErrorBody(BaseModel):
-    """Every error on /v1/files and /v1/fine_tuning has this shape (OpenAI's)."""
+    """Every error on /v1/files, /v1/fine_tuning, /v1/models, /v1/chat and /v1/completions has this shape
+    (OpenAI's)."""
 
     error: OpenAIErrorInfo
 
 
-OPENAI_PREFIXES = ("/v1/files", "/v1/fine_tuning")
+OPENAI_PREFIXES = ("/v1/files", "/v1/fine_tuning", "/v1/models", "/v1/chat", "/v1/completions")
 
 
 def is_openai_path(path: str) -> bool:
@@ -149,6 +150,20 @@ class JobNotFound(NotFound):
 class FileInUse(ApiError):
     status = 409
     code = "file_in_use"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class ModelNotGenerative(ApiError):
+    status = 400
+    code = "model_not_generative"
+
+
+class InferenceUnavailable(ApiError):
+    status = 503
+    code = "inference_unavailable"
 
 
 class InvalidRequest(ApiError):

@@ -18,6 +18,7 @@ from api.queue import CeleryEnqueue, Enqueue
 from api.routers import (
     checkpoints,
     datasets,
+    inference,
     models,
     openai_files,
     openai_jobs,
@@ -60,6 +61,7 @@ def create_app(
     # The OpenAI-compatible surface (/v1/files, /v1/fine_tuning/jobs), mapped onto datasets and runs.
     app.include_router(openai_files.router)
     app.include_router(openai_jobs.router)
+    app.include_router(inference.router)
 
     @app.middleware("http")
     async def log_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

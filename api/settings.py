@@ -72,6 +72,16 @@ class Settings(BaseSettings):
         description="Live event streams (SSE) one API key may hold open at once (one client address when "
         "auth is off); 429 above.",
     )
+    inference_url: str | None = Field(
+        default=None,
+        description="Where the API forwards /v1/chat/completions and /v1/completions (the `rlrun inference` "
+        "process). `rlrun serve` starts one on a free loopback port and sets this; unset otherwise: those "
+        "routes answer 503.",
+    )
+    inference_port: int = Field(default=8001, description="Port of `rlrun inference` (loopback only).")
+    inference_max_models: int = Field(
+        default=2, ge=1, le=64, description="Models `rlrun inference` keeps loaded (least recently used go)."
+    )
     queue: str = Field(default="rlrun", description="Celery queue that runs are sent to.")
     port: int = Field(default=8000, description="Port of `rlrun serve`.")
     host: str = Field(default="127.0.0.1", description="Interface of `rlrun serve`.")

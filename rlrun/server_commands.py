@@ -1,4 +1,5 @@
-"""The server's ``rlrun`` commands: serve (API + one worker), worker, migrate, keys, demo.
+"""The server's ``rlrun`` commands: serve (API + one worker + inference), worker, inference, migrate, keys,
+demo.
 
 Each imports the server (``api``, ``trainer``, uvicorn, Celery) inside its function, so building the
 parser and running the client's commands never import them (a test checks it).
@@ -62,12 +63,48 @@ def cmd_worker(_args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    """Migrate, start one worker process and the reconciler, then serve the API until interrupted."""
+def cmd_inference(args: argparse.Namespace) -> int:
+    """The inference process (trainer/inference/server.py) on loopback: the API forwards chat and
+    completion requests to it (RLRUN_INFERENCE_URL)."""
     import uvicorn
+
+    from trainer.inference.server import create_app
+
+    settings = _settings()
+    port = args.port or settings.inference_port
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Migrate, start one worker process, the inference process and the reconciler, then serve the API
+    until interrupted."""
+    import uvicorn
+
+    from api.settings import get_settings
 
     cmd_migrate(args)
     settings = _settings()
+    inference = None
+    if not args.no_inference and not settings.inference_url:
+        inference_port = _free_port()
+        inference = subprocess.Popen(
+            [sys.executable, "-m", "rlrun.cli", "inference", "--port", str(inference_port)],
+            preexec_fn=_die_with_parent,
+        )
+        os.environ["RLRUN_INFERENCE_URL"] = f"http://127.0.0.1:{inference_port}"
+        get_settings.cache_clear()  # the API (built by uvicorn from the environment) must see the URL
+        settings = _settings()
     port = args.port or settings.port
     host = args.host or settings.host
     if not settings.auth:
@@ -98,12 +135,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         reconciler.stop()
         dispatcher.stop()
-        if worker is not None:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+        for child in (worker, inference):
+            if child is not None:
+                child.send_signal(signal.SIGTERM)
+        for child in (worker, inference):
+            if child is not None:
+                try:
+                    child.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    child.kill()
     return 0
 
 
@@ -180,12 +220,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register serve, worker, migrate, keys and demo on the ``rlrun`` parser's subcommands."""
-    serve = sub.add_parser("serve", help="API on RLRUN_PORT (8000) plus one worker")
+    serve = sub.add_parser("serve", help="API on RLRUN_PORT (8000) plus one worker and the inference process")
     serve.add_argument("--port", type=int, default=None)
     serve.add_argument("--host", default=None)
-    serve.add_argument("--no-worker", action="store_true", help="API only")
+    serve.add_argument("--no-worker", action="store_true", help="no training worker")
+    serve.add_argument(
+        "--no-inference", action="store_true", help="no inference process (chat and completions answer 503)"
+    )
     serve.set_defaults(func=cmd_serve)
     sub.add_parser("worker", help="one Celery worker (solo pool)").set_defaults(func=cmd_worker)
+    inference = sub.add_parser(
+        "inference", help="the inference process alone, on loopback (RLRUN_INFERENCE_PORT, 8001)"
+    )
+    inference.add_argument("--port", type=int, default=None)
+    inference.set_defaults(func=cmd_inference)
     sub.add_parser("migrate", help="alembic upgrade head").set_defaults(func=cmd_migrate)
     keys = sub.add_parser("keys", help="API keys: create, list, revoke")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)

@@ -61,7 +61,7 @@ def _run_model(session: Session, ref: str, field: str, project_id: uuid.UUID | N
     return source
 
 
-def _is_sequence_classifier(folder: Path) -> bool | None:
+def is_sequence_classifier(folder: Path) -> bool | None:
     """Whether a model folder's config names a ``...ForSequenceClassification`` architecture (None: no
     readable config says)."""
     try:
@@ -130,7 +130,7 @@ def check_model_reference(
     except UnknownModel as exc:
         raise InvalidRequest(f"{field}: {exc}", field=field) from None
     if target != ref or is_local_path(ref):  # a folder here, not a hub id
-        _check_role(role, field, f"model {ref!r}", scorer=_is_sequence_classifier(Path(target)))
+        _check_role(role, field, f"model {ref!r}", scorer=is_sequence_classifier(Path(target)))
 
 
 def check_learnable(spec: AnyRunSpec, prefix: str = "") -> None:

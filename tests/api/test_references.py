@@ -341,5 +341,6 @@ def test_the_models_list_names_what_a_run_may_use(session: Session, roots: Setti
             "source": "run",
             "algorithm": "dpo",
             "parameters": None,
+            "chat": True,
         }
     ]

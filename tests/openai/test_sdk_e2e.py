@@ -95,6 +95,32 @@ def test_a_dpo_job_from_upload_to_checkpoints(sdk: openai.OpenAI, served: httpx.
     paged = [j.id for j in sdk.fine_tuning.jobs.list(limit=1)]  # the SDK follows `after` page by page
     assert job.id in paged and len(paged) == len(set(paged))
 
+    # The tuned model answers the minute the job ends, through the same base URL (`rlrun serve` started
+    # the inference process beside the API).
+    model = done.fine_tuned_model
+    assert sdk.models.retrieve(model).id == model and model in [m.id for m in sdk.models.list()]
+    prompt = addition_pairs(1)[0]["prompt"]
+    answer = sdk.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0, n=2
+    )
+    assert answer.object == "chat.completion" and answer.model == model and len(answer.choices) == 2
+    assert answer.choices[0].message.content == answer.choices[1].message.content  # greedy: the same twice
+    assert answer.usage is not None and 0 < answer.usage.completion_tokens <= 16
+    chunks = list(
+        sdk.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == answer.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == answer.choices[0].finish_reason
+    text = sdk.completions.create(model=f"run:{rid}@{steps}", prompt=prompt, max_tokens=4, temperature=0)
+    assert text.object == "text_completion" and text.choices[0].finish_reason in ("stop", "length")
+
 
 def test_a_supervised_job_and_the_checkpoint_it_leaves(sdk: openai.OpenAI) -> None:
     file = sdk.files.create(file=("chat.jsonl", jsonl(chat_lines(24))), purpose="fine-tune")
