@@ -9,6 +9,8 @@ stream can last minutes and must not hold the database (SQLite's write lock) mea
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -25,6 +27,7 @@ from trainer.inference.schemas import ChatCompletionRequest, CompletionRequest
 router = APIRouter(tags=["inference"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": OpenAIErrorBody} for code in (400, 401, 404, 503)}
 MODEL_SOURCE_HEADER = "x-rlrun-model-source"  # trainer/inference/server.py reads it
+_STARTING_SECONDS = 20.0  # how long a request waits for an inference process that is still starting
 _TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=60.0, pool=600.0)
 
 
@@ -62,12 +65,22 @@ async def _forward(
         json=body.model_dump(mode="json", exclude_unset=True),
         headers={MODEL_SOURCE_HEADER: served.source},
     )
-    try:
-        answer = await client.send(upstream, stream=True)
-    except httpx.TransportError as exc:
-        raise InferenceUnavailable(
-            f"the inference process at {settings.inference_url} is not answering ({type(exc).__name__})"
-        ) from None
+    deadline = time.monotonic() + _STARTING_SECONDS
+    while True:
+        try:
+            answer = await client.send(upstream, stream=True)
+            break
+        except httpx.ConnectError:  # not listening (yet): `rlrun serve` starts it beside the API
+            if time.monotonic() >= deadline:
+                raise InferenceUnavailable(
+                    f"the inference process at {settings.inference_url} is not answering (nothing listens "
+                    "there): start it with `rlrun inference` or `rlrun serve`"
+                ) from None
+            await asyncio.sleep(0.5)
+        except httpx.TransportError as exc:
+            raise InferenceUnavailable(
+                f"the inference process at {settings.inference_url} is not answering ({type(exc).__name__})"
+            ) from None
     media_type = answer.headers.get("content-type", "application/json")
     if body.stream and answer.status_code == 200:
         return StreamingResponse(

@@ -124,7 +124,10 @@ def test_reward_models_and_unfinished_runs_are_refused(session: Session, setting
         assert bad.value.param == "n"
 
 
-def test_without_an_inference_process_the_routes_say_so(session: Session, tmp_path: Path) -> None:
+def test_without_an_inference_process_the_routes_say_so(
+    session: Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("api.routers.inference._STARTING_SECONDS", 1.0)  # a starting process gets 20 s
     with api_client(session, settings=Settings(home=tmp_path)) as client:
         answer = client.post(
             "/v1/chat/completions",
@@ -134,4 +137,4 @@ def test_without_an_inference_process_the_routes_say_so(session: Session, tmp_pa
         gone = Settings(home=tmp_path, inference_url="http://127.0.0.1:9")  # nothing listens on port 9
     with api_client(session, settings=gone) as client:
         answer = client.post("/v1/completions", json={"model": "tiny:llama-0.4m", "prompt": "x"})
-        assert answer.status_code == 503 and "not answering" in answer.json()["error"]["message"]
+        assert answer.status_code == 503 and "nothing listens" in answer.json()["error"]["message"]

@@ -219,7 +219,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _inference_error(_: Request, exc: InferenceError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.param, exc.code)
 
-    @app.get("/health")
+    @app.get("/healthz")
     def health() -> dict[str, Any]:
         return {"status": "ok", "loaded": list(models.models)}
 

@@ -1,0 +1,195 @@
+"""Chat serving speed: rlrun's ``/v1/chat/completions`` against plain ``transformers`` generate in a loop.
+
+rlrun: ``rlrun serve --no-worker`` (the API plus the inference process it starts) in a fresh temporary
+home; ``c`` chat requests for the built-in ``tiny:llama-10m`` (random-init Llama, ~11M parameters) are sent
+at once from ``c`` threads, each ``stream: true`` with ``max_tokens`` 64, temperature 1, its own seed. Per
+request: time to the first content chunk (TTFT) and to the end; throughput is the completion tokens all
+requests got (``usage``) over the wall time from the first send to the last answer.
+
+Peer (the floor a user would write): the same model folder loaded with ``AutoModelForCausalLM``, the same
+prompts rendered the same way, ``model.generate(max_new_tokens=64, do_sample=True)`` one request after
+the other in a loop. It does not stream, so a request's TTFT is the time its answer is complete, counted
+from the same start as rlrun's (request ``i`` waits for the ``i - 1`` before it).
+
+Printed per concurrency 1, 8 and 32: tokens/s for both, ``ratio = rlrun tokens/s / transformers
+tokens/s`` (above 1: rlrun serves faster) and mean/p50/max TTFT. Completion lengths differ (a random model
+stops at EOS at random places); tokens/s accounts for that.
+
+Run: ``.venv/bin/python bench/inference.py [--concurrency 1,8,32] [--max-tokens 64]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+MODEL = "tiny:llama-10m"
+PROMPT = "What is {a} plus {b}? Answer with the number."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def serve(home: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLRUN_")}
+    env |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlrun.cli", "serve", "--no-worker"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=(home / "serve.log").open("wb"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("rlrun serve did not come up: " + (home / "serve.log").read_text()[-2000:])
+
+
+def one_request(url: str, i: int, max_tokens: int, start: float, out: list[dict[str, float]]) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPT.format(a=i, b=2 * i)}],
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "seed": i,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = None
+    tokens = 0
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as answer:
+        answer.raise_for_status()
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter() - start
+    out.append({"ttft": first if first is not None else end, "end": end, "tokens": tokens})
+
+
+def rlrun_round(url: str, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    out: list[dict[str, float]] = []
+    start = time.perf_counter()
+    threads = [
+        threading.Thread(target=one_request, args=(url, i, max_tokens, start, out))
+        for i in range(concurrency)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = max(r["end"] for r in out)
+    return summary(out, wall)
+
+
+def transformers_round(folder: str, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.data.prompts import render_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    out: list[dict[str, float]] = []
+    start = time.perf_counter()
+    for i in range(concurrency):
+        text = render_prompt([{"role": "user", "content": PROMPT.format(a=i, b=2 * i)}], tokenizer)
+        ids = torch.tensor([tokenizer(text).input_ids])
+        torch.manual_seed(i)
+        with torch.no_grad():
+            seq = model.generate(
+                ids,
+                max_new_tokens=max_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            )[0, ids.shape[1] :].tolist()
+        tokens = seq.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in seq else len(seq)
+        done = time.perf_counter() - start
+        out.append({"ttft": done, "end": done, "tokens": tokens})
+    return summary(out, time.perf_counter() - start)
+
+
+def summary(out: list[dict[str, float]], wall: float) -> dict[str, Any]:
+    ttfts = [r["ttft"] for r in out]
+    tokens = sum(r["tokens"] for r in out)
+    return {
+        "tokens": tokens,
+        "wall": wall,
+        "tps": tokens / wall,
+        "ttft_mean": statistics.mean(ttfts),
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_max": max(ttfts),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {MODEL}, max_tokens {args.max_tokens}"
+    )
+    with tempfile.TemporaryDirectory(prefix="rlrun-inference-bench-") as tmp:
+        home = Path(tmp)
+        proc, url = serve(home)
+        try:
+            rlrun_round(url, 1, 4)  # warm-up: the inference process loads the model
+            ours = {c: rlrun_round(url, c, args.max_tokens) for c in levels}
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        folder = str(next((home / "cache" / "tiny").glob(MODEL.removeprefix("tiny:"))))
+        transformers_round(folder, 1, 4)  # warm-up
+        peer = {c: transformers_round(folder, c, args.max_tokens) for c in levels}
+    print(
+        f"{'concurrent':>10} | {'rlrun tok/s':>11} | {'transformers tok/s':>18} | {'ratio':>5} | "
+        f"{'rlrun TTFT mean/p50/max s':>26} | {'transformers TTFT mean/p50/max s':>33}"
+    )
+    for c in levels:
+        a, b = ours[c], peer[c]
+        print(
+            f"{c:>10} | {a['tps']:>11.1f} | {b['tps']:>18.1f} | {a['tps'] / b['tps']:>5.2f} | "
+            f"{a['ttft_mean']:>8.2f} {a['ttft_p50']:>8.2f} {a['ttft_max']:>8.2f} | "
+            f"{b['ttft_mean']:>10.2f} {b['ttft_p50']:>10.2f} {b['ttft_max']:>10.2f}"
+        )
+    print("(transformers' TTFT is the time its whole answer is ready: it does not stream)")
+
+
+if __name__ == "__main__":
+    main()
