@@ -156,6 +156,11 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class ModelNotDeletable(ApiError):
+    status = 403
+    code = "model_not_deletable"
+
+
 class ModelNotGenerative(ApiError):
     status = 400
     code = "model_not_generative"

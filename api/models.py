@@ -177,6 +177,9 @@ class Run(Base):
     created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    model_archived_at: Mapped[datetime | None] = mapped_column(
+        UtcDateTime(), nullable=True, doc="When its model was archived (DELETE /v1/models/{model})."
+    )
 
 
 class Pipeline(Base):

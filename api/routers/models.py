@@ -12,7 +12,7 @@ from api.deps import ProjectDep, SessionDep, SettingsDep
 from api.errors import OpenAIErrorBody
 from api.models import Run
 from api.services.checkpoints import checkpoints_of_runs
-from api.services.inference import find_model
+from api.services.inference import archive_model, find_model
 from api.services.runs import succeeded_runs
 from trainer.lr_defaults import preset_params
 from trainer.model_refs import models_in_roots
@@ -103,3 +103,26 @@ def retrieve_model(
             id=model, created=0, owned_by="rlrun", source="preset", parameters=preset_params(dims)
         )
     return ModelRead(id=model, created=0, owned_by="local", source="folder")
+
+
+class ModelDeleted(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    deleted: bool = Field(description="Always true: the model is archived (its files stay on the server).")
+
+
+@router.delete(
+    "/{model:path}", response_model=ModelDeleted, responses=_ERRORS | {403: {"model": OpenAIErrorBody}}
+)
+def delete_model(
+    model: Annotated[str, Path(description="`run:<id>` or its `ft:` name.")],
+    session: SessionDep,
+    settings: SettingsDep,
+    project_id: ProjectDep,
+) -> ModelDeleted:
+    """Archive a run's model (OpenAI's delete): it leaves `GET /v1/models`, answers 404 to retrieve, chat
+    and completions under every name, and is refused as a spec's model; its files, checkpoints and the
+    run itself stay. Presets and folders answer 403."""
+    archive_model(session, project_id, model, settings)
+    session.commit()
+    return ModelDeleted(id=model, deleted=True)

@@ -4,7 +4,8 @@ Accepted names, each scoped to the caller's project (another project's run answe
 unknown one): ``run:<id>`` (a succeeded run's final model; the jobs surface's ``fine_tuned_model``),
 ``ft:<anything>:<id>`` (OpenAI's form: the last part is the run or job id), ``run:<id>@<step>`` (a
 checkpoint), ``tiny:<preset>`` and model folders under the server's model roots. Reward-model runs and
-sequence-classification folders are refused: they score text, they cannot generate it.
+sequence-classification folders are refused: they score text, they cannot generate it. An archived run's
+model is gone under every name it had.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from api.errors import ModelNotFound, ModelNotGenerative
-from api.models import Checkpoint, Run
+from api.errors import ModelNotDeletable, ModelNotFound, ModelNotGenerative
+from api.models import Checkpoint, Run, utcnow
 from api.services.references import SCORER_ALGORITHMS, is_sequence_classifier
 from api.settings import Settings
 from trainer.model_refs import ModelOutsideRoots, UnknownModel, find_in_roots, is_local_path
@@ -65,8 +66,8 @@ def find_model(session: Session, project_id: uuid.UUID, name: str, settings: Set
     if ref is not None:
         run_id, step = ref
         run = session.get(Run, run_id)
-        if run is None or run.project_id != project_id:
-            raise _not_found(name)
+        if run is None or run.project_id != project_id or run.model_archived_at is not None:
+            raise _not_found(name)  # an archived model answers like a deleted one, as OpenAI's do
         if step is not None:
             checkpoint = session.get(Checkpoint, (run_id, step))
             if checkpoint is None:
@@ -88,6 +89,19 @@ def find_model(session: Session, project_id: uuid.UUID, name: str, settings: Set
         except (UnknownModel, ModelOutsideRoots):
             pass
     raise _not_found(name)
+
+
+def archive_model(session: Session, project_id: uuid.UUID, name: str, settings: Settings) -> Run:
+    """Archive a run's model (OpenAI's model delete): hidden from lists, refused by chat and by specs; the
+    files, the run and its checkpoints stay. Presets and folders are not the project's to delete (403)."""
+    found = find_model(session, project_id, name, settings)
+    if found.run is None or found.checkpoint is not None:
+        raise ModelNotDeletable(
+            f"`{name}` is not a run's final model: only `run:<id>` (or its `ft:` name) can be archived",
+            field="model",
+        )
+    found.run.model_archived_at = utcnow()
+    return found.run
 
 
 def resolve_served_model(

@@ -50,6 +50,8 @@ def _run_model(session: Session, ref: str, field: str, project_id: uuid.UUID | N
     source = session.get(Run, run_id)
     if source is None or (project_id is not None and source.project_id != project_id):
         raise InvalidReference(f"{field}: run {run_id} does not exist", field=field)
+    if source.model_archived_at is not None:
+        raise InvalidReference(f"{field}: run {run_id}'s model is archived", field=field)
     step = parse_run_ref_step(ref)
     if step is not None:
         if session.get(Checkpoint, (run_id, step)) is None:

@@ -176,10 +176,15 @@ def list_samples(
 
 
 def succeeded_runs(*, session: Session, project_id: uuid.UUID, limit: int) -> list[Run]:
-    """The project's succeeded runs that have a final model, newest first."""
+    """The project's succeeded runs that have a final model not archived, newest first."""
     stmt = (
         select(Run)
-        .where(Run.project_id == project_id, Run.status == "succeeded", Run.output_path.is_not(None))
+        .where(
+            Run.project_id == project_id,
+            Run.status == "succeeded",
+            Run.output_path.is_not(None),
+            Run.model_archived_at.is_(None),
+        )
         .order_by(Run.finished_at.desc(), Run.id.desc())
         .limit(limit)
     )

@@ -138,3 +138,48 @@ def test_without_an_inference_process_the_routes_say_so(
     with api_client(session, settings=gone) as client:
         answer = client.post("/v1/completions", json={"model": "tiny:llama-0.4m", "prompt": "x"})
         assert answer.status_code == 503 and "nothing listens" in answer.json()["error"]["message"]
+
+
+def test_deleting_a_model_archives_it_under_every_name(
+    session: Session, settings: Settings, tiny_cache: Path
+) -> None:
+    key, row = create_api_key(session=session, project_name=f"p-{uuid.uuid4().hex[:8]}")
+    ds = make_dataset(session, project_id=row.project_id)
+    path = a_model(settings, tiny_cache, "to-archive")
+    run = make_run(
+        session, ds, project_id=row.project_id, status="succeeded", output_path=path, finished_at=utcnow()
+    )
+    session.add(Checkpoint(run_id=run.id, step=2, path=path, size_bytes=1, metrics={}))
+    session.flush()
+    name = f"run:{run.id}"
+    with api_client(session, settings=settings) as client:
+        client_sdk = sdk(client, key)
+        with pytest.raises(openai.PermissionDeniedError) as preset:
+            client_sdk.models.delete("tiny:llama-0.4m")
+        assert preset.value.code == "model_not_deletable"
+        deleted = client_sdk.models.delete(f"ft:tiny:llama-0.4m:x:{run.id.hex}")
+        assert deleted.deleted is True
+        listed = {m.id for m in client_sdk.models.list()}
+        assert name not in listed and f"{name}@2" not in listed
+        for call in (
+            lambda: client_sdk.models.retrieve(name),
+            lambda: client_sdk.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "x"}]
+            ),
+            lambda: client_sdk.completions.create(model=f"{name}@2", prompt="x"),
+            lambda: client_sdk.models.delete(name),
+        ):
+            with pytest.raises(openai.NotFoundError):
+                call()
+        spec = {
+            "algorithm": "sft",
+            "model": name,
+            "dataset_id": str(
+                make_dataset(
+                    session, project_id=row.project_id, kind="sft", rows=[{"prompt": "a", "completion": "b"}]
+                ).id
+            ),
+        }
+        refused = client.post("/v1/runs", json=spec, headers={"Authorization": f"Bearer {key}"})
+        assert refused.status_code == 409 and "archived" in refused.json()["error"]["message"], refused.text
+    assert Path(path).is_dir()  # archived, not deleted
