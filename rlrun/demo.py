@@ -259,9 +259,29 @@ def rl_part(client: httpx.Client, sft_steps: int, rl_steps: int) -> dict[str, An
             f"pipeline {pipeline['status']}: held-out exact match {start:.1%} after SFT -> {end:.1%} after "
             f"GRPO ({100 * (end - start):+.1f} points) in {minutes:.1f} min of RL"
         )
+        if pipeline["status"] == "succeeded":
+            ask(client, [pipeline["stages"][0]["run_id"], grpo["run_id"]], heldout[:4])
     else:
         print(f"pipeline {pipeline['status']}: {pipeline['reason']}")
     return result
+
+
+def ask(client: httpx.Client, run_ids: list[str], rows: list[dict[str, Any]]) -> None:
+    """Call the SFT and the GRPO model on a few held-out problems through the OpenAI-compatible
+    ``/v1/completions`` (the inference process `rlrun serve` started), greedy, side by side."""
+    print("asking both models through /v1/completions (greedy):")
+    for row in rows:
+        answers = []
+        for run_id in run_ids:
+            resp = client.post(
+                "/v1/completions",
+                json={"model": f"run:{run_id}", "prompt": row["prompt"], "max_tokens": 6, "temperature": 0},
+                timeout=120,
+            )
+            answers.append(
+                resp.json()["choices"][0]["text"].strip() if resp.status_code == 200 else resp.text
+            )
+        print(f"  {row['prompt']:8s} answer {row['answer']:>4s}   SFT {answers[0]!r:8s}  GRPO {answers[1]!r}")
 
 
 def run_demo(
