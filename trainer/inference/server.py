@@ -17,7 +17,6 @@ import json
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from api.settings import Settings
 from trainer.data.prompts import render_prompt
 from trainer.inference.decode import DecodeParams, Delta, decode
+from trainer.inference.loaded import Loaded, LoadedModels, LoadError
 from trainer.inference.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 MODEL_SOURCE_HEADER = "x-rlrun-model-source"  # api/routers/inference.py sends it
@@ -46,46 +46,6 @@ def error_response(status: int, message: str, param: str | None, code: str | Non
     kind = "server_error" if status >= 500 else "invalid_request_error"
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(status_code=status, content=body)
-
-
-class LoadedModels:
-    """An LRU of (model, tokenizer) by folder; loading evicts the least recently used beyond ``size``."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.models: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
-
-    def get(self, folder: str) -> tuple[Any, Any]:
-        if folder in self.models:
-            self.models.move_to_end(folder)
-            return self.models[folder]
-        from trainer.models import load_causal_lm, pick_device
-
-        config = _read_config(folder)
-        if any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
-            raise InferenceError(
-                400,
-                "this model is a reward model (a score head): it scores, it cannot generate",
-                param="model",
-                code="model_not_generative",
-            )
-        try:
-            model, tokenizer = load_causal_lm(folder)
-        except ValueError as exc:
-            raise InferenceError(500, str(exc), code="model_load_failed") from None
-        model.to(pick_device())
-        while len(self.models) >= self.size:
-            self.models.popitem(last=False)
-        self.models[folder] = (model, tokenizer)
-        return model, tokenizer
-
-
-def _read_config(folder: str) -> dict[str, Any]:
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}  # an adapter folder has adapter_config.json instead; load_causal_lm tells
-    return config if isinstance(config, dict) else {}
 
 
 def model_folder(source: str | None, settings: Settings) -> str:
@@ -116,8 +76,10 @@ def model_folder(source: str | None, settings: Settings) -> str:
 class Generation:
     """One request's decode: its choices (one per prompt x n), their text, tokens and usage."""
 
-    def __init__(self, model: Any, tokenizer: Any, prompts: list[str], n: int, params: DecodeParams) -> None:
-        self.model, self.tokenizer, self.n, self.params = model, tokenizer, n, params
+    def __init__(self, loaded: Loaded, prompts: list[str], n: int, params: DecodeParams) -> None:
+        self.loaded, self.n, self.params = loaded, n, params
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        model, tokenizer = loaded.model, loaded.tokenizer
         self.prompt_ids = [tokenizer(p).input_ids for p in prompts]
         limit = getattr(model.config, "max_position_embeddings", None)
         for ids in self.prompt_ids:
@@ -139,6 +101,7 @@ class Generation:
 
     def deltas(self) -> Iterator[tuple[int, Delta]]:
         """(choice index, delta) as they come; choice ``p * n + j`` is sample ``j`` of prompt ``p``."""
+        self.loaded.activate()  # the caller holds the compute lock: no other request switches adapters now
         for p, ids in enumerate(self.prompt_ids):
             for step in decode(self.model, self.tokenizer, ids, self.n, self.params):
                 for delta in step:
@@ -221,7 +184,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/healthz")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "loaded": list(models.models)}
+        return {
+            "status": "ok",
+            "loaded": [{"folder": k, "adapters": list(e.adapters)} for k, e in models.entries.items()],
+        }
 
     def parse(model_type: type[SamplingRequest], body: Any) -> Any:
         try:
@@ -255,10 +221,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
         except ValueError as exc:
             raise InferenceError(400, str(exc), param="stop", code="invalid_value") from None
-        model, tokenizer = models.get(model_folder(source, settings))
+        try:
+            loaded = models.get(model_folder(source, settings))
+        except LoadError as exc:
+            if not exc.generative:
+                raise InferenceError(400, str(exc), param="model", code="model_not_generative") from None
+            raise InferenceError(500, str(exc), code="model_load_failed") from None
         if callable(prompts):
-            prompts = prompts(tokenizer)
-        return Generation(model, tokenizer, prompts, req.n, params)
+            prompts = prompts(loaded.tokenizer)
+        return Generation(loaded, prompts, req.n, params)
 
     def respond(gen: Generation, build: Any, stream_chunks: Any, stream: bool) -> Any:
         if not stream:
