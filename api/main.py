@@ -18,6 +18,7 @@ from api.queue import CeleryEnqueue, Enqueue
 from api.routers import (
     checkpoints,
     datasets,
+    export,
     inference,
     models,
     openai_files,
@@ -54,6 +55,7 @@ def create_app(
     app.include_router(datasets.router)
     app.include_router(runs.router)
     app.include_router(checkpoints.router)
+    app.include_router(export.router)
     app.include_router(pipelines.router)
     app.include_router(stream.router)
     app.include_router(webhooks.router)

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -248,6 +248,39 @@ class Runs(_Namespace):
 
     def checkpoints(self, run_id: Id) -> builtins.list[CheckpointRead]:
         return _parse_adapter(_CHECKPOINTS, self._client.request("GET", f"/v1/runs/{run_id}/checkpoints"))
+
+    def download(
+        self,
+        run_id: Id,
+        path: str | os.PathLike[str],
+        *,
+        format: Literal["hf", "adapter"] = "hf",
+        progress: Progress | None = None,
+    ) -> int:
+        """Write a succeeded run's model to ``path`` as a tar (``/v1/runs/{id}/export``): a Hugging Face
+        folder (``hf``) or an adapter run's adapter (``adapter``). ``progress(bytes_written, total)``
+        after each chunk. Written to ``path + ".part"`` and renamed when complete, so a broken download
+        leaves no file that looks whole. Returns the bytes written."""
+        target = Path(path)
+        partial = target.with_name(target.name + ".part")
+        written = 0
+        with self._client.stream("GET", f"/v1/runs/{run_id}/export", params={"format": format}) as resp:
+            total = int(resp.headers.get("content-length", 0))
+            try:
+                with partial.open("wb") as fh:
+                    for chunk in resp.iter_bytes(CHUNK):
+                        fh.write(chunk)
+                        written += len(chunk)
+                        if progress is not None:
+                            progress(written, total)
+            except httpx.TransportError as exc:
+                partial.unlink(missing_ok=True)
+                raise self._client._connection_failed(exc) from exc
+        if total and written != total:
+            partial.unlink(missing_ok=True)
+            raise RlrunError(f"the download of run {run_id} stopped at {written} of {total} bytes")
+        partial.replace(target)
+        return written
 
     def samples(
         self, run_id: Id, *, step: int | None = None, limit: int | None = None, after: str | None = None

@@ -116,6 +116,20 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     cancel = runs_sub.add_parser("cancel", parents=[common], help="cancel a queued or running run")
     cancel.add_argument("run_id")
     cancel.set_defaults(func=_command(cmd_runs_cancel))
+    download = runs_sub.add_parser(
+        "download", parents=[common], help="a succeeded run's model as a tar (progress on stderr)"
+    )
+    download.add_argument("run_id")
+    download.add_argument(
+        "-o", "--output", default=None, help="file to write (default: <run id>-<format>.tar)"
+    )
+    download.add_argument(
+        "--format",
+        choices=("hf", "adapter"),
+        default="hf",
+        help="hf: a Hugging Face model folder; adapter: an adapter run's LoRA adapter",
+    )
+    download.set_defaults(func=_command(cmd_runs_download))
 
 
 def _command(handler: Handler) -> Callable[[argparse.Namespace], int]:
@@ -406,6 +420,16 @@ def cmd_runs_cancel(args: argparse.Namespace, client: Client) -> int:
         print(f"run {run.id} cancelled")
     else:
         print(f"run {run.id}: cancel requested ({run.status}); it stops within seconds")
+    return 0
+
+
+def cmd_runs_download(args: argparse.Namespace, client: Client) -> int:
+    """Write the run's export tar with a progress bar on stderr; print the file's path."""
+    output = Path(args.output or f"{args.run_id}-{args.format}.tar")
+    written = client.runs.download(
+        args.run_id, output, format=args.format, progress=upload_progress(output.name, sys.stderr)
+    )
+    print(f"{output} ({written} bytes; `tar -xf {output}` gives a folder from_pretrained loads)")
     return 0
 
 

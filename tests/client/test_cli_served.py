@@ -133,6 +133,19 @@ def test_runs_list_and_get(served: Served, finished_run: RunRead, capsys: pytest
     assert (body["id"], body["status"]) == (str(run_id), "succeeded")
 
 
+def test_runs_download_writes_the_tar(
+    served: Served, finished_run: RunRead, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "m.tar"
+    assert main(["runs", "download", str(finished_run.id), "-o", str(target), "--url", served.url]) == 0
+    out, err = capsys.readouterr()
+    assert (
+        out.startswith(f"{target} ({target.stat().st_size} bytes;") and "m.tar" in err
+    )  # progress on stderr
+    assert main(["runs", "download", str(finished_run.id), "--format", "adapter", "--url", served.url]) == 1
+    assert "format=hf" in capsys.readouterr().err
+
+
 def test_create_with_watch_reports_a_failed_run_and_exits_1(
     served: Served, rl: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

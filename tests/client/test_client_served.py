@@ -86,6 +86,32 @@ def test_a_dpo_run_end_to_end_with_typed_answers(rl: Client, dpo_run: RunRead) -
     assert rl.runs.samples(dpo_run.id).data == []  # DPO stores no samples
 
 
+def test_download_exports_a_folder_from_pretrained_loads(
+    rl: Client, dpo_run: RunRead, tmp_path: Path
+) -> None:
+    import tarfile
+
+    from transformers import AutoModelForCausalLM
+
+    seen: list[tuple[int, int]] = []
+    target = tmp_path / "model.tar"
+    written = rl.runs.download(dpo_run.id, target, progress=lambda done, total: seen.append((done, total)))
+    assert written == target.stat().st_size == seen[-1][0] == seen[-1][1]  # Content-Length was exact
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and not (tmp_path / "model.tar.part").exists()
+    with tarfile.open(target) as tar:
+        names = tar.getnames()
+        tar.extractall(tmp_path / "out", filter="data")
+    folder = tmp_path / "out" / f"{dpo_run.id}-hf"
+    assert "config.json" in {Path(n).name for n in names}
+    assert not (folder / "trainer_state.pt").exists()  # resume-only files stay on the server
+    model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True)
+    assert sum(p.numel() for p in model.parameters()) > 0
+    with pytest.raises(ApiError) as not_adapter:
+        rl.runs.download(dpo_run.id, tmp_path / "a.tar", format="adapter")
+    assert (not_adapter.value.status, not_adapter.value.field) == (409, "format")
+    assert not (tmp_path / "a.tar").exists() and not (tmp_path / "a.tar.part").exists()
+
+
 def test_idempotency_key_returns_the_same_run(rl: Client, pairs: DatasetRead, dpo_run: RunRead) -> None:
     assert rl.runs.create(dpo(pairs.id, 10), idempotency_key="dpo-10").id == dpo_run.id
     with pytest.raises(ApiError) as info:

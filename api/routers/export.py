@@ -1,0 +1,110 @@
+"""GET /v1/runs/{id}/export: a succeeded run's model as a tar of a Hugging Face folder, with its length.
+
+``format=hf`` streams a full fine-tuning run's final model folder (``from_pretrained`` loads it);
+``format=adapter`` streams an adapter run's adapter folder (peft's ``PeftModel.from_pretrained`` over the
+base). The resume-only files of a checkpoint (the trainer state, a pickle with the optimizer, and the
+retention metrics) are left out. The API only streams files it already has: merging an adapter into
+its base needs torch, so ``format=hf`` of an adapter run is refused (409) until a worker job merges it.
+"""
+
+from __future__ import annotations
+
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from fastapi.responses import StreamingResponse
+
+from api.deps import RunDep
+from api.errors import ApiError, InvalidTransition
+from rlrun.schemas import ErrorBody
+
+router = APIRouter(prefix="/v1/runs/{run_id}/export", tags=["runs"])
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (400, 404, 409, 422)}
+CHUNK = 1 << 20
+# trainer/checkpoints.py's STATE_FILE and METRICS_FILE (not imported: that module imports torch).
+RESUME_ONLY = frozenset({"trainer_state.pt", "metrics.json"})
+ADAPTER_CONFIG = "adapter_config.json"  # trainer/adapters.py
+
+
+class ExportRefused(ApiError):
+    status = 409
+    code = "export_unavailable"
+
+
+def export_files(folder: Path, arcname: str) -> list[tuple[Path, tarfile.TarInfo, bytes]]:
+    """(file, its tar entry under ``arcname/``, the entry's header bytes) for every file to export."""
+    out = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder)
+        if rel.as_posix() in RESUME_ONLY:
+            continue
+        info = tarfile.TarInfo(f"{arcname}/{rel.as_posix()}")
+        stat = path.stat()
+        info.size, info.mtime, info.mode = stat.st_size, int(stat.st_mtime), 0o644
+        out.append((path, info, info.tobuf(format=tarfile.PAX_FORMAT)))
+    return out
+
+
+def tar_length(entries: list[tuple[Path, tarfile.TarInfo, bytes]]) -> int:
+    """The exact size of the tar ``tar_chunks`` writes: headers, data padded to 512, two zero blocks."""
+    return sum(len(header) + -(-info.size // 512) * 512 for _, info, header in entries) + 1024
+
+
+def tar_chunks(entries: list[tuple[Path, tarfile.TarInfo, bytes]]) -> Iterator[bytes]:
+    for path, info, header in entries:
+        yield header
+        sent = 0
+        with path.open("rb") as fh:
+            while sent < info.size and (chunk := fh.read(min(CHUNK, info.size - sent))):
+                sent += len(chunk)
+                yield chunk
+        if sent < info.size:  # the file shrank while streaming: pad so the length stays true
+            yield b"\0" * (info.size - sent)
+        if info.size % 512:
+            yield b"\0" * (512 - info.size % 512)
+    yield b"\0" * 1024
+
+
+@router.get(
+    "",
+    responses={200: {"content": {"application/x-tar": {}}, "description": "tar archive"}, **_ERRORS},
+    response_class=StreamingResponse,
+)
+def export_model(
+    run: RunDep,
+    format: Annotated[
+        Literal["hf", "adapter"],
+        Query(description="`hf`: a Hugging Face model folder; `adapter`: an adapter run's LoRA adapter."),
+    ] = "hf",
+) -> StreamingResponse:
+    """The run's final model as a tar (`Content-Length` set, so clients show progress)."""
+    if run.status != "succeeded" or not run.output_path:
+        raise InvalidTransition(f"run {run.id} is {run.status}: only a succeeded run's model can be exported")
+    folder = Path(run.output_path)
+    if not folder.is_dir():
+        raise ExportRefused(f"run {run.id}'s model files are gone from the server")
+    is_adapter = (folder / ADAPTER_CONFIG).is_file()
+    if format == "adapter" and not is_adapter:
+        raise ExportRefused(
+            f"run {run.id} trained the whole model (no adapter): export it with format=hf", field="format"
+        )
+    if format == "hf" and is_adapter:
+        raise ExportRefused(
+            f"run {run.id} trained a LoRA adapter; merging it into its base is not served yet: export "
+            "format=adapter and load it with peft (PeftModel.from_pretrained(base, folder)), or "
+            "merge_and_unload() it yourself",
+            field="format",
+        )
+    name = f"{run.id}-{format}"
+    entries = export_files(folder, name)
+    return StreamingResponse(
+        tar_chunks(entries),
+        media_type="application/x-tar",
+        headers={
+            "Content-Disposition": f'attachment; filename="{name}.tar"',
+            "Content-Length": str(tar_length(entries)),
+        },
+    )
