@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import tarfile
-from collections.abc import Iterator
 from pathlib import Path as FsPath
 from typing import Annotated, Any
 
@@ -14,12 +12,12 @@ from api.deps import RunDep, SessionDep
 from api.errors import NotFound
 from api.models import Checkpoint
 from api.services import checkpoints as service
+from api.tar_stream import tar_chunks, tar_entries, tar_length
 from rlrun.schemas import CheckpointRead, ErrorBody
 from trainer.specs import MAX_STEP
 
 router = APIRouter(prefix="/v1/runs/{run_id}/checkpoints", tags=["checkpoints"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 422)}
-CHUNK = 1 << 20
 
 
 class CheckpointNotFound(NotFound):
@@ -42,22 +40,6 @@ def list_checkpoints(run: RunDep, session: SessionDep) -> list[CheckpointRead]:
     return [to_read(c) for c in service.list_checkpoints(session=session, run_id=run.id)]
 
 
-def tar_stream(folder: FsPath, arcname: str) -> Iterator[bytes]:
-    """An uncompressed tar of ``folder``, produced file by file in 1 MiB chunks (bounded memory;
-    weights barely compress). Format: per file a 512-byte header, the data padded to 512, then two
-    zero blocks (POSIX ustar, as ``tarfile`` writes it)."""
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        info = tarfile.TarInfo(f"{arcname}/{path.relative_to(folder).as_posix()}")
-        info.size, info.mtime, info.mode = path.stat().st_size, int(path.stat().st_mtime), 0o644
-        yield info.tobuf(format=tarfile.PAX_FORMAT)
-        with path.open("rb") as fh:
-            while chunk := fh.read(CHUNK):
-                yield chunk
-        if info.size % 512:
-            yield b"\0" * (512 - info.size % 512)
-    yield b"\0" * 1024
-
-
 @router.get(
     "/{step}/download",
     responses={200: {"content": {"application/x-tar": {}}, "description": "tar archive"}, **_ERRORS},
@@ -72,8 +54,12 @@ def download_checkpoint(
     if folder is None or not folder.is_dir():
         raise CheckpointNotFound(f"run {run.id} has no checkpoint at step {step}", field="step")
     name = f"{run.id}-step-{step}"
+    entries = tar_entries(folder, name)
     return StreamingResponse(
-        tar_stream(folder, name),
+        tar_chunks(entries),
         media_type="application/x-tar",
-        headers={"Content-Disposition": f'attachment; filename="{name}.tar"'},
+        headers={
+            "Content-Disposition": f'attachment; filename="{name}.tar"',
+            "Content-Length": str(tar_length(entries)),
+        },
     )

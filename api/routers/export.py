@@ -9,8 +9,6 @@ its base needs torch, so ``format=hf`` of an adapter run is refused (409) until 
 
 from __future__ import annotations
 
-import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,11 +17,11 @@ from fastapi.responses import StreamingResponse
 
 from api.deps import RunDep
 from api.errors import ApiError, InvalidTransition
+from api.tar_stream import tar_chunks, tar_entries, tar_length
 from rlrun.schemas import ErrorBody
 
 router = APIRouter(prefix="/v1/runs/{run_id}/export", tags=["runs"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (400, 404, 409, 422)}
-CHUNK = 1 << 20
 # trainer/checkpoints.py's STATE_FILE and METRICS_FILE (not imported: that module imports torch).
 RESUME_ONLY = frozenset({"trainer_state.pt", "metrics.json"})
 ADAPTER_CONFIG = "adapter_config.json"  # trainer/adapters.py
@@ -32,40 +30,6 @@ ADAPTER_CONFIG = "adapter_config.json"  # trainer/adapters.py
 class ExportRefused(ApiError):
     status = 409
     code = "export_unavailable"
-
-
-def export_files(folder: Path, arcname: str) -> list[tuple[Path, tarfile.TarInfo, bytes]]:
-    """(file, its tar entry under ``arcname/``, the entry's header bytes) for every file to export."""
-    out = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        rel = path.relative_to(folder)
-        if rel.as_posix() in RESUME_ONLY:
-            continue
-        info = tarfile.TarInfo(f"{arcname}/{rel.as_posix()}")
-        stat = path.stat()
-        info.size, info.mtime, info.mode = stat.st_size, int(stat.st_mtime), 0o644
-        out.append((path, info, info.tobuf(format=tarfile.PAX_FORMAT)))
-    return out
-
-
-def tar_length(entries: list[tuple[Path, tarfile.TarInfo, bytes]]) -> int:
-    """The exact size of the tar ``tar_chunks`` writes: headers, data padded to 512, two zero blocks."""
-    return sum(len(header) + -(-info.size // 512) * 512 for _, info, header in entries) + 1024
-
-
-def tar_chunks(entries: list[tuple[Path, tarfile.TarInfo, bytes]]) -> Iterator[bytes]:
-    for path, info, header in entries:
-        yield header
-        sent = 0
-        with path.open("rb") as fh:
-            while sent < info.size and (chunk := fh.read(min(CHUNK, info.size - sent))):
-                sent += len(chunk)
-                yield chunk
-        if sent < info.size:  # the file shrank while streaming: pad so the length stays true
-            yield b"\0" * (info.size - sent)
-        if info.size % 512:
-            yield b"\0" * (512 - info.size % 512)
-    yield b"\0" * 1024
 
 
 @router.get(
@@ -99,7 +63,7 @@ def export_model(
             field="format",
         )
     name = f"{run.id}-{format}"
-    entries = export_files(folder, name)
+    entries = tar_entries(folder, name, skip=RESUME_ONLY)
     return StreamingResponse(
         tar_chunks(entries),
         media_type="application/x-tar",

@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import torch
 
+from trainer.rollout.base import SamplingParams
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -34,12 +36,8 @@ class DecodeParams:
     top_logprobs: int = 0  # the k most likely tokens reported beside each chosen one
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        # The rollout engines' checks of the same three knobs (ValueError naming the one at fault).
+        SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
 
 
 @dataclass

@@ -1,0 +1,28 @@
+"""api/tar_stream.py: the announced length is the streamed length, and Python's tarfile reads the stream
+back byte for byte, long and non-ASCII names (PAX headers) and skipped files included."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+from api.tar_stream import tar_chunks, tar_entries, tar_length
+
+
+def test_the_stream_is_a_tar_of_the_announced_length(tmp_path: Path) -> None:
+    files = {
+        "config.json": b"{}",
+        "model.safetensors": bytes(range(256)) * 41,  # not a multiple of 512
+        "sub/" + "ü" * 120 + ".txt": b"x" * 512,  # a name past ustar's 100 characters, non-ASCII
+        "trainer_state.pt": b"pickle",
+    }
+    for name, data in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(data)
+    entries = tar_entries(tmp_path, "model", skip=frozenset({"trainer_state.pt"}))
+    stream = b"".join(tar_chunks(entries))
+    assert len(stream) == tar_length(entries)
+    with tarfile.open(fileobj=io.BytesIO(stream)) as tar:
+        got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+    assert got == {f"model/{k}": v for k, v in files.items() if k != "trainer_state.pt"}
