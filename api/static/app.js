@@ -847,6 +847,79 @@ async function runsPage(ctx, main, params) {
 
 /* ---------- one run ---------- */
 
+/** The model a run started from, when it is one the inference routes can name (a run or a preset). */
+function startModel(run) {
+  const m = run.spec.model || "";
+  return m.startsWith("run:") || m.startsWith("tiny:") ? m : "";
+}
+
+/** A prompt box that streams the run's model's answer beside another model's (e.g. the SFT start). */
+function playground(run) {
+  const prompt = h("textarea", { id: "pg-prompt", "data-testid": "pg-prompt", rows: 3, "aria-label": "Prompt",
+    placeholder: "A prompt, written as the run's data writes them (e.g. 12+30=)" });
+  const other = h("input", { id: "pg-other", "data-testid": "pg-other", value: startModel(run), size: 44,
+    "aria-label": "Compare with model (run:<id>, tiny:<preset>; empty: none)" });
+  const chat = h("input", { type: "checkbox", id: "pg-chat", "aria-label": "Chat (apply the chat template)" });
+  const maxTokens = h("input", { type: "number", id: "pg-max", value: 32, min: 1, max: 4096, "aria-label": "Max tokens" });
+  const temperature = h("input", { type: "number", id: "pg-temp", value: 0, min: 0, max: 2, step: 0.1, "aria-label": "Temperature" });
+  const outs = [0, 1].map((i) => h("pre", { class: "answer", "data-testid": `pg-answer-${i}` }));
+  const heads = [0, 1].map(() => h("h3", { class: "small mono" }));
+  const button = h("button", { "data-testid": "pg-ask", onclick: ask }, "Ask");
+  async function ask() {
+    const models = [`run:${run.id}`, other.value.trim()];
+    button.disabled = true;
+    try {
+      await Promise.all(models.map(async (model, i) => {
+        fill(heads[i], model || "–");
+        fill(outs[i], "");
+        if (!model) return;
+        try {
+          await streamCompletion(model, prompt.value, chat.checked, Number(maxTokens.value), Number(temperature.value),
+            (piece) => outs[i].append(piece));
+        } catch (err) {
+          outs[i].append(h("span", { class: "error-text" }, ` [${err.message}]`));
+        }
+      }));
+    } finally { button.disabled = false; }
+  }
+  return h("div", { class: "playground", "data-testid": "playground" },
+    h("label", {}, "Prompt", prompt),
+    h("div", { class: "pg-controls" },
+      h("label", {}, "Compare with ", other), h("label", {}, chat, " chat"),
+      h("label", {}, "max tokens ", maxTokens), h("label", {}, "temperature ", temperature), button),
+    h("div", { class: "two-col" }, [0, 1].map((i) => h("div", {}, heads[i], outs[i]))));
+}
+
+/** POST an OpenAI completion (or chat) request with stream: true; onText(piece) for each piece of text. */
+async function streamCompletion(model, prompt, chat, maxTokens, temperature, onText) {
+  const body = chat ? { model, messages: [{ role: "user", content: prompt }] } : { model, prompt };
+  Object.assign(body, { max_tokens: maxTokens, temperature, stream: true });
+  const resp = await fetch(chat ? "/v1/chat/completions" : "/v1/completions", {
+    method: "POST", headers: { "Content-Type": "application/json", ...authHeader(apiKey()) }, body: JSON.stringify(body),
+  });
+  if (!resp.ok) throw new ApiError(resp.status, await readJson(resp));
+  const reader = resp.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      for (const line of event.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6);
+        if (data === "[DONE]") return;
+        const choice = (JSON.parse(data).choices || [])[0];
+        if (choice) onText(chat ? (choice.delta.content || "") : (choice.text || ""));
+      }
+    }
+  }
+}
+
 async function runPage(ctx, main, runId) {
   document.title = `Run ${shortId(runId)} · rlrun`;
   const base = `/v1/runs/${enc(runId)}`;
@@ -878,6 +951,9 @@ async function runPage(ctx, main, runId) {
     card("Metrics", finalBox, chartsGrid),
     h("div", { class: "two-col" }, card("Events", eventsBox), card("Checkpoints", ckptBox)),
     samplesCard, card("Spec", spec));
+  if (run.status === "succeeded" && run.output_path && run.algorithm !== "reward_model") {
+    main.insertBefore(card("Playground", playground(run)), main.lastElementChild);
+  }
 
   function renderHeader() {
     const done = FINISHED.has(run.status);

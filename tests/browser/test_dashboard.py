@@ -224,6 +224,40 @@ def test_finished_run_page_shows_its_charts(
     assert_no_console_errors(browser)
 
 
+def test_playground_streams_the_run_and_its_start_side_by_side(
+    served: httpx.Client, data: dict[str, str], browser: WebDriver, artifacts: Path
+) -> None:
+    run_id = data["a"]
+    open_page(browser, served, f"/runs/{run_id}")
+    wait(browser, lambda: text(browser, "playground") != "", what="no playground on a succeeded run")
+    assert browser.find_element(By.ID, "pg-other").get_attribute("value") == "tiny:llama-0.4m"  # its start
+    browser.find_element(By.ID, "pg-prompt").send_keys("12+30=")
+    click(browser, '[data-testid="pg-ask"]')
+    expected = [
+        served.post(
+            "/v1/completions", json={"model": model, "prompt": "12+30=", "max_tokens": 32, "temperature": 0}
+        ).json()["choices"][0]["text"]
+        for model in (f"run:{run_id}", "tiny:llama-0.4m")
+    ]
+    assert expected[0], "the DPO model answered nothing: the comparison below would be empty"
+    for i, answer in enumerate(expected):  # streamed into the page, the same greedy text as asked directly
+        wait(
+            browser,
+            lambda i=i, answer=answer: (
+                browser.execute_script(
+                    "return document.querySelector(`[data-testid='pg-answer-${arguments[0]}']`).textContent",
+                    i,
+                )
+                == answer
+            ),
+            timeout=60,
+            what=f"answer {i} is not the model's",
+        )
+    assert f"run:{run_id}" in text(browser, "playground") and "tiny:llama-0.4m" in text(browser, "playground")
+    screenshot(browser, artifacts, "playground")
+    assert_no_console_errors(browser)
+
+
 def test_compare_two_runs_from_the_runs_table(
     served: httpx.Client, data: dict[str, str], browser: WebDriver, artifacts: Path
 ) -> None:
