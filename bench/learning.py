@@ -33,7 +33,9 @@ measured with it, e.g. ``--set ppo_epochs=1 --set minibatches=1 --set dynamic_sa
 
 Run: ``.venv/bin/python bench/learning.py`` (defaults: addition, seeds 0,1,2, SFT 250 and 350 steps, GRPO,
 Dr.GRPO, RLOO, PPO and TRL: 30 RL runs, about 45 minutes on 2 CPU cores); ``--tasks addition,numeric``
-adds the word problems; ``--algorithms grpo,trl`` narrows it. Not part of ``make test``.
+adds the word problems; ``--algorithms grpo,trl`` narrows it; ``--steps 600 --algorithms grpo,trl`` is
+the run that meets every goal (12 RL runs, about 40 minutes; at 300 steps the two weakest starts gain
+less than +20). Not part of ``make test``.
 """
 
 from __future__ import annotations
