@@ -9,6 +9,8 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from fastapi.responses import StreamingResponse
+
 CHUNK = 1 << 20
 Entry = tuple[Path, tarfile.TarInfo, bytes]
 
@@ -46,3 +48,16 @@ def tar_chunks(entries: list[Entry]) -> Iterator[bytes]:
         if info.size % 512:
             yield b"\0" * (512 - info.size % 512)
     yield b"\0" * 1024
+
+
+def tar_response(folder: Path, name: str, *, skip: frozenset[str] = frozenset()) -> StreamingResponse:
+    """``folder`` as an attachment ``<name>.tar`` (entries under ``name/``) with its exact length."""
+    entries = tar_entries(folder, name, skip=skip)
+    return StreamingResponse(
+        tar_chunks(entries),
+        media_type="application/x-tar",
+        headers={
+            "Content-Disposition": f'attachment; filename="{name}.tar"',
+            "Content-Length": str(tar_length(entries)),
+        },
+    )

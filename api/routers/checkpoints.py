@@ -12,7 +12,7 @@ from api.deps import RunDep, SessionDep
 from api.errors import NotFound
 from api.models import Checkpoint
 from api.services import checkpoints as service
-from api.tar_stream import tar_chunks, tar_entries, tar_length
+from api.tar_stream import tar_response
 from rlrun.schemas import CheckpointRead, ErrorBody
 from trainer.specs import MAX_STEP
 
@@ -54,12 +54,4 @@ def download_checkpoint(
     if folder is None or not folder.is_dir():
         raise CheckpointNotFound(f"run {run.id} has no checkpoint at step {step}", field="step")
     name = f"{run.id}-step-{step}"
-    entries = tar_entries(folder, name)
-    return StreamingResponse(
-        tar_chunks(entries),
-        media_type="application/x-tar",
-        headers={
-            "Content-Disposition": f'attachment; filename="{name}.tar"',
-            "Content-Length": str(tar_length(entries)),
-        },
-    )
+    return tar_response(folder, name)

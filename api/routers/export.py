@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from api.deps import RunDep
 from api.errors import ApiError, InvalidTransition
-from api.tar_stream import tar_chunks, tar_entries, tar_length
+from api.tar_stream import tar_response
 from rlrun.schemas import ErrorBody
 
 router = APIRouter(prefix="/v1/runs/{run_id}/export", tags=["runs"])
@@ -63,12 +63,4 @@ def export_model(
             field="format",
         )
     name = f"{run.id}-{format}"
-    entries = tar_entries(folder, name, skip=RESUME_ONLY)
-    return StreamingResponse(
-        tar_chunks(entries),
-        media_type="application/x-tar",
-        headers={
-            "Content-Disposition": f'attachment; filename="{name}.tar"',
-            "Content-Length": str(tar_length(entries)),
-        },
-    )
+    return tar_response(folder, name, skip=RESUME_ONLY)
