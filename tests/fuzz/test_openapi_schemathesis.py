@@ -1,5 +1,6 @@
 """schemathesis against the API's own OpenAPI schema: no 5xx on any endpoint, and every documented
-response matches its schema. Runs in process on a real (SQLite) database with a recording enqueue."""
+response matches its schema. Runs in process on a real (SQLite) database with a recording enqueue and a
+real inference process."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from api.db import make_engine, make_session_factory  # noqa: E402
 from api.main import create_app  # noqa: E402
 from api.migrate import upgrade_head  # noqa: E402
 from api.settings import Settings  # noqa: E402
-from tests.factories import FakeEnqueue  # noqa: E402
+from tests.factories import FakeEnqueue, serving  # noqa: E402
+from trainer.inference.server import create_app as inference_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +32,10 @@ def _app() -> object:
 
     home = Path(tempfile.mkdtemp(prefix="rlrun-fuzz-"))
     settings = Settings(home=home, max_upload_bytes=64 * 1024)
+    # A real inference process (uvicorn in a daemon thread for the module's life): without one the chat
+    # and completion routes answer a documented 503, which the no-5xx check would flag.
+    inference = serving(inference_app(settings))
+    settings = settings.model_copy(update={"inference_url": inference.__enter__()})
     upgrade_head(settings.resolved_database_url)
     factory = make_session_factory(make_engine(settings.resolved_database_url))
     return create_app(settings, session_factory=factory, enqueue=FakeEnqueue())
