@@ -51,7 +51,7 @@ WIDTH = 1400
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    with embedded_server(tmp_path_factory.mktemp("browser-serve")) as client:
+    with embedded_server(tmp_path_factory.mktemp("browser-serve"), inference=True) as client:
         yield client
 
 

@@ -66,17 +66,23 @@ def all_metrics(client: Any, run_id: str) -> list[dict[str, Any]]:
 
 
 @contextmanager
-def embedded_server(home: Path, env: dict[str, str] | None = None) -> Iterator[httpx.Client]:
-    """`rlrun serve` (API + one worker) on the embedded defaults in ``home`` and a free port, with extra
-    ``env`` settings; a client for it (its ``base_url`` is the server's). The server is stopped afterwards
-    and must exit cleanly (its log tail is the failure message)."""
+def embedded_server(
+    home: Path, env: dict[str, str] | None = None, *, inference: bool = False
+) -> Iterator[httpx.Client]:
+    """`rlrun serve` (API + one worker, and the inference process with ``inference``: the tests that call
+    models ask for it, the others save its start-up) on the embedded defaults in ``home`` and a free port,
+    with extra ``env`` settings; a client for it (its ``base_url`` is the server's). The server is stopped
+    afterwards and must exit cleanly (its log tail is the failure message)."""
     extra = env or {}
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RLRUN_DATABASE_URL", "RLRUN_BROKER_URL")}
     env |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port)} | extra
     log = (home / "serve.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlrun.cli", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "rlrun.cli", "serve", *([] if inference else ["--no-inference"])],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:

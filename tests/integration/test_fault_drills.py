@@ -87,7 +87,12 @@ class Stack:
             self.env,
             home,
         )
-        self.api = Proc("api", [sys.executable, "-m", "rlrun.cli", "serve", "--no-worker"], self.env, home)
+        self.api = Proc(
+            "api",
+            [sys.executable, "-m", "rlrun.cli", "serve", "--no-worker", "--no-inference"],
+            self.env,
+            home,
+        )
         self.workers: list[Proc] = []
         self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.api_port}", timeout=30)
 

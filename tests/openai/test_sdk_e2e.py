@@ -26,7 +26,7 @@ FINISHED = ("succeeded", "failed", "cancelled")
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    with embedded_server(tmp_path_factory.mktemp("openai-sdk")) as client:
+    with embedded_server(tmp_path_factory.mktemp("openai-sdk"), inference=True) as client:
         yield client
 
 
