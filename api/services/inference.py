@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from sqlalchemy.orm import Session
 
@@ -58,6 +59,7 @@ class NamedModel:
     source: str  # preset, folder, run, checkpoint
     run: Run | None = None
     checkpoint: Checkpoint | None = None
+    folder: Path | None = None  # for a folder under the model roots: where it is
 
 
 def find_model(session: Session, project_id: uuid.UUID, name: str, settings: Settings) -> NamedModel:
@@ -84,10 +86,11 @@ def find_model(session: Session, project_id: uuid.UUID, name: str, settings: Set
         return NamedModel(name, "preset")
     if not is_local_path(name):
         try:
-            if find_in_roots(name, settings.resolved_model_roots) is not None:
-                return NamedModel(name, "folder")
+            folder = find_in_roots(name, settings.resolved_model_roots)
         except (UnknownModel, ModelOutsideRoots):
-            pass
+            folder = None
+        if folder is not None:
+            return NamedModel(name, "folder", folder=folder)
     raise _not_found(name)
 
 
@@ -122,8 +125,8 @@ def resolve_served_model(
         return ServedModel(name, found.run.output_path)
     if found.source == "preset":
         return ServedModel(name, name)
-    folder = find_in_roots(name, settings.resolved_model_roots)
-    assert folder is not None  # find_model found it
+    folder = found.folder
+    assert folder is not None  # the one source left: a folder under the roots, found above
     if is_sequence_classifier(folder):
         raise ModelNotGenerative(
             f"`{name}` is a sequence-classification model: it cannot generate", field="model"

@@ -114,6 +114,15 @@ def test_reward_models_and_unfinished_runs_are_refused(session: Session, setting
             )
         assert scorer.value.code == "model_not_generative" and "reward model" in scorer.value.message
         assert client_sdk.models.retrieve(f"run:{rm.id}").model_extra["chat"] is False
+        scorer = settings.home / "models" / "org" / "scorer"  # a folder under the server's model roots
+        scorer.mkdir(parents=True)
+        (scorer / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
+        assert client_sdk.models.retrieve("org/scorer").model_extra["source"] == "folder"
+        with pytest.raises(openai.BadRequestError) as folder_scorer:
+            client_sdk.chat.completions.create(
+                model="org/scorer", messages=[{"role": "user", "content": "x"}]
+            )
+        assert folder_scorer.value.code == "model_not_generative"
         with pytest.raises(openai.NotFoundError) as unfinished:
             client_sdk.completions.create(model=f"run:{running.id}", prompt="x")
         assert "running" in unfinished.value.message
