@@ -240,7 +240,10 @@ class SampleRead(_Read):
     prompt: str
     completion: str
     reward: float
-    data: dict[str, Any] = Field(description="Per-component rewards, finish reason, ...")
+    data: dict[str, Any] = Field(
+        description="Per-component rewards, finish reason, ...; an eval's samples add `reference` (the row's "
+        "answer), `correct` (reward >= pass_threshold) and `sample` (its index among the prompt's samples)."
+    )
     created_at: datetime
 
 

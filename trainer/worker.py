@@ -41,7 +41,7 @@ from trainer.models import resolve_model
 from trainer.phases import Phase, RunStopped
 from trainer.rank_launch import RankFailed
 from trainer.reporting import LoopContext, LoopResult, RunData
-from trainer.specs import AnyRunSpec, parse_run_ref, parse_run_ref_step, parse_spec
+from trainer.specs import AnyRunSpec, EvalSpec, parse_run_ref, parse_run_ref_step, parse_spec
 from trainer.stop_watch import StopWatch
 from trainer.worker_ranks import run_on_ranks
 
@@ -448,8 +448,11 @@ def model_path_of_run_ref(session_factory: SessionFactory, ref: str) -> Path:
 
 
 def load_run_data(session: Session, spec: AnyRunSpec) -> RunData:
-    """Training rows, and validation rows from the validation dataset or a seeded hold-out split."""
+    """Training rows, and validation rows from the validation dataset or a seeded hold-out split (an eval
+    reads every row as ``train``: it holds nothing out)."""
     rows = load_rows(session=session, dataset_id=spec.dataset_id)
+    if isinstance(spec, EvalSpec):
+        return RunData(train=rows)
     if spec.validation_dataset_id is not None:
         return RunData(
             train=rows, validation=load_rows(session=session, dataset_id=spec.validation_dataset_id)

@@ -47,17 +47,16 @@ async def _forward(
     project_id: Any,
     settings: Any,
 ) -> Response:
-    if not settings.inference_url:
-        raise InferenceUnavailable(
-            "no inference process is configured (RLRUN_INFERENCE_URL): `rlrun serve` starts one, or run "
-            "`rlrun inference` and point RLRUN_INFERENCE_URL at it"
-        )
-
     def resolve() -> Any:
         with factory() as session:
             return resolve_served_model(session, project_id, body.model, settings)
 
     served = await run_in_threadpool(resolve)
+    if not settings.inference_url:
+        raise InferenceUnavailable(
+            "no inference process is configured (RLRUN_INFERENCE_URL): `rlrun serve` starts one, or run "
+            "`rlrun inference` and point RLRUN_INFERENCE_URL at it"
+        )
     client = _client(request, settings.inference_url)
     upstream = client.build_request(
         "POST",

@@ -22,7 +22,7 @@ from api.models import Checkpoint, Run, utcnow
 from api.services.references import SCORER_ALGORITHMS, is_sequence_classifier
 from api.settings import Settings
 from trainer.model_refs import ModelOutsideRoots, UnknownModel, find_in_roots, is_local_path
-from trainer.specs import TINY_PRESETS, parse_run_ref, parse_run_ref_step
+from trainer.specs import MODELLESS_ALGORITHMS, TINY_PRESETS, parse_run_ref, parse_run_ref_step
 
 _FT_NAME = re.compile(r"^ft:.+:(?:ftjob-)?(?P<id>[0-9a-fA-F-]{32,36})$")
 
@@ -70,6 +70,10 @@ def find_model(session: Session, project_id: uuid.UUID, name: str, settings: Set
         run = session.get(Run, run_id)
         if run is None or run.project_id != project_id or run.model_archived_at is not None:
             raise _not_found(name)  # an archived model answers like a deleted one, as OpenAI's do
+        if run.algorithm in MODELLESS_ALGORITHMS:
+            raise ModelNotFound(
+                f"run {run_id} is an {run.algorithm} run: it trains nothing and makes no model", field="model"
+            )
         if step is not None:
             checkpoint = session.get(Checkpoint, (run_id, step))
             if checkpoint is None:

@@ -22,7 +22,7 @@ from api.errors import InvalidRequest, InvalidTransition, NotFound
 from api.lifecycle import add_cancelled_run, add_event, cancel_run
 from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Pipeline, Run, utcnow
 from api.schemas import PipelineCreate
-from api.services.references import check_devices, check_learnable, check_references
+from api.services.references import check_devices, check_learnable, check_references, total_steps
 from api.services.runs import submit_run
 from rlrun.schemas import PipelineRead, StageRead
 from trainer.specs import RunSpec, parse_spec, parse_stage_ref, set_at, spec_references
@@ -178,7 +178,7 @@ def _cancelled_stage_run(session: Session, pipeline: Pipeline, stage: dict[str, 
         dataset_id=spec.dataset_id,
         attempt=0,
         step=0,
-        total_steps=spec.total_steps,
+        total_steps=total_steps(session, spec),
         created_at=utcnow(),
         pipeline_id=pipeline.id,
         stage=stage["name"],

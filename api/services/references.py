@@ -21,8 +21,10 @@ from api.models import Checkpoint, Dataset, Run
 from trainer.lr_defaults import approx_params, default_learning_rate, preset_params_of
 from trainer.model_refs import ModelOutsideRoots, UnknownModel, is_local_path, resolve_name
 from trainer.specs import (
+    MODELLESS_ALGORITHMS,
     TINY_PRESETS,
     AnyRunSpec,
+    EvalSpec,
     ModelRole,
     Reference,
     learning_problems,
@@ -50,6 +52,11 @@ def _run_model(session: Session, ref: str, field: str, project_id: uuid.UUID | N
     source = session.get(Run, run_id)
     if source is None or (project_id is not None and source.project_id != project_id):
         raise InvalidReference(f"{field}: run {run_id} does not exist", field=field)
+    if source.algorithm in MODELLESS_ALGORITHMS:
+        raise InvalidReference(
+            f"{field}: run {run_id} is an {source.algorithm} run: it trains nothing and makes no model",
+            field=field,
+        )
     if source.model_archived_at is not None:
         raise InvalidReference(f"{field}: run {run_id}'s model is archived", field=field)
     step = parse_run_ref_step(ref)
@@ -112,6 +119,10 @@ def check_model_reference(
             raise InvalidReference(f"{field}: stage references are valid only inside a pipeline", field=field)
         if stage not in stages:
             raise InvalidRequest(f"{field}: 'stage:{stage}' must name an earlier stage", field=field)
+        if stages[stage] in MODELLESS_ALGORITHMS:
+            raise InvalidRequest(
+                f"{field}: stage '{stage}' is an {stages[stage]} run, which makes no model", field=field
+            )
         scorer = stages[stage] in SCORER_ALGORITHMS
         _check_role(role, field, f"stage '{stage}' ({stages[stage]})", scorer=scorer)
         return
@@ -219,9 +230,19 @@ def model_params(session: Session, ref: str, roots: Sequence[Path], depth: int =
 
 
 def with_default_learning_rate(session: Session, spec: AnyRunSpec, roots: Sequence[Path]) -> AnyRunSpec:
-    """``spec`` with a missing learning rate picked by family and model size (trainer/lr_defaults.py)."""
-    hp = spec.hyperparameters
-    if hp.learning_rate is not None:
+    """``spec`` with a missing learning rate picked by family and model size (trainer/lr_defaults.py); an
+    eval (nothing trained, no learning rate) as it is."""
+    if isinstance(spec, EvalSpec) or spec.hyperparameters.learning_rate is not None:
         return spec
+    hp = spec.hyperparameters
     rate = default_learning_rate(spec.algorithm, model_params(session, spec.model, roots))
     return spec.model_copy(update={"hyperparameters": hp.model_copy(update={"learning_rate": rate})})
+
+
+def total_steps(session: Session, spec: AnyRunSpec) -> int | None:
+    """The steps a run will take: from its spec, or for an eval (one step per prompt) from its dataset's
+    rows."""
+    if isinstance(spec, EvalSpec):
+        dataset = session.get(Dataset, spec.dataset_id)
+        return None if dataset is None else spec.total_steps_for(dataset.row_count)
+    return spec.total_steps

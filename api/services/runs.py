@@ -28,6 +28,7 @@ from api.services.references import (
     check_devices,
     check_learnable,
     check_references,
+    total_steps,
     with_default_learning_rate,
 )
 from rlrun.schemas import MetricRead, Progress, RunRead, RunWarningRead
@@ -94,7 +95,7 @@ def submit_run(
         idempotency_key=idempotency_key,
         attempt=0,
         step=0,
-        total_steps=spec.total_steps,
+        total_steps=total_steps(session, spec),
         cancel_requested=False,
         created_at=utcnow(),
         pipeline_id=pipeline_id,

@@ -9,10 +9,10 @@
 const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
 const ALGORITHMS = ["sft", "reward_model", "dpo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce",
-  "reinforce_pp", "reinforce_baseline", "remax", "ppo", "vc_ppo"];
+  "reinforce_pp", "reinforce_baseline", "remax", "ppo", "vc_ppo", "eval"];
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777",
   "#4b5563", "#65a30d"];
-const KEY_METRICS = ["reward/mean", "loss"]; // the runs table shows the first one a run has
+const KEY_METRICS = ["eval/pass@1", "reward/mean", "loss"]; // the runs table shows the first one a run has
 // The long phases a run goes through besides its steps (rlrun.schemas.PHASES), named as the CLI names them
 // (rlrun/terminal.py: PHASE_LABELS).
 const PHASE_LABELS = { model_load: "loading model", tokenize: "tokenising", reference: "reference log-probs",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,16 @@ from tests.loops.addition_rows import pairs, prompts, sft
 from trainer.adapters import BASE_FILE, is_adapter_folder
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+GSM8K = Path(__file__).resolve().parents[1] / "data" / "gsm8k" / "test.jsonl"  # copied from shared/data
+
+
+def number_of(text: str) -> float | None:
+    """The answer number as GSM8K writes it (after ``####``), else the last number; commas dropped."""
+    tail = text.rsplit("####", 1)[-1].replace(",", "")
+    found = re.findall(r"-?\d+(?:\.\d+)?", tail)
+    return float(found[-1]) if found else None
+
 
 ADAPTER = {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
 PAIRS, SFT, PROMPTS = pairs(6), sft(6), prompts(6)
@@ -89,6 +100,28 @@ def test_every_run_kind_trains_an_adapter_with_accumulation(client: TestClient) 
     assert done["status"] == "succeeded", done
     first_loss = [m["value"] for m in all_metrics(client, chained) if m["key"] == "loss" and m["step"] == 1]
     assert first_loss and abs(first_loss[0] - 0.693147) < 1e-4  # its reference is the SFT model: log 2
+    # An eval run scores that chained adapter model on the real GSM8K file with the numeric verifier.
+    gsm8k = client.post(
+        "/v1/datasets", files={"file": ("gsm8k.jsonl", GSM8K.read_bytes())}, data={"kind": "prompts"}
+    ).json()["id"]
+    spec = {
+        "algorithm": "eval",
+        "model": f"run:{chained}",
+        "dataset_id": gsm8k,
+        "rewards": [{"name": "numeric"}],
+        "hyperparameters": {"max_rows": 4, "samples_per_prompt": 3, "max_new_tokens": 8},
+    }
+    resp = client.post("/v1/runs", json=spec)
+    assert resp.status_code == 201 and resp.json()["progress"]["total_steps"] == 4, resp.text
+    done = wait_for(client, resp.json()["id"], lambda r: r["status"] in FINISHED)
+    assert done["status"] == "succeeded" and done["output_path"] is None, done
+    final = {m["key"]: m["value"] for m in all_metrics(client, done["id"]) if m["step"] == 4}
+    samples = client.get(f"/v1/runs/{done['id']}/samples", params={"limit": 100}).json()["data"]
+    assert len(samples) == 12 and all(s["data"]["reference"].split("#### ")[1] for s in samples)
+    right = [number_of(s["completion"]) == number_of(s["data"]["reference"]) for s in samples]
+    assert [s["reward"] for s in samples] == [float(r) for r in right]  # the numeric verdict, recomputed
+    assert final["eval/pass@1"] == sum(right) / 12 and final["eval/prompts"] == 4
+    assert set(final) >= {"eval/pass@3", "eval/reward_mean", "eval/reward/numeric/mean"}
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""One training loop per run type; ``LOOPS`` maps a spec's ``algorithm`` to its loop, run in the spec's
-precision (``in_precision``)."""
+"""One loop per run type (training, or an ``eval``'s scoring); ``LOOPS`` maps a spec's ``algorithm`` to its
+loop, run in the spec's precision (``in_precision``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Any, get_args
 
 from trainer.loops.dpo import run_dpo
+from trainer.loops.evaluate import run_eval
 from trainer.loops.group_rl import run_group_rl
 from trainer.loops.ppo import run_ppo
 from trainer.loops.reward_model import run_reward_model
@@ -40,7 +41,7 @@ LOOPS: Mapping[str, Loop] = MappingProxyType(
     {
         name: in_precision(loop)
         for name, loop in (
-            {"dpo": run_dpo, "sft": run_sft, "reward_model": run_reward_model}
+            {"dpo": run_dpo, "sft": run_sft, "reward_model": run_reward_model, "eval": run_eval}
             | dict.fromkeys(get_args(GroupAlgorithm), run_group_rl)
             | dict.fromkeys(get_args(PpoAlgorithm), run_ppo)
         ).items()

@@ -4,7 +4,7 @@ Torch-free on purpose: ``api`` imports this package and must not pull in torch.
 One pydantic model per run type; ``RunSpec`` is their union, discriminated on ``algorithm``. Every
 field has a default (where one makes sense) and a description, which becomes the OpenAPI docs.
 Modules: ``refs`` (model/dataset references), ``base`` (what every spec shares), ``offline`` (SFT, reward
-model, DPO), ``online`` (group RL, PPO, presets).
+model, DPO), ``online`` (group RL, PPO, presets), ``evaluation`` (eval runs: pass@k, nothing trained).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from trainer.specs.base import (
     ResourcesSpec,
     TrainingHyperparameters,
 )
+from trainer.specs.evaluation import EvalHyperparameters, EvalSpec
 from trainer.specs.offline import (
     DpoHyperparameters,
     DpoSpec,
@@ -81,6 +82,7 @@ __all__ = [
     "GROUP_PRESETS",
     "LR_DOC",
     "MAX_STEP",
+    "MODELLESS_ALGORITHMS",
     "MODEL_REFERENCE",
     "MODEL_REF_DOC",
     "PPO_PRESETS",
@@ -95,6 +97,8 @@ __all__ = [
     "AnyRunSpec",
     "DpoHyperparameters",
     "DpoSpec",
+    "EvalHyperparameters",
+    "EvalSpec",
     "GroupAlgorithm",
     "GroupRlHyperparameters",
     "GroupRlSpec",
@@ -129,7 +133,7 @@ __all__ = [
     "spec_references",
 ]
 
-AnyRunSpec = DpoSpec | SftSpec | RewardModelSpec | GroupRlSpec | PpoSpec
+AnyRunSpec = DpoSpec | SftSpec | RewardModelSpec | GroupRlSpec | PpoSpec | EvalSpec
 RunSpec = Annotated[AnyRunSpec, Field(discriminator="algorithm")]
 RUN_SPEC_ADAPTER: TypeAdapter[AnyRunSpec] = TypeAdapter(RunSpec)
 ALGORITHMS: tuple[str, ...] = (
@@ -138,7 +142,9 @@ ALGORITHMS: tuple[str, ...] = (
     "reward_model",
     *get_args(GroupAlgorithm),
     *get_args(PpoAlgorithm),
+    "eval",
 )
+MODELLESS_ALGORITHMS = frozenset({"eval"})  # runs that make no model (their run:<id> names nothing)
 
 
 def learning_problems(spec: AnyRunSpec) -> list[tuple[str, str]]:

@@ -181,21 +181,88 @@ class ResourcesSpec(_Frozen):
     )
 
 
-class _RunSpecBase(_Frozen):
+class _SpecCore(_Frozen):
+    """What every spec shares, training or not: the model, the dataset, the queue and the devices."""
+
     spec_version: Literal[1] = Field(default=1, description="Version of this spec's schema.")
     name: str | None = Field(default=None, max_length=200, description="Free-form label.")
     model: str = Field(min_length=1, description=MODEL_REF_DOC, json_schema_extra=MODEL_REFERENCE)
     dataset_id: uuid.UUID = Field(description="Training dataset.", json_schema_extra=DATASET_REFERENCE)
-    validation_dataset_id: uuid.UUID | None = Field(
-        default=None,
-        description="Validation dataset of the same kind (evaluated every `eval_every` steps).",
-        json_schema_extra=DATASET_REFERENCE,
-    )
     queue: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",
         description="Worker queue this run is sent to (workers consume one with RLRUN_QUEUE, e.g. `gpu` or "
         "`cpu`); default: the server's RLRUN_QUEUE.",
+    )
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec,
+        description="Devices for this one run (several ranks with torch.distributed: DDP or FSDP2).",
+    )
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, v: str) -> str:
+        return check_model_ref(v)
+
+    @field_validator("name")
+    @classmethod
+    def _name_without_nul(cls, v: str | None) -> str | None:
+        return refuse_nul(v, "name")  # type: ignore[no-any-return]
+
+    def rank_split(self) -> tuple[str, int] | None:
+        """The batch a multi-rank run splits over its ranks, as (field path, size); None: this run kind
+        does not run on several ranks yet. Overridden by the spec classes whose loops do."""
+        return None
+
+    @model_validator(mode="after")
+    def _ranks_split_the_batch(self) -> _SpecCore:
+        n = self.resources.devices
+        if n == 1:
+            return self
+        split = self.rank_split()
+        if split is None:
+            raise ValueError(
+                f"resources.devices > 1 is supported for {MULTI_RANK_RUNS} runs so far, "
+                f"not {getattr(self, 'algorithm', '')}"
+            )
+        name, size = split
+        if size % n:
+            raise ValueError(f"resources.devices ({n}) must divide {name} ({size})")
+        hp: Any = getattr(self, "hyperparameters", None)
+        online = hasattr(hp, "prompts_per_step")  # online RL splits each minibatch as it comes
+        if not online and hp.micro_batch_size is not None and (size // n) % hp.micro_batch_size:
+            raise ValueError(
+                f"hyperparameters.micro_batch_size ({hp.micro_batch_size}) must divide each device's share "
+                f"of the batch ({size // n} = batch_size / resources.devices)"
+            )
+        adapter: AdapterSpec | None = getattr(self, "adapter", None)
+        if (
+            adapter is not None
+            and adapter.quantize is not None
+            and self.resources.sharding == "fsdp"
+        ):
+            raise ValueError("resources.sharding 'fsdp' does not shard a quantized (QLoRA) base: use 'ddp'")
+        return self
+
+    @property
+    def model_refs(self) -> dict[str, str]:
+        """Every model reference in the spec, by field path (``rewards[0].model``)."""
+        return {r.field: r.value for r in spec_references(self) if r.kind == "model"}
+
+    @property
+    def total_steps(self) -> int | None:
+        """The run's steps, known from the spec (None: known only from its dataset, as for an eval)."""
+        steps: int = self.hyperparameters.max_steps  # type: ignore[attr-defined]
+        return steps
+
+
+class _RunSpecBase(_SpecCore):
+    """What every training run adds: a validation source and an optional adapter."""
+
+    validation_dataset_id: uuid.UUID | None = Field(
+        default=None,
+        description="Validation dataset of the same kind (evaluated every `eval_every` steps).",
+        json_schema_extra=DATASET_REFERENCE,
     )
     validation_fraction: float = Field(
         default=0.0,
@@ -207,10 +274,6 @@ class _RunSpecBase(_Frozen):
         default=None,
         description="Train a LoRA adapter instead of the whole model (null: full fine-tuning). Checkpoints "
         "hold the adapter (and trained heads); `run:<id>` of such a run loads its base with the adapter.",
-    )
-    resources: ResourcesSpec = Field(
-        default_factory=ResourcesSpec,
-        description="Devices for this one run (several ranks with torch.distributed: DDP or FSDP2).",
     )
 
     @model_validator(mode="before")
@@ -231,65 +294,11 @@ class _RunSpecBase(_Frozen):
             return {**data, "hyperparameters": hp.model_copy(update={"learning_rate": rate})}
         return {**data, "hyperparameters": {**hp, "learning_rate": rate}}
 
-    @field_validator("model")
-    @classmethod
-    def _check_model(cls, v: str) -> str:
-        return check_model_ref(v)
-
-    @field_validator("name")
-    @classmethod
-    def _name_without_nul(cls, v: str | None) -> str | None:
-        return refuse_nul(v, "name")  # type: ignore[no-any-return]
-
     @model_validator(mode="after")
     def _one_validation_source(self) -> _RunSpecBase:
         if self.validation_dataset_id is not None and self.validation_fraction > 0:
             raise ValueError("give validation_dataset_id or validation_fraction, not both")
         return self
-
-    def rank_split(self) -> tuple[str, int] | None:
-        """The batch a multi-rank run splits over its ranks, as (field path, size); None: this run kind
-        does not run on several ranks yet. Overridden by the spec classes whose loops do."""
-        return None
-
-    @model_validator(mode="after")
-    def _ranks_split_the_batch(self) -> _RunSpecBase:
-        n = self.resources.devices
-        if n == 1:
-            return self
-        split = self.rank_split()
-        if split is None:
-            raise ValueError(
-                f"resources.devices > 1 is supported for {MULTI_RANK_RUNS} runs so far, "
-                f"not {getattr(self, 'algorithm', '')}"
-            )
-        name, size = split
-        if size % n:
-            raise ValueError(f"resources.devices ({n}) must divide {name} ({size})")
-        hp: Any = getattr(self, "hyperparameters", None)
-        online = hasattr(hp, "prompts_per_step")  # online RL splits each minibatch as it comes
-        if not online and hp.micro_batch_size is not None and (size // n) % hp.micro_batch_size:
-            raise ValueError(
-                f"hyperparameters.micro_batch_size ({hp.micro_batch_size}) must divide each device's share "
-                f"of the batch ({size // n} = batch_size / resources.devices)"
-            )
-        if (
-            self.adapter is not None
-            and self.adapter.quantize is not None
-            and self.resources.sharding == "fsdp"
-        ):
-            raise ValueError("resources.sharding 'fsdp' does not shard a quantized (QLoRA) base: use 'ddp'")
-        return self
-
-    @property
-    def model_refs(self) -> dict[str, str]:
-        """Every model reference in the spec, by field path (``rewards[0].model``)."""
-        return {r.field: r.value for r in spec_references(self) if r.kind == "model"}
-
-    @property
-    def total_steps(self) -> int:
-        steps: int = self.hyperparameters.max_steps  # type: ignore[attr-defined]
-        return steps
 
 
 class _ReferencedSpecBase(_RunSpecBase):
