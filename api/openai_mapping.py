@@ -10,7 +10,7 @@ the spec and their ``n_epochs`` reads ``auto`` (they were budgeted in steps).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -77,6 +77,26 @@ def parse_file_id(value: str) -> uuid.UUID | None:
     return _uuid_after(value, "file-")
 
 
+TRAINED_TOKENS = "tokens/trained"  # the loops' cumulative token count (trainer/loops/session.py)
+RESULT_FILE_PREFIX = "file-results-"  # a job's metrics CSV: file-results-<run id hex>
+RESULT_FILE_NAME = "step_metrics.csv"
+# OpenAI's result-file columns, from rlrun's metrics (the first key a step has); every other key follows.
+RESULT_COLUMNS: dict[str, tuple[str, ...]] = {
+    "train_loss": ("loss",),
+    "train_accuracy": ("token_accuracy", "rewards/accuracy"),
+    "valid_loss": ("eval/loss",),
+    "valid_mean_token_accuracy": ("eval/token_accuracy", "eval/rewards/accuracy"),
+}
+
+
+def result_file_id(run_id: uuid.UUID) -> str:
+    return f"{RESULT_FILE_PREFIX}{run_id.hex}"
+
+
+def parse_result_file_id(value: str) -> uuid.UUID | None:
+    return _uuid_after(value, RESULT_FILE_PREFIX)
+
+
 def job_id(run_id: uuid.UUID) -> str:
     return f"ftjob-{run_id.hex}"
 
@@ -127,6 +147,38 @@ def detect_kind(first_line: bytes) -> str:
         return "sft"
     preference_keys = ("input", "preferred_output", "non_preferred_output", "chosen", "rejected")
     return "preference" if any(k in obj for k in preference_keys) else "sft"
+
+
+def result_file_object(run: Run, size: int) -> FileObject:
+    """A job's result file: its metrics as CSV (``metrics_csv``), ``size`` bytes."""
+    finished = run.finished_at or run.created_at
+    return FileObject(
+        id=result_file_id(run.id),
+        bytes=size,
+        created_at=unix(finished),
+        filename=RESULT_FILE_NAME,
+        purpose="fine-tune-results",
+    )
+
+
+def _cell(value: float | None) -> str:
+    return "" if value is None else repr(float(value))
+
+
+def metrics_csv(rows: Iterable[tuple[int, str, float]]) -> str:
+    """A run's metrics as OpenAI's result file: one line per step, ``step`` and OpenAI's four columns
+    (``RESULT_COLUMNS``, empty where the run has no such metric), then every rlrun metric key, sorted."""
+    by_step: dict[int, dict[str, float]] = {}
+    for step, key, value in rows:
+        by_step.setdefault(step, {})[key] = value
+    keys = sorted({k for values in by_step.values() for k in values})
+    header = ["step", *RESULT_COLUMNS, *keys]
+    lines = [",".join(header)]
+    for step in sorted(by_step):
+        values = by_step[step]
+        mapped = [next((values[k] for k in ks if k in values), None) for ks in RESULT_COLUMNS.values()]
+        lines.append(",".join([str(step), *map(_cell, mapped), *(_cell(values.get(k)) for k in keys)]))
+    return "\n".join(lines) + "\n"
 
 
 def file_object(dataset: Dataset) -> FileObject:
@@ -308,8 +360,9 @@ def method_from_spec(spec: dict[str, Any]) -> Method:
     return Method(type="dpo", dpo=DpoMethod(hyperparameters=DpoMethodHyperparameters(**common, beta=beta)))
 
 
-def job_object(run: Run, method: Method | None = None) -> FineTuningJob:
-    """OpenAI's job object for a run; ``method`` is the one recorded at creation (None: derive it)."""
+def job_object(run: Run, method: Method | None = None, trained_tokens: int | None = None) -> FineTuningJob:
+    """OpenAI's job object for a run; ``method`` is the one recorded at creation (None: derive it);
+    ``trained_tokens``: the run's last ``tokens/trained`` metric (reported once it succeeded)."""
     spec = run.spec
     method = method or method_from_spec(spec)
     config = method.supervised if method.type == "supervised" else method.dpo
@@ -322,7 +375,8 @@ def job_object(run: Run, method: Method | None = None) -> FineTuningJob:
         model=spec["model"],
         fine_tuned_model=f"run:{run.id}" if run.status == "succeeded" else None,
         organization_id=str(run.project_id),
-        result_files=[],
+        result_files=[result_file_id(run.id)] if run.status == "succeeded" else [],
+        trained_tokens=trained_tokens if run.status == "succeeded" else None,
         status=job_status(
             run.status, pause_requested=run.pause_requested, cancel_requested=run.cancel_requested
         ),

@@ -71,12 +71,16 @@ class _In(BaseModel):
 class FileObject(BaseModel):
     """An uploaded file: an rlrun dataset (kind `sft` or `preference`, detected from its lines)."""
 
-    id: str = Field(description="`file-<dataset id hex>`.")
+    id: str = Field(description="`file-<dataset id hex>`, or `file-results-<run id hex>` for a result file.")
     object: Literal["file"] = "file"
     bytes: int = Field(description="Size of the upload.")
     created_at: int = Field(description="Unix seconds.")
     filename: str = Field(description="The uploaded file's name (the dataset's name).")
-    purpose: Literal["fine-tune"] = "fine-tune"
+    purpose: Literal["fine-tune", "fine-tune-results"] = Field(
+        default="fine-tune",
+        description="`fine-tune` for an upload; `fine-tune-results` for a job's metrics CSV (its "
+        "`result_files`, `file-results-<run id hex>`).",
+    )
     status: Literal["uploaded", "processed", "error"] = Field(
         default="processed",
         description="Always `processed`: a file is validated in full before it is stored.",
@@ -184,7 +188,10 @@ class FineTuningJob(BaseModel):
     model: str
     fine_tuned_model: str | None = Field(description="`run:<id>` once succeeded: use it as `model` anywhere.")
     organization_id: str = Field(description="The rlrun project id.")
-    result_files: list[str]
+    result_files: list[str] = Field(
+        description="Once succeeded: the job's metrics as a CSV file (`step_metrics.csv`, one line per "
+        "step), readable with `GET /v1/files/{file_id}/content`."
+    )
     status: JobStatus = Field(description="rlrun's status; `pausing` while a pause is requested.")
     error: JobError | None
     hyperparameters: JobHyperparameters
@@ -192,7 +199,10 @@ class FineTuningJob(BaseModel):
     seed: int
     training_file: str
     validation_file: str | None
-    trained_tokens: int | None = None
+    trained_tokens: int | None = Field(
+        default=None,
+        description="Once succeeded: the non-padding tokens of every training batch, summed over steps.",
+    )
     metadata: dict[str, str] | None
     user_provided_suffix: str | None
     estimated_finish: int | None = None

@@ -178,9 +178,12 @@ RL_SPEC = {
 }
 
 
-def rl_part(client: httpx.Client, sft_steps: int, rl_steps: int) -> dict[str, Any]:
+def rl_part(
+    client: httpx.Client, sft_steps: int, rl_steps: int, evaluate: bool = True
+) -> dict[str, Any]:
     """Part 2: a pipeline SFT -> GRPO on 2-digit addition with an exact-match verifier; prints held-out
-    greedy exact-match accuracy from the SFT start to the end of RL. Returns the numbers."""
+    greedy exact-match accuracy from the SFT start to the end of RL, then (``evaluate``) asks both models a
+    few problems and runs an eval of each (pass@1 and pass@4 of sampled answers). Returns the numbers."""
     sft_rows, rl_rows, heldout = addition_tasks()
     sft_ds = _upload(client, sft_rows, "sft", "addition-sft")
     rl_ds = _upload(client, rl_rows, "prompts", "addition-prompts")
@@ -259,11 +262,53 @@ def rl_part(client: httpx.Client, sft_steps: int, rl_steps: int) -> dict[str, An
             f"pipeline {pipeline['status']}: held-out exact match {start:.1%} after SFT -> {end:.1%} after "
             f"GRPO ({100 * (end - start):+.1f} points) in {minutes:.1f} min of RL"
         )
-        if pipeline["status"] == "succeeded":
-            ask(client, [pipeline["stages"][0]["run_id"], grpo["run_id"]], heldout[:4])
+        if pipeline["status"] == "succeeded" and evaluate:
+            both = [pipeline["stages"][0]["run_id"], grpo["run_id"]]
+            ask(client, both, heldout[:4])
+            result["pass_at_k"] = eval_part(client, held_ds, both)
     else:
         print(f"pipeline {pipeline['status']}: {pipeline['reason']}")
     return result
+
+
+EVAL_SAMPLES = 4
+
+
+def eval_part(client: httpx.Client, dataset_id: str, run_ids: list[str]) -> dict[str, dict[str, float]]:
+    """An eval run of each model on the held-out prompts: 4 answers each sampled at temperature 1, scored
+    by exact match, pass@1 and pass@4 (Chen et al.'s estimator). Returns {"SFT"|"GRPO": {metric: value}}."""
+    print(f"eval runs: {EVAL_SAMPLES} sampled answers (temperature 1) per held-out problem, exact match")
+    out: dict[str, dict[str, float]] = {}
+    for label, run_id in zip(("SFT", "GRPO"), run_ids, strict=True):
+        spec = {
+            "algorithm": "eval",
+            "name": f"demo-eval-{label.lower()}",
+            "model": f"run:{run_id}",
+            "dataset_id": dataset_id,
+            "rewards": [{"name": "exact_match"}],
+            "hyperparameters": {
+                "samples_per_prompt": EVAL_SAMPLES,
+                "max_new_tokens": 4,
+                "max_prompt_length": 8,
+                "prompts_per_batch": 50,
+            },
+        }
+        resp = client.post("/v1/runs", json=spec)
+        resp.raise_for_status()
+        run = resp.json()
+        while run["status"] not in ("succeeded", "failed", "cancelled"):
+            time.sleep(0.5)
+            run = client.get(f"/v1/runs/{run['id']}").json()
+        if run["status"] != "succeeded":
+            print(f"  {label}: eval {run['status']}: {run['error']}")
+            continue
+        keys = [f"eval/pass@{k}" for k in (1, EVAL_SAMPLES)]
+        values = client.get(f"/v1/runs/{run['id']}/metrics", params={"key": keys, "limit": 10_000}).json()
+        last = {m["key"]: m["value"] for m in sorted(values["data"], key=lambda m: m["step"])}
+        out[label] = last
+        shown = "  ".join(f"{k.removeprefix('eval/')} {last[k]:.1%}" for k in keys if k in last)
+        print(f"  {label:4s} {shown}   (run {run['id']})")
+    return out
 
 
 def ask(client: httpx.Client, run_ids: list[str], rows: list[dict[str, Any]]) -> None:

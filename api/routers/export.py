@@ -19,6 +19,7 @@ from api.deps import RunDep
 from api.errors import ApiError, InvalidTransition
 from api.tar_stream import tar_response
 from rlrun.schemas import ErrorBody
+from trainer.specs import MODELLESS_ALGORITHMS
 
 router = APIRouter(prefix="/v1/runs/{run_id}/export", tags=["runs"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (400, 404, 409, 422)}
@@ -45,6 +46,8 @@ def export_model(
     ] = "hf",
 ) -> StreamingResponse:
     """The run's final model as a tar (`Content-Length` set, so clients show progress)."""
+    if run.algorithm in MODELLESS_ALGORITHMS:
+        raise ExportRefused(f"run {run.id} is an {run.algorithm} run: it trains nothing and makes no model")
     if run.status != "succeeded" or not run.output_path:
         raise InvalidTransition(f"run {run.id} is {run.status}: only a succeeded run's model can be exported")
     folder = Path(run.output_path)

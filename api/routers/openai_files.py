@@ -6,14 +6,15 @@ import uuid
 from collections.abc import Iterator
 from typing import IO, Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Query, Request
-from starlette.concurrency import run_in_threadpool
+from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
 from starlette.datastructures import UploadFile
 
 from api import openai_mapping as mapping
 from api.body_limits import limit_body
 from api.db import commit_unless_conflict
-from api.deps import ProjectDep, SessionDep, SettingsDep
+from api.deps import ProjectDep, SessionDep, SessionFactoryDep, SettingsDep
 from api.errors import ApiError, DatasetInvalid, FileInUse, OpenAIErrorBody, UnsupportedMediaType
 from api.schemas_openai import FileDeleted, FileList, FileObject
 from api.services import openai_compat as compat
@@ -129,15 +130,52 @@ def list_files(
 
 @router.get("/{file_id}", response_model=FileObject, responses=_ERRORS)
 def retrieve_file(file_id: FileIdPath, session: SessionDep, project_id: ProjectDep) -> FileObject:
-    """One file."""
+    """One file: an upload, or a job's result file (its metrics CSV)."""
+    if mapping.parse_result_file_id(file_id) is not None:
+        run = compat.get_result_run(session=session, file=file_id, project_id=project_id, param="file_id")
+        size = len(compat.result_csv(session=session, run=run).encode())
+        return mapping.result_file_object(run, size)
     return mapping.file_object(
         compat.get_file(session=session, file=file_id, project_id=project_id, param="file_id")
     )
 
 
+@router.get(
+    "/{file_id}/content",
+    responses=_ERRORS
+    | {
+        200: {
+            "content": {"text/csv": {}, "application/jsonl": {}},
+            "description": "A result file's CSV, or an upload's rows as JSON lines.",
+        }
+    },
+)
+def file_content(file_id: FileIdPath, factory: SessionFactoryDep, project_id: ProjectDep) -> Response:
+    """A file's content (`client.files.content`): a job's result file is its metrics as CSV, one line per
+    step (`step`, OpenAI's `train_loss`, `train_accuracy`, `valid_loss`, `valid_mean_token_accuracy`, then
+    every rlrun metric); an uploaded file gives its rows as stored (validated and normalised, in upload
+    order) as JSON lines, not the uploaded bytes."""
+    # Brief sessions only: a request session would hold its connection (SQLite's only one) while the rows
+    # stream, and the stream's own reads would wait for it.
+    with factory() as session:
+        if mapping.parse_result_file_id(file_id) is not None:
+            run = compat.get_result_run(session=session, file=file_id, project_id=project_id, param="file_id")
+            return Response(compat.result_csv(session=session, run=run), media_type="text/csv")
+        dataset = compat.get_file(session=session, file=file_id, project_id=project_id, param="file_id")
+        dataset_id = dataset.id
+    return StreamingResponse(
+        iterate_in_threadpool(compat.dataset_lines(factory=factory, dataset_id=dataset_id)),
+        media_type="application/jsonl",
+    )
+
+
 @router.delete("/{file_id}", response_model=FileDeleted, responses=_ERRORS)
 def delete_file(file_id: FileIdPath, session: SessionDep, project_id: ProjectDep) -> FileDeleted:
-    """Delete a file no run or running pipeline uses (409 otherwise: runs keep the data they used)."""
+    """Delete a file no run or running pipeline uses (409 otherwise: runs keep the data they used). A
+    result file is its job's metrics and goes with the job (409)."""
+    if mapping.parse_result_file_id(file_id) is not None:
+        compat.get_result_run(session=session, file=file_id, project_id=project_id, param="file_id")
+        raise FileInUse(f"{file_id} is a job's result file: it goes with the job", field="file_id")
     dataset = compat.get_file(session=session, file=file_id, project_id=project_id, param="file_id")
     dataset_id: uuid.UUID = dataset.id
     compat.delete_file(session=session, dataset=dataset, file=file_id)

@@ -45,7 +45,9 @@ JobDep = Annotated[Run, Depends(load_job)]
 
 
 def _job(session: SessionDep, run: Run) -> FineTuningJob:
-    return mapping.job_object(run, compat.job_methods(session=session, run_ids=[run.id]).get(run.id))
+    method = compat.job_methods(session=session, run_ids=[run.id]).get(run.id)
+    tokens = compat.trained_tokens(session=session, run_ids=[run.id]).get(run.id)
+    return mapping.job_object(run, method, tokens)
 
 
 @router.post("", response_model=FineTuningJob, responses=_ERRORS)
@@ -83,9 +85,12 @@ def list_jobs(
     if any(k == "metadata" or k.startswith("metadata[") for k in request.query_params):
         raise ApiError("filtering jobs by metadata is not supported by rlrun", field="metadata")
     found = compat.list_jobs(session=session, project_id=project_id, after=after, limit=limit)
-    methods = compat.job_methods(session=session, run_ids=[r.id for r in found.rows])
+    ids = [r.id for r in found.rows]
+    methods = compat.job_methods(session=session, run_ids=ids)
+    tokens = compat.trained_tokens(session=session, run_ids=ids)
     return JobList(
-        data=[mapping.job_object(r, methods.get(r.id)) for r in found.rows], has_more=found.has_more
+        data=[mapping.job_object(r, methods.get(r.id), tokens.get(r.id)) for r in found.rows],
+        has_more=found.has_more,
     )
 
 

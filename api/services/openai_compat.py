@@ -5,26 +5,31 @@ owns the unit of work); the pure translation is ``api/openai_mapping.py``.
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
-from sqlalchemy import Text, cast, or_, select
+from sqlalchemy import Text, cast, func, or_, select
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError, DatasetNotFound, FileInUse, FileNotFound, JobNotFound, RunNotFound
 from api.lifecycle import add_event
-from api.models import Checkpoint, Dataset, Event, Pipeline, Run
+from api.models import Checkpoint, Dataset, DatasetRow, Event, Metric, Pipeline, Run
 from api.openai_mapping import (
     CREATED_EVENT,
     FILE_KINDS,
     JOB_ALGORITHMS,
     OPENAI_PARAMS,
+    TRAINED_TOKENS,
     job_id,
+    metrics_csv,
     parse_checkpoint_step,
     parse_event_id,
     parse_file_id,
     parse_job_id,
+    parse_result_file_id,
     plan_job,
 )
 from api.pagination import Keyset, Slice, paginate
@@ -214,3 +219,51 @@ def file_user(*, session: Session, dataset: Dataset) -> str | None:
         .limit(1)
     ).first()
     return f"pipeline {pipeline}" if pipeline is not None else None
+
+
+def trained_tokens(*, session: Session, run_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, int]:
+    """Each run's tokens trained on (the last value of its cumulative ``tokens/trained`` metric)."""
+    stmt = (
+        select(Metric.run_id, func.max(Metric.value))
+        .where(Metric.run_id.in_(run_ids), Metric.key == TRAINED_TOKENS)
+        .group_by(Metric.run_id)
+    )
+    return {run_id: int(value) for run_id, value in session.execute(stmt)}
+
+
+def get_result_run(*, session: Session, file: str, project_id: uuid.UUID, param: str) -> Run:
+    """The succeeded run of the project behind a result file id (``file-results-...``), or FileNotFound."""
+    run_id = parse_result_file_id(file)
+    run = session.get(Run, run_id) if run_id is not None else None
+    if run is None or run.project_id != project_id or run.status != "succeeded":
+        raise FileNotFound(f"No such File object: {file}", field=param)
+    return run
+
+
+def result_csv(*, session: Session, run: Run) -> str:
+    """The run's metrics as OpenAI's result-file CSV (``metrics_csv``)."""
+    rows = session.execute(
+        select(Metric.step, Metric.key, Metric.value).where(Metric.run_id == run.id).order_by(Metric.step)
+    )
+    return metrics_csv((step, key, value) for step, key, value in rows)
+
+
+def dataset_lines(
+    *, factory: Callable[[], AbstractContextManager[Session]], dataset_id: uuid.UUID, page: int = 1000
+) -> Iterator[bytes]:
+    """A file's content: its stored rows as JSON lines, in upload order (the rows as validated and
+    normalised, not the uploaded bytes). Each page of ``page`` rows is read in a session of its own (the
+    response streams after the request's session is gone, each chunk maybe on another thread)."""
+    last = -1
+    while True:
+        with factory() as session:
+            rows = session.execute(
+                select(DatasetRow.index, DatasetRow.data)
+                .where(DatasetRow.dataset_id == dataset_id, DatasetRow.index > last)
+                .order_by(DatasetRow.index)
+                .limit(page)
+            ).all()
+        if not rows:
+            return
+        yield b"".join(json.dumps(data, ensure_ascii=False).encode() + b"\n" for _, data in rows)
+        last = rows[-1][0]

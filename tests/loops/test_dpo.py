@@ -34,6 +34,7 @@ EXPECTED_KEYS = {
     "grad_norm",
     "lr",
     "perf/tokens_per_s",
+    "tokens/trained",
 }
 
 

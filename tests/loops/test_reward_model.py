@@ -53,6 +53,7 @@ TRAIN_KEYS = {
     "grad_norm",
     "lr",
     "perf/tokens_per_s",
+    "tokens/trained",
 }
 EVAL_KEYS = {"eval/loss", "eval/accuracy", "eval/margin", "eval/scores_mean", "eval/scores_std"}
 FINAL_KEYS = {"final/score_mean", "final/score_std", "final/accuracy"}

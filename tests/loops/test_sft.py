@@ -23,7 +23,7 @@ ROWS: list[dict[str, Any]] = [
 ]
 ROWS.append({"prompt": [{"role": "user", "content": "what is 2+2?"}], "completion": "4"})
 DATA = RunData(train=ROWS)
-EXPECTED_KEYS = {"loss", "token_accuracy", "grad_norm", "lr", "perf/tokens_per_s"}
+EXPECTED_KEYS = {"loss", "token_accuracy", "grad_norm", "lr", "perf/tokens_per_s", "tokens/trained"}
 
 
 _ctx = loop_ctx
@@ -258,3 +258,19 @@ def test_validation_is_evaluated_every_eval_every_steps_and_at_the_end(
         _spec(max_steps=2, eval_every=1), RunData(train=ROWS[:8]), no_val, _ctx(tiny_cache, tmp_path / "n")
     )
     assert not [k for _, k, _ in no_val.metrics if k.startswith("eval/")]
+
+
+def test_trained_tokens_add_up_every_row_of_every_step(tiny_cache: Path, tmp_path: Path) -> None:
+    from trainer.data.prompts import render_prompt
+
+    _, tok = _tiny(tiny_cache)
+    # Independent count: each row's rendered prompt, its completion and EOS, no padding.
+    per_epoch = sum(
+        len(tok(render_prompt(r["prompt"], tok)).input_ids)
+        + len(tok(r["completion"], add_special_tokens=False).input_ids)
+        + 1
+        for r in ROWS
+    )
+    reporter = MemoryReporter()
+    run_sft(_spec(max_steps=2, batch_size=len(ROWS)), DATA, reporter, _ctx(tiny_cache, tmp_path))
+    assert reporter.series("tokens/trained") == [per_epoch, 2 * per_epoch]  # cumulative: whole batch twice

@@ -195,7 +195,8 @@ def test_a_run_reads_as_an_sdk_valid_job_object() -> None:
     # made outside this surface: budgeted in steps, so n_epochs is auto; 1e-3 / a tiny preset's DPO 1e-3 = 1
     assert job["hyperparameters"] == {"n_epochs": "auto", "batch_size": 8, "learning_rate_multiplier": 1.0}
     assert job["method"]["dpo"]["hyperparameters"]["beta"] == 0.1
-    assert job["error"] is None and job["result_files"] == [] and job["trained_tokens"] is None
+    assert job["error"] is None and job["result_files"] == [f"file-results-{run.id.hex}"]
+    assert job["trained_tokens"] is None  # the run logged no tokens/trained metric
 
 
 def test_status_names_and_the_failure_object() -> None:

@@ -3,6 +3,7 @@ delete, and OpenAI's error shape."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import timedelta
 
@@ -145,3 +146,22 @@ def test_delete_refuses_a_file_used_only_as_validation_data(session: Session) ->
     with api_client(session) as client:
         resp = client.delete(f"/v1/files/file-{val.id.hex}")
     assert resp.status_code == 409 and openai_error(resp)["code"] == "file_in_use"
+
+
+def test_content_gives_every_stored_row_in_order_across_pages(session: Session) -> None:
+    lines = chat_lines(2_345)  # more than two of dataset_lines' 1,000-row pages
+    with api_client(session) as client:
+        body = upload_file(client, jsonl(lines)).json()
+        resp = client.get(f"/v1/files/{body['id']}/content")
+        missing = client.get(f"/v1/files/file-{uuid.uuid4().hex}/content")
+        no_results = client.get(f"/v1/files/file-results-{uuid.uuid4().hex}/content")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/jsonl")
+    rows = [json.loads(line) for line in resp.text.splitlines()]
+    dataset_id = uuid.UUID(hex=body["id"].removeprefix("file-"))
+    stored = session.scalars(
+        select(DatasetRow.data).where(DatasetRow.dataset_id == dataset_id).order_by(DatasetRow.index)
+    ).all()
+    assert len(rows) == 2_345 and rows == list(stored)
+    assert rows[7]["completion"] == lines[7]["messages"][-1]["content"]  # the upload's order
+    assert missing.status_code == no_results.status_code == 404
+    assert openai_error(missing)["code"] and openai_error(no_results)["param"] == "file_id"

@@ -3,6 +3,7 @@ supervised fine-tuning job from upload to checkpoints, and the SDK's typed error
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -16,7 +17,7 @@ from openai.types.fine_tuning import FineTuningJob
 
 from rlrun.demo import addition_pairs
 from tests.factories import jsonl
-from tests.integration.flow import embedded_server
+from tests.integration.flow import all_metrics, embedded_server
 from tests.openai.helpers import chat_lines, dpo_line
 
 pytestmark = [pytest.mark.slow]
@@ -91,6 +92,25 @@ def test_a_dpo_job_from_upload_to_checkpoints(sdk: openai.OpenAI, served: httpx.
     assert {"Job queued", "Job started (attempt 1)", f"Created fine-tuning job: {job.id}"} <= set(messages)
     assert all(e.level in ("info", "warn") for e in events)
     assert f"checkpoint at step {steps}" in messages
+
+    # Besides the model the job leaves its trained tokens and its metrics as OpenAI's result file (CSV).
+    metrics = all_metrics(served, str(rid))
+    counted = [m["value"] for m in metrics if m["key"] == "tokens/trained"]
+    assert done.trained_tokens == counted[-1] == max(counted) > 0 and len(counted) == steps
+    (results,) = done.result_files
+    assert sdk.files.retrieve(results).purpose == "fine-tune-results"
+    csv = sdk.files.content(results).text
+    lines = [line.split(",") for line in csv.splitlines()]
+    header, body = lines[0], lines[1:]
+    assert header[:3] == ["step", "train_loss", "train_accuracy"] and "tokens/trained" in header
+    assert [int(row[0]) for row in body] == list(range(1, steps + 1))
+    losses = {m["step"]: m["value"] for m in metrics if m["key"] == "loss"}
+    assert [float(row[1]) for row in body] == [losses[k] for k in range(1, steps + 1)]
+    assert sdk.files.retrieve(results).bytes == len(csv.encode())
+    rows = [json.loads(line) for line in sdk.files.content(file.id).text.splitlines()]
+    assert len(rows) == 100 and rows[0]["chosen"] and rows[0]["rejected"]  # the upload as stored
+    with pytest.raises(openai.ConflictError):
+        sdk.files.delete(results)
 
     paged = [j.id for j in sdk.fine_tuning.jobs.list(limit=1)]  # the SDK follows `after` page by page
     assert job.id in paged and len(paged) == len(set(paged))

@@ -552,6 +552,7 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         chosen_logratio, rejected_logratio = chosen - ref_batch[:, 0], rejected - ref_batch[:, 1]
         loss = sum_over_ranks(torch.stack(out["loss"]).sum(), ranks)
         n_tokens = int(sum_over_ranks(torch.tensor(sum(b.n_tokens for _, b in parts)), ranks))
+        session.count_tokens(n_tokens)
 
         metrics: dict[str, float] = {}
         if session.log_due:

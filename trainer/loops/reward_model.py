@@ -249,11 +249,13 @@ def run_reward_model(
         scores = torch.cat([F.pad(s, (0, k_max - s.shape[1])) for s, _, _ in out])
         mask = torch.cat([F.pad(m, (0, k_max - m.shape[1])) for _, m, _ in out])
         loss = torch.stack([part_loss for _, _, part_loss in out]).sum()
+        n_tokens = sum(b.n_tokens for b in parts)
+        session.count_tokens(n_tokens)
 
         metrics: dict[str, float] = {}
         if session.log_due:
             stats = ranking_stats(scores, mask) | {"loss": loss, "grad_norm": grad_norm}
-            metrics = session.train_metrics(stats, sum(b.n_tokens for b in parts), t0)
+            metrics = session.train_metrics(stats, n_tokens, t0)
         val_scored = None
         metrics |= session.evaluate(val_groups, evaluate_held_out)
         session.end_step(metrics, final)

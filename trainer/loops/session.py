@@ -64,6 +64,7 @@ from trainer.run_health import RunHealth
 from trainer.specs import AdapterSpec, TrainingHyperparameters
 
 T = TypeVar("T")
+TRAINED_TOKENS = "tokens/trained"  # metric: non-padding tokens of the rows trained on so far (cumulative)
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,7 @@ class TrainingSession:
         self.lr = 0.0
         self.health = RunHealth()
         self.skipped_updates = 0  # batches skipped as non-finite in the current step
+        self.trained_tokens = 0  # ``count_tokens``: logged as TRAINED_TOKENS, kept in checkpoints
         self._result: LoopResult | None = None
         if ctx.resume_from is not None:
             resumed = load_trainer_state(
@@ -213,6 +215,7 @@ class TrainingSession:
             )
             self.first = self.step = resumed.step
             self.extra = resumed.extra
+            self.trained_tokens = int(resumed.extra.get("trained_tokens", 0))
             reporter.event("info", f"resumed from checkpoint at step {self.first}")
             if self.first >= hp.max_steps:  # an earlier attempt wrote the final checkpoint
                 self._result = LoopResult(status="succeeded", output_path=ctx.resume_from)
@@ -296,10 +299,17 @@ class TrainingSession:
             self.skipped_updates += 1
         return norm
 
+    def count_tokens(self, n: int) -> None:
+        """Add a step's trained tokens (non-padding, every rank's) to the run's total."""
+        self.trained_tokens += n
+
     def end_step(self, metrics: dict[str, float], final: Callable[[Phase], Final] | None = None) -> None:
-        """Log ``metrics`` (and the warnings the run's health rules raise on them); save a checkpoint when
-        one is due; at the last step run ``final`` (the ``final_metrics`` phase), log its metrics, save the
-        final model (with its files) and close the run as succeeded."""
+        """Log ``metrics`` (with the run's trained tokens so far, when the loop counts them, and the warnings
+        the run's health rules raise on them); save a checkpoint when one is due; at the last step run
+        ``final`` (the ``final_metrics`` phase), log its metrics, save the final model (with its files) and
+        close the run as succeeded."""
+        if self.trained_tokens and (metrics or self.last_step):
+            metrics = metrics | {TRAINED_TOKENS: float(self.trained_tokens)}
         if metrics:
             self.reporter.log_metrics(self.step, metrics)
         self.check_health(metrics)
@@ -330,7 +340,7 @@ class TrainingSession:
         gathered from all of them); rank 0 writes it."""
         model_state = full_model_state(self.model, self.ranks)
         optimizer_state = full_optimizer_state(self.model, self.optimizer)
-        extra = self.extra_state()
+        extra = self.extra_state() | ({"trained_tokens": self.trained_tokens} if self.trained_tokens else {})
         return self.checkpointer.save(
             step,
             model=unwrap(self.model),

@@ -185,6 +185,7 @@ def run_sft(spec: SftSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         loss = sum_over_ranks(sums["nll"], ranks) / max(count, 1)  # = sft_loss over the whole batch
         hits = sum_over_ranks(sums["hits"], ranks)
         n_tokens = int(sum_over_ranks(torch.tensor(sum(b.n_tokens for b in parts)), ranks))
+        session.count_tokens(n_tokens)
 
         metrics: dict[str, float] = {}
         if session.log_due:
