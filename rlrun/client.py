@@ -21,7 +21,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -256,11 +256,40 @@ class Runs(_Namespace):
         *,
         format: Literal["hf", "adapter"] = "hf",
         progress: Progress | None = None,
+        merge: bool = True,
+        on_merge: Callable[[RunRead], None] | None = None,
     ) -> int:
         """Write a succeeded run's model to ``path`` as a tar (``/v1/runs/{id}/export``): a Hugging Face
         folder (``hf``) or an adapter run's adapter (``adapter``). ``progress(bytes_written, total)``
         after each chunk. Written to ``path + ".part"`` and renamed when complete, so a broken download
-        leaves no file that looks whole. Returns the bytes written."""
+        leaves no file that looks whole. ``hf`` of an adapter run needs a merge run of it: with ``merge``
+        one is made (``merge_adapter``; ``on_merge`` is told of it) and waited for. Returns the bytes
+        written."""
+        try:
+            return self._download(run_id, path, format, progress)
+        except ApiError as exc:
+            if exc.code != "merge_required" or not merge:
+                raise
+        self.merge_adapter(run_id, on_merge=on_merge)
+        return self._download(run_id, path, format, progress)
+
+    def merge_adapter(
+        self, run_id: Id, *, on_merge: Callable[[RunRead], None] | None = None, timeout: float | None = None
+    ) -> RunRead:
+        """Merge an adapter run's adapter into its base with a ``merge`` run (one per adapter run: the
+        request is idempotent) and wait for it. Raises :class:`RlrunError` if the merge did not succeed."""
+        spec = {"algorithm": "merge", "model": f"run:{run_id}"}
+        merge = self.create(spec, idempotency_key=f"merge-{run_id}")
+        if on_merge is not None:
+            on_merge(merge)
+        done = self.wait(merge.id, timeout)
+        if done.status != "succeeded":
+            raise RlrunError(f"merging run {run_id}'s adapter (run {done.id}) {done.status}: {done.error}")
+        return done
+
+    def _download(
+        self, run_id: Id, path: str | os.PathLike[str], format: str, progress: Progress | None
+    ) -> int:
         target = Path(path)
         partial = target.with_name(target.name + ".part")
         written = 0

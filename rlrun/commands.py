@@ -127,7 +127,8 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "--format",
         choices=("hf", "adapter"),
         default="hf",
-        help="hf: a Hugging Face model folder; adapter: an adapter run's LoRA adapter",
+        help="hf: a Hugging Face model folder (an adapter run's adapter merged into its base by a merge "
+        "run, made and waited for when there is none); adapter: an adapter run's LoRA adapter",
     )
     download.set_defaults(func=_command(cmd_runs_download))
 
@@ -426,8 +427,16 @@ def cmd_runs_cancel(args: argparse.Namespace, client: Client) -> int:
 def cmd_runs_download(args: argparse.Namespace, client: Client) -> int:
     """Write the run's export tar with a progress bar on stderr; print the file's path."""
     output = Path(args.output or f"{args.run_id}-{args.format}.tar")
+
+    def merging(merge: Any) -> None:
+        print(f"merging run {args.run_id}'s adapter into its base (merge run {merge.id})...", file=sys.stderr)
+
     written = client.runs.download(
-        args.run_id, output, format=args.format, progress=upload_progress(output.name, sys.stderr)
+        args.run_id,
+        output,
+        format=args.format,
+        progress=upload_progress(output.name, sys.stderr),
+        on_merge=merging,
     )
     print(f"{output} ({written} bytes; `tar -xf {output}` gives a folder from_pretrained loads)")
     return 0

@@ -41,7 +41,7 @@ from trainer.models import resolve_model
 from trainer.phases import Phase, RunStopped
 from trainer.rank_launch import RankFailed
 from trainer.reporting import LoopContext, LoopResult, RunData
-from trainer.specs import AnyRunSpec, EvalSpec, parse_run_ref, parse_run_ref_step, parse_spec
+from trainer.specs import AnyRunSpec, EvalSpec, MergeSpec, parse_run_ref, parse_run_ref_step, parse_spec
 from trainer.stop_watch import StopWatch
 from trainer.worker_ranks import run_on_ranks
 
@@ -449,7 +449,9 @@ def model_path_of_run_ref(session_factory: SessionFactory, ref: str) -> Path:
 
 def load_run_data(session: Session, spec: AnyRunSpec) -> RunData:
     """Training rows, and validation rows from the validation dataset or a seeded hold-out split (an eval
-    reads every row as ``train``: it holds nothing out)."""
+    reads every row as ``train``: it holds nothing out; a merge reads none)."""
+    if isinstance(spec, MergeSpec):
+        return RunData(train=[])
     rows = load_rows(session=session, dataset_id=spec.dataset_id)
     if isinstance(spec, EvalSpec):
         return RunData(train=rows)

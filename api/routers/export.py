@@ -4,7 +4,8 @@
 ``format=adapter`` streams an adapter run's adapter folder (peft's ``PeftModel.from_pretrained`` over the
 base). The resume-only files of a checkpoint (the trainer state, a pickle with the optimizer, and the
 retention metrics) are left out. The API only streams files it already has: merging an adapter into
-its base needs torch, so ``format=hf`` of an adapter run is refused (409) until a worker job merges it.
+its base needs torch, so ``format=hf`` of an adapter run streams the folder of a succeeded ``merge`` run
+of it (a worker job, trainer/loops/merge.py), and answers 409 ``merge_required`` until there is one.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
-from api.deps import RunDep
+from api.deps import RunDep, SessionDep
 from api.errors import ApiError, InvalidTransition
+from api.models import Run
+from api.services import runs as service
 from api.tar_stream import tar_response
 from rlrun.schemas import ErrorBody
 from trainer.specs import MODELLESS_ALGORITHMS
@@ -33,6 +36,30 @@ class ExportRefused(ApiError):
     code = "export_unavailable"
 
 
+class MergeRequired(ExportRefused):
+    code = "merge_required"
+
+
+def merged_folder(session: SessionDep, run: Run) -> Path:
+    """The folder of the newest succeeded merge run of ``run``'s adapter, or 409 ``merge_required``
+    saying how to make one (or which merge is on its way)."""
+    folder, pending = service.merge_state(session=session, run=run)
+    if folder is not None:
+        return folder
+    if pending is not None:
+        raise MergeRequired(
+            f"run {run.id}'s adapter is being merged into its base by run {pending.id} ({pending.status}): "
+            "export format=hf when that run has succeeded",
+            field="format",
+        )
+    raise MergeRequired(
+        f"run {run.id} trained a LoRA adapter: merge it into its base first with a merge run (POST /v1/runs "
+        f'{{"algorithm": "merge", "model": "run:{run.id}"}}; `rlrun runs download --format hf` does it for '
+        "you), or export format=adapter and load it with peft",
+        field="format",
+    )
+
+
 @router.get(
     "",
     responses={200: {"content": {"application/x-tar": {}}, "description": "tar archive"}, **_ERRORS},
@@ -40,6 +67,7 @@ class ExportRefused(ApiError):
 )
 def export_model(
     run: RunDep,
+    session: SessionDep,
     format: Annotated[
         Literal["hf", "adapter"],
         Query(description="`hf`: a Hugging Face model folder; `adapter`: an adapter run's LoRA adapter."),
@@ -59,11 +87,6 @@ def export_model(
             f"run {run.id} trained the whole model (no adapter): export it with format=hf", field="format"
         )
     if format == "hf" and is_adapter:
-        raise ExportRefused(
-            f"run {run.id} trained a LoRA adapter; merging it into its base is not served yet: export "
-            "format=adapter and load it with peft (PeftModel.from_pretrained(base, folder)), or "
-            "merge_and_unload() it yourself",
-            field="format",
-        )
+        folder = merged_folder(session, run)
     name = f"{run.id}-{format}"
     return tar_response(folder, name, skip=RESUME_ONLY)

@@ -175,7 +175,7 @@ def _cancelled_stage_run(session: Session, pipeline: Pipeline, stage: dict[str, 
         project_id=pipeline.project_id,
         algorithm=spec.algorithm,
         spec=stage["spec"],
-        dataset_id=spec.dataset_id,
+        dataset_id=getattr(spec, "dataset_id", None),  # a merge has none
         attempt=0,
         step=0,
         total_steps=total_steps(session, spec),

@@ -25,6 +25,7 @@ from trainer.specs import (
     TINY_PRESETS,
     AnyRunSpec,
     EvalSpec,
+    MergeSpec,
     ModelRole,
     Reference,
     learning_problems,
@@ -200,11 +201,40 @@ def check_references(
                 role=None if spec.algorithm == "reward_model" else ref.role,
                 stages=stages,
             )
+    if isinstance(spec, MergeSpec):
+        check_mergeable(session, spec.model, prefix + "model", roots)
     train, val = kinds.get("dataset_id"), kinds.get("validation_dataset_id")
     if val is not None and val != train:
         raise IncompatibleDataset(
             f"validation dataset is of kind '{val}' but the training dataset is '{train}'",
             field=prefix + "validation_dataset_id",
+        )
+
+
+def check_mergeable(session: Session, ref: str, field: str, roots: Sequence[Path] | None) -> None:
+    """A merge's model must be an adapter: a run (or checkpoint) trained with one, or an adapter folder.
+    A stage is checked when its run ends (the merge fails saying why); a hub id cannot be checked here."""
+    run_id = parse_run_ref(ref)
+    if run_id is not None:
+        source = session.get(Run, run_id)
+        if source is not None and not source.spec.get("adapter"):
+            raise InvalidRequest(
+                f"{field}: run {run_id} ({source.algorithm}) trained the whole model, not an adapter: "
+                f"nothing to merge; GET /v1/runs/{run_id}/export?format=hf streams it as it is",
+                field=field,
+            )
+        return
+    if ref.startswith("tiny:"):
+        raise InvalidRequest(f"{field}: preset {ref} is a whole model, not an adapter", field=field)
+    if roots is None or parse_stage_ref(ref) is not None:
+        return
+    try:
+        folder = resolve_name(ref, roots, allow_hub=False)
+    except (ModelOutsideRoots, UnknownModel):
+        return  # check_model_reference has answered for it
+    if not (Path(folder) / "adapter_config.json").is_file():
+        raise InvalidRequest(
+            f"{field}: {ref!r} is not an adapter folder (no adapter_config.json)", field=field
         )
 
 
@@ -232,7 +262,7 @@ def model_params(session: Session, ref: str, roots: Sequence[Path], depth: int =
 def with_default_learning_rate(session: Session, spec: AnyRunSpec, roots: Sequence[Path]) -> AnyRunSpec:
     """``spec`` with a missing learning rate picked by family and model size (trainer/lr_defaults.py); an
     eval (nothing trained, no learning rate) as it is."""
-    if isinstance(spec, EvalSpec) or spec.hyperparameters.learning_rate is not None:
+    if isinstance(spec, EvalSpec | MergeSpec) or spec.hyperparameters.learning_rate is not None:
         return spec
     hp = spec.hyperparameters
     rate = default_learning_rate(spec.algorithm, model_params(session, spec.model, roots))

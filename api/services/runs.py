@@ -91,7 +91,7 @@ def submit_run(
         id=uuid.uuid4(),
         algorithm=spec.algorithm,
         spec=spec.model_dump(mode="json"),
-        dataset_id=spec.dataset_id,
+        dataset_id=getattr(spec, "dataset_id", None),  # a merge has none
         idempotency_key=idempotency_key,
         attempt=0,
         step=0,
@@ -190,6 +190,26 @@ def succeeded_runs(*, session: Session, project_id: uuid.UUID, limit: int) -> li
         .limit(limit)
     )
     return list(session.scalars(stmt))
+
+
+def merges_of(*, session: Session, run: Run) -> list[Run]:
+    """The project's merge runs of ``run``'s final model (spec ``model: run:<id>``), newest first."""
+    stmt = (
+        select(Run)
+        .where(Run.project_id == run.project_id, Run.algorithm == "merge")
+        .order_by(Run.created_at.desc(), Run.id.desc())
+    )
+    return [m for m in session.scalars(stmt) if m.spec.get("model") == f"run:{run.id}"]
+
+
+def merge_state(*, session: Session, run: Run) -> tuple[Path | None, Run | None]:
+    """The model folder of the newest succeeded merge of ``run``'s adapter still on disk (None: none), and
+    a merge still on its way (queued, running or paused; None: none)."""
+    merges = merges_of(session=session, run=run)
+    for merge in merges:
+        if merge.status == "succeeded" and merge.output_path and Path(merge.output_path).is_dir():
+            return Path(merge.output_path), None
+    return None, next((m for m in merges if m.status in ("queued", "running", "paused")), None)
 
 
 def metric_keys(*, session: Session, run_id: uuid.UUID) -> list[str]:

@@ -186,3 +186,33 @@ def test_pipeline_create_get_cancel(rl: Client, pairs: DatasetRead) -> None:
     assert rl.pipelines.get(created.id).id == created.id
     assert rl.pipelines.cancel(created.id).status == "cancelled"
     assert rl.runs.wait(created.stages[0].run_id, timeout=60, interval=0.2).status == "cancelled"
+
+
+def test_download_of_an_adapter_run_merges_it_first(rl: Client, pairs: DatasetRead, tmp_path: Path) -> None:
+    import tarfile
+
+    from transformers import AutoModelForCausalLM
+
+    spec = {
+        "algorithm": "dpo",
+        "model": "tiny:llama-0.4m",
+        "dataset_id": str(pairs.id),
+        "adapter": {"type": "lora", "r": 4, "alpha": 8},
+        "hyperparameters": {"max_steps": 2, "batch_size": 4},
+    }
+    lora = rl.runs.wait(rl.runs.create(spec).id, timeout=180)
+    assert lora.status == "succeeded", lora
+    merges: list[RunRead] = []
+    with pytest.raises(ApiError) as unmerged:
+        rl.runs.download(lora.id, tmp_path / "x.tar", merge=False, on_merge=merges.append)
+    assert unmerged.value.code == "merge_required" and not merges and not (tmp_path / "x.tar").exists()
+    rl.runs.download(lora.id, tmp_path / "m.tar", on_merge=merges.append)
+    (merge,) = merges  # one merge run was made and waited for
+    assert merge.spec["algorithm"] == "merge" and merge.spec["model"] == f"run:{lora.id}"
+    rl.runs.download(lora.id, tmp_path / "again.tar", on_merge=merges.append)
+    assert len(merges) == 1  # the merged folder is there now: no second merge
+    with tarfile.open(tmp_path / "m.tar") as tar:
+        tar.extractall(tmp_path / "out", filter="data")
+    (config,) = (tmp_path / "out").rglob("config.json")
+    assert not (config.parent / "adapter_config.json").exists()  # a plain model, no peft needed
+    assert AutoModelForCausalLM.from_pretrained(config.parent, use_safetensors=True) is not None

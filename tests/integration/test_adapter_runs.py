@@ -3,18 +3,23 @@
 
 from __future__ import annotations
 
+import io
 import re
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
 from tests.factories import jsonl
 from tests.integration.flow import FINISHED, all_metrics, pg_redis_worker, wait_for
 from tests.loops.addition_rows import pairs, prompts, sft
-from trainer.adapters import BASE_FILE, is_adapter_folder
+from trainer.adapters import BASE_FILE, base_of, is_adapter_folder
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -71,7 +76,9 @@ def submit(
     return str(resp.json()["id"])
 
 
-def test_every_run_kind_trains_an_adapter_with_accumulation(client: TestClient) -> None:
+def test_every_run_kind_trains_an_adapter_with_accumulation(
+    client: TestClient, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     pairs, sft, prompts = (
         upload(client, PAIRS, "preference"),
         upload(client, SFT, "sft"),
@@ -100,6 +107,27 @@ def test_every_run_kind_trains_an_adapter_with_accumulation(client: TestClient) 
     assert done["status"] == "succeeded", done
     first_loss = [m["value"] for m in all_metrics(client, chained) if m["key"] == "loss" and m["step"] == 1]
     assert first_loss and abs(first_loss[0] - 0.693147) < 1e-4  # its reference is the SFT model: log 2
+    # format=hf of an adapter run: a merge run (a worker job) folds the adapter into its base first.
+    sft_run = runs["sft"]
+    refused = client.get(f"/v1/runs/{sft_run}/export", params={"format": "hf"})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "merge_required"
+    made = client.post("/v1/runs", json={"algorithm": "merge", "model": f"run:{sft_run}"})
+    assert made.status_code == 201, made.text
+    merged = wait_for(client, made.json()["id"], lambda r: r["status"] in FINISHED)
+    assert merged["status"] == "succeeded", merged
+    exported = client.get(f"/v1/runs/{sft_run}/export", params={"format": "hf"})
+    assert exported.status_code == 200, exported.text
+    folder = tmp_path_factory.mktemp("merged")
+    with tarfile.open(fileobj=io.BytesIO(exported.content)) as tar:
+        tar.extractall(folder, filter="data")
+    (root,) = [p.parent for p in folder.rglob("config.json")]
+    adapter_folder = client.get(f"/v1/runs/{sft_run}").json()["output_path"]
+    base = AutoModelForCausalLM.from_pretrained(base_of(adapter_folder))
+    ids = torch.tensor([[1, 5, 9, 14, 20]])
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(root)(input_ids=ids).logits  # no peft needed
+        expected = PeftModel.from_pretrained(base, adapter_folder)(input_ids=ids).logits
+    torch.testing.assert_close(plain, expected, rtol=1e-5, atol=1e-5)
     # An eval run scores that chained adapter model on the real GSM8K file with the numeric verifier.
     gsm8k = client.post(
         "/v1/datasets", files={"file": ("gsm8k.jsonl", GSM8K.read_bytes())}, data={"kind": "prompts"}

@@ -1,5 +1,5 @@
-"""One loop per run type (training, or an ``eval``'s scoring); ``LOOPS`` maps a spec's ``algorithm`` to its
-loop, run in the spec's precision (``in_precision``)."""
+"""One loop per run type (training, an ``eval``'s scoring or a ``merge``); ``LOOPS`` maps a spec's
+``algorithm`` to its loop, run in the spec's precision (``in_precision``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, get_args
 from trainer.loops.dpo import run_dpo
 from trainer.loops.evaluate import run_eval
 from trainer.loops.group_rl import run_group_rl
+from trainer.loops.merge import run_merge
 from trainer.loops.ppo import run_ppo
 from trainer.loops.reward_model import run_reward_model
 from trainer.loops.sft import run_sft
@@ -29,7 +30,8 @@ def in_precision(loop: Loop) -> Loop:
 
     @functools.wraps(loop)
     def run(spec: Any, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
-        precision, device = spec.hyperparameters.precision, pick_device()
+        precision = getattr(spec.hyperparameters, "precision", "fp32")  # a merge keeps its own dtype
+        device = pick_device()
         check_precision(precision, device)
         with autocast(precision, device):
             return loop(spec, data, reporter, ctx)
@@ -41,7 +43,8 @@ LOOPS: Mapping[str, Loop] = MappingProxyType(
     {
         name: in_precision(loop)
         for name, loop in (
-            {"dpo": run_dpo, "sft": run_sft, "reward_model": run_reward_model, "eval": run_eval}
+            {"dpo": run_dpo, "sft": run_sft, "reward_model": run_reward_model}
+            | {"eval": run_eval, "merge": run_merge}
             | dict.fromkeys(get_args(GroupAlgorithm), run_group_rl)
             | dict.fromkeys(get_args(PpoAlgorithm), run_ppo)
         ).items()

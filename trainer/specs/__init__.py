@@ -4,7 +4,8 @@ Torch-free on purpose: ``api`` imports this package and must not pull in torch.
 One pydantic model per run type; ``RunSpec`` is their union, discriminated on ``algorithm``. Every
 field has a default (where one makes sense) and a description, which becomes the OpenAPI docs.
 Modules: ``refs`` (model/dataset references), ``base`` (what every spec shares), ``offline`` (SFT, reward
-model, DPO), ``online`` (group RL, PPO, presets), ``evaluation`` (eval runs: pass@k, nothing trained).
+model, DPO), ``online`` (group RL, PPO, presets), ``evaluation`` (eval runs: pass@k, nothing trained),
+``merge`` (an adapter folded into its base).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from trainer.specs.base import (
     TrainingHyperparameters,
 )
 from trainer.specs.evaluation import EvalHyperparameters, EvalSpec
+from trainer.specs.merge import MergeHyperparameters, MergeSpec
 from trainer.specs.offline import (
     DpoHyperparameters,
     DpoSpec,
@@ -99,6 +101,8 @@ __all__ = [
     "DpoSpec",
     "EvalHyperparameters",
     "EvalSpec",
+    "MergeHyperparameters",
+    "MergeSpec",
     "GroupAlgorithm",
     "GroupRlHyperparameters",
     "GroupRlSpec",
@@ -133,7 +137,7 @@ __all__ = [
     "spec_references",
 ]
 
-AnyRunSpec = DpoSpec | SftSpec | RewardModelSpec | GroupRlSpec | PpoSpec | EvalSpec
+AnyRunSpec = DpoSpec | SftSpec | RewardModelSpec | GroupRlSpec | PpoSpec | EvalSpec | MergeSpec
 RunSpec = Annotated[AnyRunSpec, Field(discriminator="algorithm")]
 RUN_SPEC_ADAPTER: TypeAdapter[AnyRunSpec] = TypeAdapter(RunSpec)
 ALGORITHMS: tuple[str, ...] = (
@@ -143,6 +147,7 @@ ALGORITHMS: tuple[str, ...] = (
     *get_args(GroupAlgorithm),
     *get_args(PpoAlgorithm),
     "eval",
+    "merge",
 )
 MODELLESS_ALGORITHMS = frozenset({"eval"})  # runs that make no model (their run:<id> names nothing)
 

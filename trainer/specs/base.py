@@ -182,12 +182,11 @@ class ResourcesSpec(_Frozen):
 
 
 class _SpecCore(_Frozen):
-    """What every spec shares, training or not: the model, the dataset, the queue and the devices."""
+    """What every spec shares, training or not: the model, the queue and the devices."""
 
     spec_version: Literal[1] = Field(default=1, description="Version of this spec's schema.")
     name: str | None = Field(default=None, max_length=200, description="Free-form label.")
     model: str = Field(min_length=1, description=MODEL_REF_DOC, json_schema_extra=MODEL_REFERENCE)
-    dataset_id: uuid.UUID = Field(description="Training dataset.", json_schema_extra=DATASET_REFERENCE)
     queue: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",
@@ -257,8 +256,9 @@ class _SpecCore(_Frozen):
 
 
 class _RunSpecBase(_SpecCore):
-    """What every training run adds: a validation source and an optional adapter."""
+    """What every training run adds: its dataset, a validation source and an optional adapter."""
 
+    dataset_id: uuid.UUID = Field(description="Training dataset.", json_schema_extra=DATASET_REFERENCE)
     validation_dataset_id: uuid.UUID | None = Field(
         default=None,
         description="Validation dataset of the same kind (evaluated every `eval_every` steps).",
