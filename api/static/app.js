@@ -8,7 +8,7 @@
 
 const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
-const ALGORITHMS = ["sft", "reward_model", "dpo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce",
+const ALGORITHMS = ["sft", "reward_model", "dpo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce",
   "reinforce_pp", "reinforce_baseline", "remax", "ppo", "vc_ppo", "eval", "merge"];
 const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777",
   "#4b5563", "#65a30d"];

@@ -119,7 +119,10 @@ def test_fully_masked_stats_are_zero() -> None:
 
 def test_clip_params_validation() -> None:
     with pytest.raises(ValueError):
-        ClipParams(low=1.0)
+        ClipParams(low=1.01)
+    with pytest.raises(ValueError):
+        ClipParams(low=-0.1)
+    assert ClipParams(low=1.0).low == 1.0  # no lower bound (CISPO's paper)
     with pytest.raises(ValueError):
         ClipParams(high=0.0)
     with pytest.raises(ValueError):
@@ -127,7 +130,7 @@ def test_clip_params_validation() -> None:
 
 
 def test_policy_loss_registry() -> None:
-    assert set(POLICY_LOSSES) == {"ppo_clip", "vanilla"}
+    assert set(POLICY_LOSSES) == {"ppo_clip", "vanilla", "gspo", "cispo"}
     assert get_policy_loss("ppo_clip") is ppo_clip
     with pytest.raises(ValueError, match="ppo_clip, vanilla"):
         get_policy_loss("dual_clip")

@@ -27,7 +27,7 @@ REGISTRIES: list[tuple[Mapping[str, Any], Callable[[str], Any], set[str]]] = [
         get_advantage,
         {"grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "reinforce_baseline", "remax"},
     ),
-    (POLICY_LOSSES, get_policy_loss, {"ppo_clip", "vanilla"}),
+    (POLICY_LOSSES, get_policy_loss, {"ppo_clip", "vanilla", "gspo", "cispo"}),
     (KL_ESTIMATORS, get_kl_estimator, {"k1", "k2", "k3", "abs"}),
     (
         AGGREGATIONS,

@@ -112,6 +112,8 @@ GROUP_ALGORITHMS = [
     "grpo",
     "dr_grpo",
     "dapo",
+    "gspo",
+    "cispo",
     "rloo",
     "reinforce",
     "reinforce_pp",

@@ -26,7 +26,8 @@ class ClipParams:
     """Clipping of the importance ratio, built by the loop from the spec.
 
     Attributes:
-        low: the ratio is clipped below at ``1 - low`` (PPO epsilon; 0 <= low < 1).
+        low: the ratio is clipped below at ``1 - low`` (PPO epsilon; 0 <= low <= 1: 1 sets no lower
+            bound, as CISPO's paper does).
         high: the ratio is clipped above at ``1 + high`` (> 0). ``high > low`` is DAPO's clip-higher.
         dual_c: dual-clip bound c (> 1): for negative advantages the loss is capped at ``-adv * c``.
             None disables dual-clip.
@@ -37,8 +38,8 @@ class ClipParams:
     dual_c: float | None = None
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.low < 1.0 or self.high <= 0.0:
-            raise ValueError(f"need 0 <= low < 1 and high > 0, got low={self.low} high={self.high}")
+        if not 0.0 <= self.low <= 1.0 or self.high <= 0.0:
+            raise ValueError(f"need 0 <= low <= 1 and high > 0, got low={self.low} high={self.high}")
         if self.dual_c is not None and self.dual_c <= 1.0:
             raise ValueError(f"dual_c must be > 1, got {self.dual_c}")
 
@@ -163,6 +164,86 @@ def vanilla(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip: 
     return LossOut(per_token, stats)
 
 
+def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip: ClipParams) -> LossOut:
+    """GSPO: the PPO clip on a length-normalised sequence-level importance ratio (GSPO-token form).
+
+    Args:
+        logp: (B, T) current policy log-probs of the sampled tokens (requires grad).
+        old_logp: (B, T) log-probs of the policy that sampled.
+        adv: (B,) sequence advantages, or (B, T) (the first valid token's value is each sequence's).
+        mask: (B, T) bool/0-1, 1 on tokens that count.
+        clip: ``low`` and ``high`` bound the *sequence* ratio (the paper uses 3e-4 and 4e-4);
+            ``dual_c`` is not used.
+
+    Returns:
+        ``LossOut(per_token (B, T), stats)``: every valid token of sequence i carries the sequence's loss
+        value; ``"clipfrac"`` (fraction of valid tokens whose sequence is clipped) and ``"approx_kl"``.
+
+    Formula: ``s_i = exp((1/|y_i|) sum_t (logp_it - old_it))``;
+        ``J = mean_i min(s_i A_i, clip(s_i, 1 - low, 1 + high) A_i)``. Per token (GSPO-token, eq. 13-14):
+        ``s_it = sg(s_i) * exp(logp_it - sg(logp_it))`` (value s_i) and ``L_it = max(-A_i s_it,
+        -A_i clip(s_it, ...))``; aggregated with ``seq_mean_token_mean`` its gradient is exactly GSPO's,
+        ``-A_i s_i (1/|y_i|) sum_t grad logp_it`` where unclipped.
+    Source: Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7 (sequence objective) and
+        eq. 13-14 (GSPO-token).
+    Degenerate: a sequence with no valid token has loss 0; on-policy s_i = 1 and the gradient is the
+        length-normalised policy gradient.
+    """
+    valid = mask.to(torch.bool)
+    if adv.dim() == 2:  # a sequence-level method: take each sequence's first valid token's advantage
+        first = valid.float().argmax(dim=-1, keepdim=True)
+        adv = adv.gather(-1, first).squeeze(-1)
+    log_ratio = torch.where(valid, (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
+    n = valid.sum(-1).clamp(min=1).to(logp.dtype)
+    seq_log_ratio = (log_ratio.sum(-1) / n).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # (B,)
+    seq_ratio = seq_log_ratio.exp()
+    token_ratio = seq_ratio.detach().unsqueeze(-1) * (logp - logp.detach()).exp()  # value s_i, grad per token
+    a = adv.unsqueeze(-1).expand_as(logp)
+    unclipped = -a * token_ratio
+    clipped = -a * token_ratio.clamp(1.0 - clip.low, 1.0 + clip.high)
+    loss = torch.maximum(unclipped, clipped)
+    per_token = torch.where(valid, loss, torch.zeros_like(loss))
+    ratio = log_ratio.exp()
+    stats = {
+        "clipfrac": _masked_mean(clipped > unclipped, valid, logp.dtype),
+        "approx_kl": _approx_kl(log_ratio, ratio, valid),
+    }
+    return LossOut(per_token, stats)
+
+
+def cispo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip: ClipParams) -> LossOut:
+    """CISPO: REINFORCE weighted by the clipped, stop-gradient importance ratio; no token is dropped.
+
+    Args:
+        logp: (B, T) current policy log-probs of the sampled tokens (requires grad).
+        old_logp: (B, T) log-probs of the policy that sampled.
+        adv: (B, T) token advantages, or (B,) sequence advantages broadcast over tokens.
+        mask: (B, T) bool/0-1, 1 on tokens that count.
+        clip: the importance weight is clipped to ``[1 - low, 1 + high]`` (the paper sets no lower bound:
+            ``low`` 1.0 gives 0); ``dual_c`` is not used.
+
+    Returns:
+        ``LossOut(per_token (B, T), stats)`` with ``"clipfrac"`` (fraction of valid tokens whose weight was
+        clipped) and ``"approx_kl"``.
+
+    Formula: ``r = exp(logp - old_logp)``; ``L_t = -sg(clip(r_t, 1 - low, 1 + high)) A_t logp_t``, so
+        ``grad L_t = -clip(r_t) A_t grad logp_t`` for every token, clipped or not (PPO's clip would give 0).
+    Source: MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+        Sec. 3.1, eq. 4-5 (CISPO).
+    Degenerate: 0 where mask is 0 or A = 0; on-policy (r = 1) it is REINFORCE's ``-A logp`` (the loss
+        value is not the PPO surrogate's: it is ``-A logp``, whose gradient is the policy gradient).
+    """
+    log_ratio, ratio, adv, valid = _prepare(logp, old_logp, adv, mask)
+    weight = ratio.detach().clamp(max(0.0, 1.0 - clip.low), 1.0 + clip.high)
+    loss = -weight * adv * logp
+    per_token = torch.where(valid, loss, torch.zeros_like(loss))
+    stats = {
+        "clipfrac": _masked_mean(weight != ratio.detach(), valid, logp.dtype),
+        "approx_kl": _approx_kl(log_ratio, ratio, valid),
+    }
+    return LossOut(per_token, stats)
+
+
 def truncated_is_weights(trainer_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, cap: float) -> Tensor:
     """Truncated importance-sampling weights that correct for a rollout engine's numerics (TIS).
 
@@ -209,5 +290,7 @@ POLICY_LOSSES: Mapping[str, PolicyLossFn] = MappingProxyType(
     {
         "ppo_clip": ppo_clip,
         "vanilla": vanilla,
+        "gspo": gspo,
+        "cispo": cispo,
     }
 )

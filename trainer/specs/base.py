@@ -21,7 +21,7 @@ from trainer.specs.refs import (
 # Names of the algorithm registries in trainer/algorithms; a test checks they match the registry keys.
 PreferenceLossName = Literal["sigmoid", "cdpo", "robust", "ipo", "hinge"]
 AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "reinforce_baseline", "remax"]
-PolicyLossName = Literal["ppo_clip", "vanilla"]
+PolicyLossName = Literal["ppo_clip", "vanilla", "gspo", "cispo"]
 KlEstimatorName = Literal["k1", "k2", "k3", "abs"]
 AggregationName = Literal[
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
@@ -159,7 +159,7 @@ class AdapterSpec(_Frozen):
         return v
 
 
-MULTI_RANK_RUNS = "sft, dpo and the group family (grpo, dr_grpo, dapo, rloo, reinforce*, remax)"
+MULTI_RANK_RUNS = "sft, dpo and the group family (grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce*, remax)"
 
 
 class ResourcesSpec(_Frozen):

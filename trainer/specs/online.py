@@ -73,7 +73,16 @@ GROUP_BASELINE_ADVANTAGES = frozenset({"grpo", "dr_grpo", "rloo", "reinforce_bas
 
 VerifierName = Literal["exact_match", "numeric", "regex", "format", "length_penalty", "overlong_penalty"]
 GroupAlgorithm = Literal[
-    "grpo", "dr_grpo", "dapo", "rloo", "reinforce", "reinforce_pp", "reinforce_baseline", "remax"
+    "grpo",
+    "dr_grpo",
+    "dapo",
+    "gspo",
+    "cispo",
+    "rloo",
+    "reinforce",
+    "reinforce_pp",
+    "reinforce_baseline",
+    "remax",
 ]
 
 
@@ -133,7 +142,10 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
     engine: Literal["hf", "vllm"] = Field(
         default="hf", description="Rollout engine: hf (transformers generate) or vllm (GPU extra)."
     )
-    policy_loss: PolicyLossName = preset_field("ppo_clip", "Policy loss: ppo_clip or vanilla.")
+    policy_loss: PolicyLossName = preset_field(
+        "ppo_clip",
+        "Policy loss: ppo_clip, vanilla, gspo (sequence-level ratio) or cispo (clipped IS weight).",
+    )
     loss_aggregation: AggregationName = preset_field(
         "token_mean", "How per-token losses become one number (docs/algorithms.md)."
     )
@@ -152,8 +164,11 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
         description="Completions per optimizer step; overrides minibatches (default: a step's rollouts / "
         "minibatches).",
     )
-    clip_low: float = Field(
-        default=0.2, gt=0, lt=1, description="PPO clip epsilon below 1 (ratio >= 1 - low)."
+    clip_low: float = preset_field(
+        0.2,
+        "Clip epsilon below 1 (ratio >= 1 - low); 1 sets no lower bound (CISPO's weight).",
+        gt=0,
+        le=1,
     )
     clip_high: float = preset_field(0.2, "Clip epsilon above 1; > clip_low is DAPO clip-higher.", gt=0, le=10)
     dual_clip: float | None = Field(
@@ -236,6 +251,7 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "advantage": "grpo",
         "policy_loss": "ppo_clip",
         "loss_aggregation": "seq_mean_token_mean",
+        "clip_low": 0.2,
         "clip_high": 0.2,
         "kl_coef": 0.04,
         "dynamic_sampling": True,
@@ -247,7 +263,34 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "advantage": "dr_grpo",
         "policy_loss": "ppo_clip",
         "loss_aggregation": "seq_mean_token_sum_norm",
+        "clip_low": 0.2,
         "clip_high": 0.2,
+        "kl_coef": 0.0,
+        "dynamic_sampling": True,
+        "ppo_epochs": 2,
+        "minibatches": 2,
+    },
+    # Zheng et al. 2025: the clip on a length-normalised sequence ratio, with the paper's tiny sequence
+    # bounds (3e-4 / 4e-4), per-sequence mean; off-policy updates (2 x 2) so the clip can act; no KL.
+    "gspo": {
+        "advantage": "grpo",
+        "policy_loss": "gspo",
+        "loss_aggregation": "seq_mean_token_mean",
+        "clip_low": 0.0003,
+        "clip_high": 0.0004,
+        "kl_coef": 0.0,
+        "dynamic_sampling": True,
+        "ppo_epochs": 2,
+        "minibatches": 2,
+    },
+    # MiniMax 2025: every token's REINFORCE gradient weighted by its clipped, stop-gradient IS ratio (no
+    # lower bound, 1 + 0.28 above), token-level mean; no KL.
+    "cispo": {
+        "advantage": "grpo",
+        "policy_loss": "cispo",
+        "loss_aggregation": "token_mean",
+        "clip_low": 1.0,
+        "clip_high": 0.28,
         "kl_coef": 0.0,
         "dynamic_sampling": True,
         "ppo_epochs": 2,
@@ -258,6 +301,7 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "advantage": "grpo",
         "policy_loss": "ppo_clip",
         "loss_aggregation": "token_mean",
+        "clip_low": 0.2,
         "clip_high": 0.28,
         "kl_coef": 0.0,
         "dynamic_sampling": True,
@@ -268,6 +312,7 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "advantage": "rloo",
         "policy_loss": "ppo_clip",
         "loss_aggregation": "token_mean",
+        "clip_low": 0.2,
         "clip_high": 0.2,
         "kl_coef": 0.0,
         "dynamic_sampling": True,
@@ -278,6 +323,7 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "advantage": "reinforce",
         "policy_loss": "vanilla",
         "loss_aggregation": "token_mean",
+        "clip_low": 0.2,
         "clip_high": 0.2,
         "kl_coef": 0.0,
         "dynamic_sampling": False,
@@ -288,6 +334,7 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "advantage": "reinforce_pp",
         "policy_loss": "ppo_clip",
         "loss_aggregation": "token_mean",
+        "clip_low": 0.2,
         "clip_high": 0.2,
         "kl_coef": 0.0,
         "dynamic_sampling": False,
@@ -298,6 +345,7 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "advantage": "reinforce_baseline",
         "policy_loss": "ppo_clip",
         "loss_aggregation": "token_mean",
+        "clip_low": 0.2,
         "clip_high": 0.2,
         "kl_coef": 0.0,
         "dynamic_sampling": False,
@@ -309,6 +357,7 @@ GROUP_PRESETS: dict[str, dict[str, Any]] = {
         "advantage": "remax",
         "policy_loss": "vanilla",
         "loss_aggregation": "token_mean",
+        "clip_low": 0.2,
         "clip_high": 0.2,
         "kl_coef": 0.0,
         "dynamic_sampling": False,
@@ -351,9 +400,9 @@ class GroupRlSpec(_OnlineRlSpecBase):
     """Group / leave-one-out family: G completions per prompt, advantages from their rewards (no critic)."""
 
     algorithm: GroupAlgorithm = Field(
-        description="Preset: grpo, dr_grpo, dapo, rloo, reinforce, reinforce_pp, reinforce_baseline, remax. "
-        "Each fills advantage, policy_loss, loss_aggregation, clip_high, kl_coef, dynamic_sampling, "
-        "ppo_epochs and minibatches unless given."
+        description="Preset: grpo, dr_grpo, dapo, gspo, cispo, rloo, reinforce, reinforce_pp, "
+        "reinforce_baseline, remax. Each fills advantage, policy_loss, loss_aggregation, clip_low, "
+        "clip_high, kl_coef, dynamic_sampling, ppo_epochs and minibatches unless given."
     )
     hyperparameters: GroupRlHyperparameters = Field(default_factory=GroupRlHyperparameters)
 
@@ -415,6 +464,7 @@ PPO_PRESETS: dict[str, dict[str, Any]] = {
         "value_pretrain_steps": 0,
         "policy_loss": "ppo_clip",
         "loss_aggregation": "token_mean",
+        "clip_low": 0.2,
         "clip_high": 0.2,
         "kl_coef": 0.05,
         "dynamic_sampling": False,
@@ -430,6 +480,7 @@ PPO_PRESETS: dict[str, dict[str, Any]] = {
         "value_pretrain_steps": 10,
         "policy_loss": "ppo_clip",
         "loss_aggregation": "token_mean",
+        "clip_low": 0.2,
         "clip_high": 0.2,
         "kl_coef": 0.05,
         "dynamic_sampling": False,
