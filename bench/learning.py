@@ -68,6 +68,7 @@ from trainer.specs import parse_spec
 
 MODEL = "tiny:llama-char-0.4m"
 RL_ALGORITHMS = ("grpo", "dr_grpo", "rloo", "ppo")
+OPT_IN_ALGORITHMS = ("dapo", "gspo", "cispo")  # group presets run only when named in --algorithms
 
 # What every RL run shares (the demo's RL settings); each algorithm's preset fills the rest.
 RL_HYPERPARAMETERS: dict[str, Any] = {
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         key, _, value = item.partition("=")
         RL_HYPERPARAMETERS[key] = json.loads(value)
     contenders = args.algorithms.split(",")
-    unknown = set(contenders) - {*RL_ALGORITHMS, "trl"}
+    unknown = set(contenders) - {*RL_ALGORITHMS, *OPT_IN_ALGORITHMS, "trl"}
     if unknown:
         parser.error(f"unknown algorithms {sorted(unknown)}")
     print(f"command: cd {shlex.quote(os.getcwd())} && {shlex.join([sys.executable, *sys.argv])}")
