@@ -22,23 +22,12 @@ from typing import Any, Literal
 
 import torch
 
+from trainer.adapter_folders import ADAPTER_CONFIG, BASE_FILE, base_of, is_adapter_folder, root_base
 from trainer.specs import AdapterSpec
 
-ADAPTER_CONFIG = "adapter_config.json"
-BASE_FILE = "rlrun_base.json"  # {"base": <folder of the model the adapter was trained on>}
+__all__ = ["ADAPTER_CONFIG", "BASE_FILE", "base_of", "is_adapter_folder", "root_base"]  # re-exported
+
 Task = Literal["causal", "score"]
-
-
-def is_adapter_folder(path: str | Path) -> bool:
-    return (Path(path) / ADAPTER_CONFIG).exists()
-
-
-def base_of(folder: str | Path) -> str:
-    """The folder of the model an adapter folder was trained on (ours, else peft's own record)."""
-    ours = Path(folder) / BASE_FILE
-    if ours.exists():
-        return str(json.loads(ours.read_text())["base"])
-    return str(json.loads((Path(folder) / ADAPTER_CONFIG).read_text())["base_model_name_or_path"])
 
 
 def base_file(base: str) -> dict[str, str]:

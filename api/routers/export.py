@@ -22,13 +22,13 @@ from api.models import Run
 from api.services import runs as service
 from api.tar_stream import tar_response
 from rlrun.schemas import ErrorBody
+from trainer.adapter_folders import is_adapter_folder
 from trainer.specs import MODELLESS_ALGORITHMS
 
 router = APIRouter(prefix="/v1/runs/{run_id}/export", tags=["runs"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (400, 404, 409, 422)}
 # trainer/checkpoints.py's STATE_FILE and METRICS_FILE (not imported: that module imports torch).
 RESUME_ONLY = frozenset({"trainer_state.pt", "metrics.json"})
-ADAPTER_CONFIG = "adapter_config.json"  # trainer/adapters.py
 
 
 class ExportRefused(ApiError):
@@ -81,7 +81,7 @@ def export_model(
     folder = Path(run.output_path)
     if not folder.is_dir():
         raise ExportRefused(f"run {run.id}'s model files are gone from the server")
-    is_adapter = (folder / ADAPTER_CONFIG).is_file()
+    is_adapter = is_adapter_folder(folder)
     if format == "adapter" and not is_adapter:
         raise ExportRefused(
             f"run {run.id} trained the whole model (no adapter): export it with format=hf", field="format"

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import DatasetNotFound, IncompatibleDataset, InvalidReference, InvalidRequest
 from api.models import Checkpoint, Dataset, Run
+from trainer.adapter_folders import ADAPTER_CONFIG, is_adapter_folder
 from trainer.lr_defaults import approx_params, default_learning_rate, preset_params_of
 from trainer.model_refs import ModelOutsideRoots, UnknownModel, is_local_path, resolve_name
 from trainer.specs import (
@@ -232,10 +233,8 @@ def check_mergeable(session: Session, ref: str, field: str, roots: Sequence[Path
         folder = resolve_name(ref, roots, allow_hub=False)
     except (ModelOutsideRoots, UnknownModel):
         return  # check_model_reference has answered for it
-    if not (Path(folder) / "adapter_config.json").is_file():
-        raise InvalidRequest(
-            f"{field}: {ref!r} is not an adapter folder (no adapter_config.json)", field=field
-        )
+    if not is_adapter_folder(folder):
+        raise InvalidRequest(f"{field}: {ref!r} is not an adapter folder (no {ADAPTER_CONFIG})", field=field)
 
 
 def model_params(session: Session, ref: str, roots: Sequence[Path], depth: int = 0) -> int | None:

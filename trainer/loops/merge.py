@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.adapters import base_of, is_adapter_folder
+from trainer.adapter_folders import ADAPTER_CONFIG, is_adapter_folder, root_base
 from trainer.models import load_causal_lm
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import MergeSpec
@@ -30,13 +30,6 @@ def base_dtype(folder: str) -> torch.dtype:
     return DTYPES.get(str(name), torch.float32)
 
 
-def root_base(folder: str) -> str:
-    """The full model under a chain of adapters (an adapter run started from another adapter run)."""
-    while is_adapter_folder(folder):
-        folder = base_of(folder)
-    return folder
-
-
 def run_merge(
     spec: MergeSpec,
     data: RunData,  # noqa: ARG001 - every loop takes the same arguments; a merge reads no rows
@@ -47,7 +40,7 @@ def run_merge(
     path = ctx.resolve_model(spec.model)
     if not is_adapter_folder(path):
         raise ValueError(
-            f"{spec.model} is not a LoRA adapter (no adapter_config.json): nothing to merge; a run that "
+            f"{spec.model} is not a LoRA adapter (no {ADAPTER_CONFIG}): nothing to merge; a run that "
             "trained the whole model exports with format=hf as it is"
         )
     chosen = spec.hyperparameters.dtype
