@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from trainer.algorithms.pass_at_k import mean_pass_at_k, pass_at_k
+from trainer.algorithms.pass_at_k import pass_at_k
 
 
 def brute_force(n: int, c: int, k: int) -> float:
@@ -34,15 +34,9 @@ def test_hand_values() -> None:
     assert pass_at_k(4, 1, 2) == 0.5  # C(3,2)/C(4,2) = 3/6 all wrong
     assert pass_at_k(4, 2, 3) == 1.0  # only 2 wrong: any 3 hold a correct one
     assert pass_at_k(5, 0, 5) == 0.0
-    assert mean_pass_at_k([1, 0], 4, 1) == 0.125
 
 
 @pytest.mark.parametrize(("n", "c", "k"), [(4, 5, 1), (4, -1, 1), (4, 1, 0), (4, 1, 5)])
 def test_out_of_range_is_refused(n: int, c: int, k: int) -> None:
     with pytest.raises(ValueError, match="need"):
         pass_at_k(n, c, k)
-
-
-def test_no_problems_is_refused() -> None:
-    with pytest.raises(ValueError, match="no problems"):
-        mean_pass_at_k([], 4, 1)

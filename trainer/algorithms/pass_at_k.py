@@ -1,11 +1,10 @@
 """pass@k: the chance that at least one of k samples is correct, estimated from n >= k samples.
 
-Pure Python (no torch): eval runs call it once per prompt and k.
+Pure Python (no torch): eval runs call it once per prompt and k, and average over prompts (Chen et al.
+2021, eq. 1: the expectation over problems; trainer/loops/evaluate.py's ``EvalTally``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -34,16 +33,3 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         all_wrong *= 1.0 - k / i
     return 1.0 - all_wrong
 
-
-def mean_pass_at_k(correct: Sequence[int], n: int, k: int) -> float:
-    """pass@k over problems: the mean of ``pass_at_k(n, c, k)`` for each problem's correct count ``c``.
-
-    Source: Chen et al. 2021, eq. 1 (the expectation over problems).
-    Degenerate: no problems -> ValueError.
-
-    Returns:
-        The mean estimate, in [0, 1].
-    """
-    if not correct:
-        raise ValueError("no problems to average over")
-    return sum(pass_at_k(n, c, k) for c in correct) / len(correct)

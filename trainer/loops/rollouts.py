@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -38,7 +38,24 @@ def build_reward(specs: Sequence[RewardSpec], resolve_model: Any, device: torch.
     return CompositeReward(components, reward_model=scorer)
 
 
-def sampling_params(hp: OnlineRlHyperparameters, *, seed: int, greedy: bool = False) -> SamplingParams:
+class SamplingFields(Protocol):
+    """The sampling knobs an online-RL or eval spec's hyperparameters carry (frozen: read-only)."""
+
+    @property
+    def max_new_tokens(self) -> int: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+
+
+def sampling_params(
+    hp: SamplingFields, *, seed: int, greedy: bool = False, first_row: int = 0
+) -> SamplingParams:
+    """``hp``'s sampling with ``seed``; ``first_row``: the global index of the call's first sample (the HF
+    engine keys each sample's draws by it, trainer/rollout/row_sampling.py)."""
     return SamplingParams(
         max_new_tokens=hp.max_new_tokens,
         temperature=hp.temperature,
@@ -46,6 +63,7 @@ def sampling_params(hp: OnlineRlHyperparameters, *, seed: int, greedy: bool = Fa
         top_k=hp.top_k,
         greedy=greedy or hp.temperature == 0,
         seed=seed,
+        first_row=first_row,
     )
 
 

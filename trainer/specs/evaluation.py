@@ -18,6 +18,11 @@ EVAL_TEMPERATURE_DOC = (
 )
 
 
+def _no_default(schema: dict[str, Any]) -> None:
+    """The schema names no default where the validator picks one from other fields."""
+    schema.pop("default", None)
+
+
 class EvalHyperparameters(_Frozen):
     """How an eval samples and scores: n samples per prompt, pass@k for each k asked."""
 
@@ -27,8 +32,9 @@ class EvalHyperparameters(_Frozen):
         le=1024,
         description="Completions sampled per prompt (n of Chen et al. 2021's pass@k estimator).",
     )
-    pass_k: list[int] | None = Field(
-        default=None,
+    pass_k: list[int] = Field(
+        default=[1],  # never used: ``_defaults_from_samples`` fills it from samples_per_prompt
+        json_schema_extra=_no_default,
         min_length=1,
         max_length=16,
         description="The k of each `eval/pass@k` metric, each in 1..samples_per_prompt. Default: [1] and "
@@ -41,7 +47,13 @@ class EvalHyperparameters(_Frozen):
         description="A sample counts as correct (for pass@k) when its total reward is at least this: 1.0 for "
         "one 0/1 verifier such as numeric or exact_match.",
     )
-    temperature: float | None = Field(default=None, ge=0, le=10, description=EVAL_TEMPERATURE_DOC)
+    temperature: float = Field(
+        default=0.0,  # never used: ``_defaults_from_samples`` fills it from samples_per_prompt
+        ge=0,
+        le=10,
+        description=EVAL_TEMPERATURE_DOC,
+        json_schema_extra=_no_default,
+    )
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling.")
     top_k: int = Field(default=0, ge=0, description="Top-k sampling (0: off).")
     max_prompt_length: int = Field(
@@ -98,7 +110,7 @@ class EvalHyperparameters(_Frozen):
     @model_validator(mode="after")
     def _k_within_samples(self) -> EvalHyperparameters:
         n = self.samples_per_prompt
-        ks = self.pass_k or []
+        ks = self.pass_k
         bad = [k for k in ks if not 1 <= k <= n]
         if bad:
             raise ValueError(
@@ -116,11 +128,7 @@ class EvalHyperparameters(_Frozen):
     @property
     def ks(self) -> list[int]:
         """The pass@k values to report, ascending."""
-        return sorted(self.pass_k or [1])
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+        return sorted(self.pass_k)
 
 
 class EvalSpec(_SpecCore):
