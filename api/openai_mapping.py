@@ -10,7 +10,7 @@ the spec and their ``n_epochs`` reads ``auto`` (they were budgeted in steps).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -150,7 +150,7 @@ def detect_kind(first_line: bytes) -> str:
 
 
 def result_file_object(run: Run, size: int) -> FileObject:
-    """A job's result file: its metrics as CSV (``metrics_csv``), ``size`` bytes."""
+    """A job's result file: its metrics as CSV (``metrics_csv_lines``), ``size`` bytes."""
     finished = run.finished_at or run.created_at
     return FileObject(
         id=result_file_id(run.id),
@@ -165,20 +165,26 @@ def _cell(value: float | None) -> str:
     return "" if value is None else repr(float(value))
 
 
-def metrics_csv(rows: Iterable[tuple[int, str, float]]) -> str:
-    """A run's metrics as OpenAI's result file: one line per step, ``step`` and OpenAI's four columns
-    (``RESULT_COLUMNS``, empty where the run has no such metric), then every rlrun metric key, sorted."""
-    by_step: dict[int, dict[str, float]] = {}
-    for step, key, value in rows:
-        by_step.setdefault(step, {})[key] = value
-    keys = sorted({k for values in by_step.values() for k in values})
-    header = ["step", *RESULT_COLUMNS, *keys]
-    lines = [",".join(header)]
-    for step in sorted(by_step):
-        values = by_step[step]
+def metrics_csv_lines(keys: Sequence[str], rows: Iterable[tuple[int, str, float]]) -> Iterator[str]:
+    """A run's metrics as OpenAI's result file, a line at a time: ``step`` and OpenAI's four columns
+    (``RESULT_COLUMNS``, empty where the run has no such metric), then every rlrun metric of ``keys``
+    (sorted). ``rows`` come ordered by step; only one step's values are held at a time."""
+    yield ",".join(["step", *RESULT_COLUMNS, *keys]) + "\n"
+
+    def line(step: int, values: dict[str, float]) -> str:
         mapped = [next((values[k] for k in ks if k in values), None) for ks in RESULT_COLUMNS.values()]
-        lines.append(",".join([str(step), *map(_cell, mapped), *(_cell(values.get(k)) for k in keys)]))
-    return "\n".join(lines) + "\n"
+        return ",".join([str(step), *map(_cell, mapped), *(_cell(values.get(k)) for k in keys)]) + "\n"
+
+    step: int | None = None
+    values: dict[str, float] = {}
+    for row_step, key, value in rows:
+        if row_step != step:
+            if step is not None:
+                yield line(step, values)
+            step, values = row_step, {}
+        values[key] = value
+    if step is not None:
+        yield line(step, values)
 
 
 def file_object(dataset: Dataset) -> FileObject:

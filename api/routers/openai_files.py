@@ -133,7 +133,7 @@ def retrieve_file(file_id: FileIdPath, session: SessionDep, project_id: ProjectD
     """One file: an upload, or a job's result file (its metrics CSV)."""
     if mapping.parse_result_file_id(file_id) is not None:
         run = compat.get_result_run(session=session, file=file_id, project_id=project_id, param="file_id")
-        size = len(compat.result_csv(session=session, run=run).encode())
+        size = sum(len(line.encode()) for line in compat.result_csv(session=session, run=run))
         return mapping.result_file_object(run, size)
     return mapping.file_object(
         compat.get_file(session=session, file=file_id, project_id=project_id, param="file_id")
@@ -160,7 +160,7 @@ def file_content(file_id: FileIdPath, factory: SessionFactoryDep, project_id: Pr
     with factory() as session:
         if mapping.parse_result_file_id(file_id) is not None:
             run = compat.get_result_run(session=session, file=file_id, project_id=project_id, param="file_id")
-            return Response(compat.result_csv(session=session, run=run), media_type="text/csv")
+            return Response("".join(compat.result_csv(session=session, run=run)), media_type="text/csv")
         dataset = compat.get_file(session=session, file=file_id, project_id=project_id, param="file_id")
         dataset_id = dataset.id
     return StreamingResponse(

@@ -24,7 +24,7 @@ from api.openai_mapping import (
     OPENAI_PARAMS,
     TRAINED_TOKENS,
     job_id,
-    metrics_csv,
+    metrics_csv_lines,
     parse_checkpoint_step,
     parse_event_id,
     parse_file_id,
@@ -39,7 +39,7 @@ from api.schemas_openai import (
 )
 from api.services.datasets import get_dataset
 from api.services.references import model_params
-from api.services.runs import RUNS_ORDER, get_run, submit_run
+from api.services.runs import RUNS_ORDER, get_run, metric_keys, submit_run
 
 # OpenAI lists newest first, and name the last object seen (not an opaque cursor) as ``after``.
 EVENTS_NEWEST_FIRST = Keyset(Event.id, desc=True)
@@ -240,12 +240,17 @@ def get_result_run(*, session: Session, file: str, project_id: uuid.UUID, param:
     return run
 
 
-def result_csv(*, session: Session, run: Run) -> str:
-    """The run's metrics as OpenAI's result-file CSV (``metrics_csv``)."""
+def result_csv(*, session: Session, run: Run) -> Iterator[str]:
+    """The run's metrics as OpenAI's result-file CSV, a line at a time (``metrics_csv_lines``): the keys
+    from ``metric_keys``, then the points in step order, read in batches."""
+    keys = sorted(metric_keys(session=session, run_id=run.id))  # code-point order on every backend
     rows = session.execute(
-        select(Metric.step, Metric.key, Metric.value).where(Metric.run_id == run.id).order_by(Metric.step)
+        select(Metric.step, Metric.key, Metric.value)
+        .where(Metric.run_id == run.id)
+        .order_by(Metric.step)
+        .execution_options(yield_per=5000)
     )
-    return metrics_csv((step, key, value) for step, key, value in rows)
+    return metrics_csv_lines(keys, ((step, key, value) for step, key, value in rows))
 
 
 def dataset_lines(
