@@ -29,6 +29,7 @@ from trainer.specs import (
     MergeSpec,
     ModelRole,
     Reference,
+    TrainingHyperparameters,
     learning_problems,
     parse_run_ref,
     parse_run_ref_step,
@@ -259,11 +260,11 @@ def model_params(session: Session, ref: str, roots: Sequence[Path], depth: int =
 
 
 def with_default_learning_rate(session: Session, spec: AnyRunSpec, roots: Sequence[Path]) -> AnyRunSpec:
-    """``spec`` with a missing learning rate picked by family and model size (trainer/lr_defaults.py); an
-    eval (nothing trained, no learning rate) as it is."""
-    if isinstance(spec, EvalSpec | MergeSpec) or spec.hyperparameters.learning_rate is not None:
-        return spec
+    """``spec`` with a missing learning rate picked by family and model size (trainer/lr_defaults.py); a run
+    that trains nothing (eval, merge: no learning rate) as it is."""
     hp = spec.hyperparameters
+    if not isinstance(hp, TrainingHyperparameters) or hp.learning_rate is not None:
+        return spec
     rate = default_learning_rate(spec.algorithm, model_params(session, spec.model, roots))
     return spec.model_copy(update={"hyperparameters": hp.model_copy(update={"learning_rate": rate})})
 

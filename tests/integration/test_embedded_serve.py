@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import get_args
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from rlrun.demo import addition_pairs, rl_part
 from tests.factories import jsonl
 from tests.integration.flow import FINISHED, all_metrics, embedded_server, submit_dpo, upload_pairs, wait_for
+from trainer.specs import GroupAlgorithm
 
 pytestmark = pytest.mark.slow
 
@@ -108,18 +110,7 @@ def test_pipeline_sft_then_reward_model_and_dpo(served: httpx.Client) -> None:
     assert {"loss", "accuracy", "eval/accuracy", "final/score_mean"} <= rm_keys
 
 
-GROUP_ALGORITHMS = [
-    "grpo",
-    "dr_grpo",
-    "dapo",
-    "gspo",
-    "cispo",
-    "rloo",
-    "reinforce",
-    "reinforce_pp",
-    "reinforce_baseline",
-    "remax",
-]
+GROUP_ALGORITHMS = get_args(GroupAlgorithm)  # every group preset, as the spec names them
 
 
 def test_every_online_rl_algorithm_runs_through_the_api(served: httpx.Client) -> None:
