@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from api.pagination import encode_cursor
+from rlrun.client import FINISHED
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "preference_addition.jsonl"
 SHOWN = ("loss", "rewards/accuracy", "rewards/margin", "perf/tokens_per_s")
@@ -274,6 +275,16 @@ def rl_part(
 EVAL_SAMPLES = 4
 
 
+def wait_finished(client: httpx.Client, run_id: str, timeout: float = 600) -> dict[str, Any]:
+    """The run once it has ended; TimeoutError after ``timeout`` seconds (as ``watch``)."""
+    deadline = time.monotonic() + timeout
+    while (run := client.get(f"/v1/runs/{run_id}").json())["status"] not in FINISHED:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run {run_id} still {run['status']} after {timeout}s")
+        time.sleep(0.5)
+    return dict(run)
+
+
 def eval_part(client: httpx.Client, dataset_id: str, run_ids: list[str]) -> dict[str, dict[str, float]]:
     """An eval run of each model on the held-out prompts: 4 answers each sampled at temperature 1, scored
     by exact match, pass@1 and pass@4 (Chen et al.'s estimator). Returns {"SFT"|"GRPO": {metric: value}}."""
@@ -295,10 +306,7 @@ def eval_part(client: httpx.Client, dataset_id: str, run_ids: list[str]) -> dict
         }
         resp = client.post("/v1/runs", json=spec)
         resp.raise_for_status()
-        run = resp.json()
-        while run["status"] not in ("succeeded", "failed", "cancelled"):
-            time.sleep(0.5)
-            run = client.get(f"/v1/runs/{run['id']}").json()
+        run = wait_finished(client, resp.json()["id"])
         if run["status"] != "succeeded":
             print(f"  {label}: eval {run['status']}: {run['error']}")
             continue
