@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -81,6 +82,22 @@ class Settings(BaseSettings):
     inference_port: int = Field(default=8001, description="Port of `rlrun inference` (loopback only).")
     inference_max_models: int = Field(
         default=2, ge=1, le=64, description="Models `rlrun inference` keeps loaded (least recently used go)."
+    )
+    inference_backend: Literal["hf", "vllm"] = Field(
+        default="hf",
+        description="How `rlrun inference` decodes: `hf` (transformers, CPU or GPU; one request at a time) "
+        "or `vllm` (GPU; concurrent requests batched continuously; run it from an environment with vLLM "
+        "installed, docs/settings.md).",
+    )
+    inference_gpu_memory_utilization: float = Field(
+        default=0.85,
+        gt=0,
+        le=1,
+        description="vllm backend: the share of GPU memory its engines take together (weights and KV cache), "
+        "split evenly between RLRUN_INFERENCE_MAX_MODELS engines.",
+    )
+    inference_max_lora_rank: int = Field(
+        default=64, ge=1, description="vllm backend: the largest LoRA rank an adapter run it serves may have."
     )
     queue: str = Field(default="rlrun", description="Celery queue that runs are sent to.")
     port: int = Field(default=8000, description="Port of `rlrun serve`.")

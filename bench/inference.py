@@ -15,7 +15,12 @@ Printed per concurrency 1, 8 and 32: tokens/s for both, ``ratio = rlrun tokens/s
 tokens/s`` (above 1: rlrun serves faster) and mean/p50/max TTFT. Completion lengths differ (a random model
 stops at EOS at random places); tokens/s accounts for that.
 
-Run: ``.venv/bin/python bench/inference.py [--concurrency 1,8,32] [--max-tokens 64]``.
+``--backends hf,vllm`` runs the rlrun rounds once per inference backend (``RLRUN_INFERENCE_BACKEND``; vllm
+needs a GPU environment with vLLM: scripts/gpu_vllm_inference.sh); ``--device cuda`` puts the transformers
+peer on the GPU.
+
+Run: ``.venv/bin/python bench/inference.py [--concurrency 1,8,32] [--max-tokens 64] [--backends hf]
+[--device cpu]``.
 """
 
 from __future__ import annotations
@@ -47,10 +52,10 @@ def free_port() -> int:
         return port
 
 
-def serve(home: Path) -> tuple[subprocess.Popen[bytes], str]:
+def serve(home: Path, backend: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLRUN_")}
-    env |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port)}
+    env |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port), "RLRUN_INFERENCE_BACKEND": backend}
     proc = subprocess.Popen(
         [sys.executable, "-m", "rlrun.cli", "serve", "--no-worker"],
         env=env,
@@ -111,18 +116,18 @@ def rlrun_round(url: str, concurrency: int, max_tokens: int) -> dict[str, Any]:
     return summary(out, wall)
 
 
-def transformers_round(folder: str, concurrency: int, max_tokens: int) -> dict[str, Any]:
+def transformers_round(folder: str, concurrency: int, max_tokens: int, device: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer.data.prompts import render_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder).eval().to(device)
     out: list[dict[str, float]] = []
     start = time.perf_counter()
     for i in range(concurrency):
         text = render_prompt([{"role": "user", "content": PROMPT.format(a=i, b=2 * i)}], tokenizer)
-        ids = torch.tensor([tokenizer(text).input_ids])
+        ids = torch.tensor([tokenizer(text).input_ids], device=device)
         torch.manual_seed(i)
         with torch.no_grad():
             seq = model.generate(
@@ -158,7 +163,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--backends", default="hf", help="rlrun inference backends, comma-separated (hf, vllm)"
+    )
+    parser.add_argument("--device", default="cpu", help="the transformers peer's device")
     args = parser.parse_args()
+    backends = args.backends.split(",")
     os.environ.setdefault("TQDM_DISABLE", "1")
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
@@ -167,27 +177,31 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory(prefix="rlrun-inference-bench-") as tmp:
         home = Path(tmp)
-        proc, url = serve(home)
-        try:
-            rlrun_round(url, 1, 4)  # warm-up: the inference process loads the model
-            ours = {c: rlrun_round(url, c, args.max_tokens) for c in levels}
-        finally:
-            proc.terminate()
-            proc.wait(30)
+        ours: dict[str, dict[int, dict[str, Any]]] = {}
+        for backend in backends:
+            proc, url = serve(home, backend)
+            try:
+                rlrun_round(url, 1, 4)  # warm-up: the inference process loads the model
+                ours[backend] = {c: rlrun_round(url, c, args.max_tokens) for c in levels}
+            finally:
+                proc.terminate()
+                proc.wait(30)
         folder = str(next((home / "cache" / "tiny").glob(MODEL.removeprefix("tiny:"))))
-        transformers_round(folder, 1, 4)  # warm-up
-        peer = {c: transformers_round(folder, c, args.max_tokens) for c in levels}
+        transformers_round(folder, 1, 4, args.device)  # warm-up
+        peer = {c: transformers_round(folder, c, args.max_tokens, args.device) for c in levels}
     print(
-        f"{'concurrent':>10} | {'rlrun tok/s':>11} | {'transformers tok/s':>18} | {'ratio':>5} | "
-        f"{'rlrun TTFT mean/p50/max s':>26} | {'transformers TTFT mean/p50/max s':>33}"
+        f"{'backend':>7} | {'concurrent':>10} | {'rlrun tok/s':>11} | {'transformers tok/s':>18} | "
+        f"{'ratio':>5} | {'rlrun TTFT mean/p50/max s':>26} | {'transformers TTFT mean/p50/max s':>33}"
     )
-    for c in levels:
-        a, b = ours[c], peer[c]
-        print(
-            f"{c:>10} | {a['tps']:>11.1f} | {b['tps']:>18.1f} | {a['tps'] / b['tps']:>5.2f} | "
-            f"{a['ttft_mean']:>8.2f} {a['ttft_p50']:>8.2f} {a['ttft_max']:>8.2f} | "
-            f"{b['ttft_mean']:>10.2f} {b['ttft_p50']:>10.2f} {b['ttft_max']:>10.2f}"
-        )
+    for backend in backends:
+        for c in levels:
+            a, b = ours[backend][c], peer[c]
+            ratio = a["tps"] / b["tps"]
+            print(
+                f"{backend:>7} | {c:>10} | {a['tps']:>11.1f} | {b['tps']:>18.1f} | {ratio:>5.2f} | "
+                f"{a['ttft_mean']:>8.2f} {a['ttft_p50']:>8.2f} {a['ttft_max']:>8.2f} | "
+                f"{b['ttft_mean']:>10.2f} {b['ttft_p50']:>10.2f} {b['ttft_max']:>10.2f}"
+            )
     print("(transformers' TTFT is the time its whole answer is ready: it does not stream)")
 
 

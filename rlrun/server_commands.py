@@ -68,12 +68,18 @@ def cmd_inference(args: argparse.Namespace) -> int:
     completion requests to it (RLRUN_INFERENCE_URL)."""
     import uvicorn
 
+    from trainer.inference.loaded import LoadError
     from trainer.inference.server import create_app
 
     settings = _settings()
     port = args.port or settings.inference_port
+    try:
+        app = create_app(settings)
+    except LoadError as exc:  # e.g. RLRUN_INFERENCE_BACKEND=vllm where vLLM or CUDA is missing
+        print(f"rlrun inference: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(create_app(settings), host="127.0.0.1", port=port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
     return 0
 
 

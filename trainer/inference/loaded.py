@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from trainer.inference.decode import DecodeParams, Delta, decode
 
 MAX_ADAPTERS_PER_BASE = 32
 
@@ -45,10 +48,19 @@ class Loaded:
     tokenizer: Any
     adapter: str | None = None  # the adapter to switch on before decoding (None: a plain model)
 
+    @property
+    def max_context(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
     def activate(self) -> None:
         """Put this request's adapter in place (call under the compute lock, right before decoding)."""
         if self.adapter is not None:
             self.model.set_adapter(self.adapter)
+
+    def stream(self, prompt_ids: list[int], n: int, params: DecodeParams) -> Iterator[list[Delta]]:
+        """``n`` continuations of one prompt, step by step (the caller holds the compute lock)."""
+        self.activate()  # no other request switches adapters while the caller holds the lock
+        yield from decode(self.model, self.tokenizer, prompt_ids, n, params)
 
 
 def is_scorer(folder: str) -> bool:
@@ -66,11 +78,22 @@ def is_scorer(folder: str) -> bool:
 
 
 class LoadedModels:
-    """An LRU of loaded models by folder (bases shared by their adapters); ``size`` entries at most."""
+    """An LRU of loaded models by folder (bases shared by their adapters); ``size`` entries at most.
+
+    The HF backend of the inference process: ``serial`` because a loaded model decodes one request at a
+    time (a request's ``n`` choices in one batch), so the server holds its compute lock around loading
+    and decoding."""
+
+    name = "hf"
+    serial = True
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.entries: OrderedDict[str, Entry] = OrderedDict()
+
+    def describe(self) -> list[dict[str, Any]]:
+        """What is loaded now (the process's /healthz)."""
+        return [{"folder": k, "adapters": list(e.adapters)} for k, e in self.entries.items()]
 
     def get(self, folder: str) -> Loaded:
         from trainer.adapters import base_of, is_adapter_folder

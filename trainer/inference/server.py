@@ -4,9 +4,10 @@ It listens on loopback only and trusts the API in front of it (``api/routers/inf
 checks the caller's project, resolves the model name and sends the model's folder in the
 ``x-rlrun-model-source`` header (``tiny:<preset>`` for a preset). The folder must still lie under the
 server's artifacts, cache or model roots. Models stay loaded in an LRU of
-``RLRUN_INFERENCE_MAX_MODELS`` (an adapter run's folder loads its base with the adapter merged in,
-trainer/models.py). Requests are served one at a time (HF generate has no continuous batching); a
-request's ``n`` choices decode together in one batch (trainer/inference/decode.py).
+``RLRUN_INFERENCE_MAX_MODELS``, by a backend (``RLRUN_INFERENCE_BACKEND``): ``hf``
+(trainer/inference/loaded.py: adapter runs share their loaded base; requests are served one at a time, a
+request's ``n`` choices decoding together in one batch, trainer/inference/decode.py) or ``vllm``
+(trainer/inference/vllm_served.py, GPU: concurrent requests batched continuously by vLLM's engine).
 
 Errors answer in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -18,8 +19,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,8 +30,8 @@ from starlette.concurrency import run_in_threadpool
 
 from api.settings import Settings
 from trainer.data.prompts import render_prompt
-from trainer.inference.decode import DecodeParams, Delta, decode
-from trainer.inference.loaded import Loaded, LoadedModels, LoadError
+from trainer.inference.decode import DecodeParams, Delta
+from trainer.inference.loaded import LoadedModels, LoadError
 from trainer.inference.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 MODEL_SOURCE_HEADER = "x-rlrun-model-source"  # api/routers/inference.py sends it
@@ -73,15 +75,51 @@ def model_folder(source: str | None, settings: Settings) -> str:
     return str(folder)
 
 
+class Served(Protocol):
+    """A model a backend serves: its tokenizer, context length, and the decode of one prompt."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def max_context(self) -> int | None: ...
+
+    def stream(self, prompt_ids: list[int], n: int, params: DecodeParams) -> Iterator[list[Delta]]: ...
+
+
+class Backend(Protocol):
+    """Loads models by folder (raising LoadError). ``serial``: one request decodes at a time."""
+
+    name: str
+    serial: bool
+
+    def get(self, folder: str) -> Served: ...
+
+    def describe(self) -> list[dict[str, Any]]: ...
+
+
+def make_backend(settings: Settings) -> Backend:
+    """The backend ``RLRUN_INFERENCE_BACKEND`` names (LoadError, saying what is missing, for vllm without
+    vLLM or CUDA)."""
+    if settings.inference_backend == "vllm":
+        from trainer.inference.vllm_served import VllmModels
+
+        return VllmModels(
+            settings.inference_max_models,
+            gpu_memory_utilization=settings.inference_gpu_memory_utilization,
+            max_lora_rank=settings.inference_max_lora_rank,
+        )
+    return LoadedModels(settings.inference_max_models)
+
+
 class Generation:
     """One request's decode: its choices (one per prompt x n), their text, tokens and usage."""
 
-    def __init__(self, loaded: Loaded, prompts: list[str], n: int, params: DecodeParams) -> None:
-        self.loaded, self.n, self.params = loaded, n, params
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
-        model, tokenizer = loaded.model, loaded.tokenizer
+    def __init__(self, served: Served, prompts: list[str], n: int, params: DecodeParams) -> None:
+        self.served, self.n, self.params = served, n, params
+        self.tokenizer = tokenizer = served.tokenizer
         self.prompt_ids = [tokenizer(p).input_ids for p in prompts]
-        limit = getattr(model.config, "max_position_embeddings", None)
+        limit = served.max_context
         for ids in self.prompt_ids:
             if not ids:
                 raise InferenceError(
@@ -101,9 +139,8 @@ class Generation:
 
     def deltas(self) -> Iterator[tuple[int, Delta]]:
         """(choice index, delta) as they come; choice ``p * n + j`` is sample ``j`` of prompt ``p``."""
-        self.loaded.activate()  # the caller holds the compute lock: no other request switches adapters now
         for p, ids in enumerate(self.prompt_ids):
-            for step in decode(self.model, self.tokenizer, ids, self.n, self.params):
+            for step in self.served.stream(ids, self.n, self.params):
                 for delta in step:
                     self.completion_tokens += len(delta.token_ids) + (
                         delta.finish_reason == "stop" and not delta.token_ids
@@ -175,8 +212,11 @@ def completion_logprobs(
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     app = FastAPI(title="rlrun inference", docs_url=None, redoc_url=None, openapi_url=None)
-    models = LoadedModels(settings.inference_max_models)
-    compute = threading.Lock()  # one request decodes at a time; the next waits its turn
+    models = make_backend(settings)
+    loading = threading.Lock()  # one model loads at a time
+    # A serial backend (hf) decodes one request at a time, and loads under the same lock (loading an adapter
+    # changes the model a decode may be using); vllm's engine batches concurrent requests itself.
+    compute: AbstractContextManager[Any] = loading if models.serial else nullcontext()
 
     @app.exception_handler(InferenceError)
     async def _inference_error(_: Request, exc: InferenceError) -> JSONResponse:
@@ -184,10 +224,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/healthz")
     def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "loaded": [{"folder": k, "adapters": list(e.adapters)} for k, e in models.entries.items()],
-        }
+        return {"status": "ok", "backend": models.name, "loaded": models.describe()}
 
     def parse(model_type: type[SamplingRequest], body: Any) -> Any:
         try:
@@ -264,7 +301,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         messages = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
         ]
-        with compute:
+        with loading:
             gen = prepare(
                 req,
                 lambda tok: [render_prompt(messages, tok)],
@@ -339,7 +376,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except ValueError as exc:
             raise InferenceError(400, str(exc), param="prompt", code="invalid_value") from None
         k = req.logprobs
-        with compute:
+        with loading:
             gen = prepare(req, prompts, source, req.max_tokens, k or 0)
         ident, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {
