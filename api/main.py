@@ -19,6 +19,7 @@ from api.routers import (
     checkpoints,
     datasets,
     export,
+    graders,
     inference,
     models,
     openai_files,
@@ -63,6 +64,7 @@ def create_app(
     # The OpenAI-compatible surface (/v1/files, /v1/fine_tuning/jobs), mapped onto datasets and runs.
     app.include_router(openai_files.router)
     app.include_router(openai_jobs.router)
+    app.include_router(graders.router)
     app.include_router(inference.router)
 
     @app.middleware("http")

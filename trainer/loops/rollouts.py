@@ -20,6 +20,7 @@ from trainer.data.prompts import PromptSet
 from trainer.data.sampling import EpochSampler
 from trainer.distributed import ONE, Ranks, gather_objects, padded_share
 from trainer.rewards.composite import CompositeReward, RewardComponent, RewardResult
+from trainer.rewards.grader_reward import GraderReward
 from trainer.rewards.reward_model_scorer import RewardModelScorer
 from trainer.rewards.verifiers import Sample
 from trainer.rollout.base import Completion, RolloutEngine, SamplingParams
@@ -34,7 +35,12 @@ def build_reward(specs: Sequence[RewardSpec], resolve_model: Any, device: torch.
             if scorer is not None:
                 raise ValueError("at most one reward_model component per reward")
             scorer = RewardModelScorer(resolve_model(r.model), normalize=r.normalize, device=device)
-    components = [RewardComponent(name=r.name, weight=r.weight, params=r.params) for r in specs]
+    components = [
+        RewardComponent(name=r.grader.name, weight=r.weight, batch=GraderReward(r.grader))
+        if r.grader is not None
+        else RewardComponent(name=r.name, weight=r.weight, params=r.params)
+        for r in specs
+    ]
     return CompositeReward(components, reward_model=scorer)
 
 

@@ -69,6 +69,14 @@ class RewardComponent:
     name: str
     weight: float = 1.0
     params: Mapping[str, Any] = field(default_factory=dict)
+    batch: BatchScorer | None = None  # scores a whole batch itself (a grader); ``name`` is then its label
+
+
+class BatchScorer(Protocol):
+    """A component that scores a batch in one call (a grader: trainer/rewards/grader_reward.py): per sample
+    its score (0 where it failed) and whether it failed, plus the first error."""
+
+    def __call__(self, samples: Sequence[Sample]) -> tuple[list[float], list[bool], str | None]: ...
 
 
 @dataclass
@@ -165,8 +173,15 @@ class CompositeReward:
         self.keys = _unique_keys([c.name for c in self.components])
         self.timeout_s = timeout_s
         self.reward_model = reward_model
-        self._fns: list[VerifierFn | None] = []  # None marks a reward_model component
+        self._fns: list[VerifierFn | None] = []  # None marks a reward_model or batch component
         for c in self.components:
+            if c.batch is not None:
+                if c.params:
+                    raise ValueError(
+                        f"the batch component {c.name!r} takes no params, got {sorted(c.params)}"
+                    )
+                self._fns.append(None)
+                continue
             if c.name == REWARD_MODEL:
                 if reward_model is None:
                     raise ValueError("a 'reward_model' component needs a reward model scorer")
@@ -181,14 +196,26 @@ class CompositeReward:
     def __call__(self, samples: Sequence[Sample]) -> RewardResult:
         """Score ``samples`` with every component; never raises because of a verifier (see module doc)."""
         n = len(samples)
-        model_scores = self._model_scores(samples) if None in self._fns and n else None
+        needs_model = any(c.name == REWARD_MODEL and c.batch is None for c in self.components)
+        model_scores = self._model_scores(samples) if needs_model and n else None
         components: dict[str, list[float]] = {}
         total = [0.0] * n
         failures = 0
         runner = _TimedRunner(self.timeout_s)
         try:
             for key, component, fn in zip(self.keys, self.components, self._fns, strict=True):
-                if fn is None:
+                if component.batch is not None:
+                    scores, failed_each, first = component.batch(samples) if n else ([], [], None)
+                    if any(failed_each):
+                        failures += sum(failed_each)
+                        log.warning(
+                            "grader %r failed on %d of %d samples (first: %s)",
+                            key,
+                            sum(failed_each),
+                            n,
+                            first,
+                        )
+                elif fn is None:
                     scores = list(model_scores) if model_scores is not None else []
                 else:
                     scores, failed = self._run_verifier(key, fn, component.params, samples, runner)

@@ -24,6 +24,7 @@ from trainer.specs.base import (
     _Frozen,
     _ReferencedSpecBase,
 )
+from trainer.specs.graders import Grader
 from trainer.specs.refs import (
     CRITIC_MODEL_REFERENCE,
     DATASET_REFERENCE,
@@ -87,11 +88,17 @@ GroupAlgorithm = Literal[
 
 
 class RewardSpec(_Frozen):
-    """One reward component: a rule-based verifier or a reward model, weighted into the total reward."""
+    """One reward component: a rule-based verifier, a reward model or a grader, weighted into the total."""
 
-    name: VerifierName | Literal["reward_model"] = Field(
+    name: VerifierName | Literal["reward_model", "grader"] = Field(
         description="exact_match, numeric (last number, `#### N` or `\\boxed{}`), regex, format "
-        "(<think>...</think><answer>...</answer>), length_penalty, overlong_penalty (DAPO), or reward_model."
+        "(<think>...</think><answer>...</answer>), length_penalty, overlong_penalty (DAPO), reward_model, or "
+        "grader (implied by `grader`)."
+    )
+    grader: Grader | None = Field(
+        default=None,
+        description="An OpenAI-shaped grader (string_check, text_similarity, python, multi) scoring each "
+        "completion against its dataset row (docs/algorithms.md, 'Graders'); `name` may be left out.",
     )
     weight: float = Field(default=1.0, ge=-100, le=100, description="Multiplier in the weighted sum.")
     params: dict[str, Any] = Field(
@@ -110,10 +117,21 @@ class RewardSpec(_Frozen):
         default=True, description="reward_model only: standardise scores with the run's stored mean and std."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _grader_names_itself(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("grader") is not None and data.get("name") is None:
+            return {**data, "name": "grader"}
+        return data
+
     @model_validator(mode="after")
     def _model_iff_reward_model(self) -> RewardSpec:
         if (self.name == "reward_model") != (self.model is not None):
             raise ValueError("`model` is required for name 'reward_model' and not allowed otherwise")
+        if (self.name == "grader") != (self.grader is not None):
+            raise ValueError("`grader` is required for name 'grader' and not allowed otherwise")
+        if self.grader is not None and self.params:
+            raise ValueError("params: a grader takes its settings in `grader`, not `params`")
         if self.model is not None:
             check_model_ref(self.model)
         return self
