@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from api.errors import ApiError
 from api.models import Checkpoint, Dataset, Event, Run
+from api.openai_reinforcement import plan_reinforcement
 from api.schemas_openai import (
     CheckpointMetrics,
     DpoMethod,
@@ -30,23 +31,26 @@ from api.schemas_openai import (
     JobEvent,
     JobHyperparameters,
     Method,
+    ReinforcementMethod,
+    ReinforcementMethodHyperparameters,
     SupervisedMethod,
     SupervisedMethodHyperparameters,
 )
-from rlrun.formats import LineError, parse_json_line
+from rlrun.formats import LineError, is_rft_line, parse_json_line
 from trainer.lr_defaults import default_learning_rate, preset_params_of
 from trainer.specs import DpoHyperparameters as DpoSpecHyperparameters
-from trainer.specs import DpoSpec, SftSpec
+from trainer.specs import DpoSpec, GroupRlSpec, SftSpec
 from trainer.specs import SftHyperparameters as SftSpecHyperparameters
 
-JOB_ALGORITHMS = ("sft", "dpo")
-FILE_KINDS = ("sft", "preference")
+JOB_ALGORITHMS = ("sft", "dpo", "grpo")  # grpo: only runs made as reinforcement jobs (job_filter)
+FILE_KINDS = ("sft", "preference", "prompts")
 CREATED_EVENT = "fine_tuning_job"
 AUTO_EPOCHS = 3  # OpenAI's long-standing starting point; `auto` here is a fixed rule, not a search
-METHOD_KIND = {"supervised": "sft", "dpo": "preference"}
+METHOD_KIND = {"supervised": "sft", "dpo": "preference", "reinforcement": "prompts"}
 KIND_LINES = {
     "sft": "chat `messages` lines",
     "preference": "preference lines (`input`, `preferred_output`, `non_preferred_output`)",
+    "prompts": "reinforcement lines (chat `messages` ending in a user turn, with the fields graders read)",
 }
 # Where rlrun's own field names show up in errors, the OpenAI request parameter they came from.
 OPENAI_PARAMS = {
@@ -138,7 +142,8 @@ def unix(moment: datetime) -> int:
 
 def detect_kind(first_line: bytes) -> str:
     """The dataset kind of an uploaded fine-tuning file, from its first non-blank line: OpenAI DPO lines
-    (and rlrun's other preference formats, with ``chosen``/``rejected``) -> ``preference``, anything else
+    (and rlrun's other preference formats, with ``chosen``/``rejected``) -> ``preference``, chat
+    ``messages`` ending before the assistant's turn (reinforcement lines) -> ``prompts``, anything else
     -> ``sft``. Ingest then validates every line against that kind, so a mixed or malformed file is refused
     naming its first bad line."""
     try:
@@ -146,7 +151,9 @@ def detect_kind(first_line: bytes) -> str:
     except LineError:
         return "sft"
     preference_keys = ("input", "preferred_output", "non_preferred_output", "chosen", "rejected")
-    return "preference" if any(k in obj for k in preference_keys) else "sft"
+    if any(k in obj for k in preference_keys):
+        return "preference"
+    return "prompts" if is_rft_line(obj) else "sft"
 
 
 def result_file_object(run: Run, size: int) -> FileObject:
@@ -204,17 +211,19 @@ def _requested(body: FineTuningJobCreate) -> tuple[str, SupervisedMethodHyperpar
     if body.integrations:
         raise ApiError("integrations are not supported by rlrun", field="integrations")
     method = body.method or Method(type="supervised")
-    if method.type == "reinforcement":
-        raise ApiError(
-            "method.type 'reinforcement' is not supported here: jobs are 'supervised' or 'dpo' (rlrun's "
-            "online RL runs, GRPO, PPO and others, are submitted with POST /v1/runs)",
-            field="method.type",
-        )
     for other in ("supervised", "dpo", "reinforcement"):
         if other != method.type and getattr(method, other) is not None:
             raise ApiError(
                 f"method.{other} is given but method.type is '{method.type}'", field=f"method.{other}"
             )
+    if method.type == "reinforcement":
+        if method.reinforcement is None:
+            raise ApiError("method.reinforcement (with its grader) is required", field="method.reinforcement")
+        if body.hyperparameters is not None:
+            raise ApiError(
+                "give hyperparameters under method.reinforcement.hyperparameters", field="hyperparameters"
+            )
+        return "reinforcement", SupervisedMethodHyperparameters(), "method.reinforcement.hyperparameters"
     config = method.supervised if method.type == "supervised" else method.dpo
     given = config.hyperparameters if config is not None else None
     if body.hyperparameters is not None:
@@ -264,7 +273,7 @@ def plan_job(
     validation: Dataset | None,
     seed: int,
     n_params: int | None = None,
-) -> tuple[SftSpec | DpoSpec, Method]:
+) -> tuple[SftSpec | DpoSpec | GroupRlSpec, Method]:
     """The run spec for an OpenAI job request and the job's method with every ``auto`` resolved.
 
     ``auto``: ``AUTO_EPOCHS`` epochs, the run type's default batch size capped at the file's rows,
@@ -276,6 +285,16 @@ def plan_job(
     _check_kind(training, method_type, "training_file")
     if validation is not None:
         _check_kind(validation, method_type, "validation_file")
+    if method_type == "reinforcement":
+        assert body.method is not None and body.method.reinforcement is not None
+        return plan_reinforcement(
+            body,
+            body.method.reinforcement,
+            training=training,
+            validation=validation,
+            seed=seed,
+            n_params=n_params if n_params is not None else preset_params_of(body.model),
+        )
     spec_cls: type[SftSpec] | type[DpoSpec] = SftSpec if method_type == "supervised" else DpoSpec
     algorithm = "sft" if method_type == "supervised" else "dpo"
     defaults = (
@@ -362,6 +381,18 @@ def method_from_spec(spec: dict[str, Any]) -> Method:
             type="supervised",
             supervised=SupervisedMethod(hyperparameters=SupervisedMethodHyperparameters(**common)),
         )
+    if spec["algorithm"] == "grpo":
+        grader = next(r["grader"] for r in spec.get("rewards", []) if r.get("grader"))
+        rl_hp = ReinforcementMethodHyperparameters(
+            **common | {"batch_size": hp.get("prompts_per_step", 8)},
+            compute_multiplier=hp.get("samples_per_prompt", 4) / 4,
+            eval_interval=hp.get("eval_every"),
+            eval_samples=hp.get("eval_max_rows"),
+        )
+        return Method(
+            type="reinforcement",
+            reinforcement=ReinforcementMethod.model_validate({"grader": grader, "hyperparameters": rl_hp}),
+        )
     beta = hp.get("beta", DpoSpecHyperparameters.model_fields["beta"].default)
     return Method(type="dpo", dpo=DpoMethod(hyperparameters=DpoMethodHyperparameters(**common, beta=beta)))
 
@@ -371,7 +402,9 @@ def job_object(run: Run, method: Method | None = None, trained_tokens: int | Non
     ``trained_tokens``: the run's last ``tokens/trained`` metric (reported once it succeeded)."""
     spec = run.spec
     method = method or method_from_spec(spec)
-    config = method.supervised if method.type == "supervised" else method.dpo
+    config = {"supervised": method.supervised, "dpo": method.dpo, "reinforcement": method.reinforcement}[
+        method.type
+    ]
     given = config.hyperparameters if config is not None and config.hyperparameters else None
     validation = spec.get("validation_dataset_id")
     return FineTuningJob(

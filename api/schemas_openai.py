@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
 
 from api.schemas import NulFreeStr
+from trainer.specs.graders import Grader
 
 MetadataKey = Annotated[NulFreeStr, Field(max_length=64)]
 MetadataValue = Annotated[NulFreeStr, Field(max_length=512)]
@@ -124,6 +125,36 @@ class DpoMethodHyperparameters(SupervisedMethodHyperparameters):
     )
 
 
+ComputeMultiplier = Annotated[
+    Literal["auto"] | float, _auto_or(float, 0, 64, above=True), _auto_schema(float, 0, 64, above=True)
+]
+Interval = Annotated[Literal["auto"] | int, _auto_or(int, 1, 1_000_000), _auto_schema(int, 1, 1_000_000)]
+
+
+class ReinforcementMethodHyperparameters(SupervisedMethodHyperparameters):
+    """`auto` picks: 1 epoch, batch min(8, rows) prompts, multiplier 1, compute multiplier 1 (4 samples
+    per prompt), eval every 10 steps on up to 64 validation prompts (docs/openai.md, "Reinforcement")."""
+
+    compute_multiplier: ComputeMultiplier | None = Field(
+        default=None,
+        description="Samples per prompt (the group size) relative to 4: round(4 x multiplier), at least 2.",
+    )
+    eval_interval: Interval | None = Field(default=None, description="Steps between validation evals.")
+    eval_samples: Interval | None = Field(
+        default=None, description="Validation prompts each eval reads (greedy answers, graded)."
+    )
+    reasoning_effort: Literal["default", "low", "medium", "high"] | None = Field(
+        default=None,
+        description="OpenAI's reasoning models only: refused unless `default` (rlrun trains the model as "
+        "it is).",
+    )
+
+
+class ReinforcementMethod(_In):
+    grader: Grader = Field(description="The reward: string_check, text_similarity, python or multi.")
+    hyperparameters: ReinforcementMethodHyperparameters | None = None
+
+
 class SupervisedMethod(_In):
     hyperparameters: SupervisedMethodHyperparameters | None = None
 
@@ -134,12 +165,13 @@ class DpoMethod(_In):
 
 class Method(_In):
     """`supervised` -> an rlrun `sft` run (file of chat `messages` lines); `dpo` -> a `dpo` run (file of
-    `input`/`preferred_output`/`non_preferred_output` lines). `reinforcement` is refused."""
+    `input`/`preferred_output`/`non_preferred_output` lines); `reinforcement` -> a `grpo` run rewarded by
+    the grader (file of chat `messages` lines ending in a user turn, with the fields the grader reads)."""
 
     type: MethodType
     supervised: SupervisedMethod | None = None
     dpo: DpoMethod | None = None
-    reinforcement: dict[str, Any] | None = Field(default=None, description="Not supported by rlrun.")
+    reinforcement: ReinforcementMethod | None = None
 
 
 class FineTuningJobCreate(_In):
@@ -179,7 +211,8 @@ class JobHyperparameters(BaseModel):
 
 
 class FineTuningJob(BaseModel):
-    """A fine-tuning job: an rlrun `sft` or `dpo` run, seen through OpenAI's job object."""
+    """A fine-tuning job: an rlrun `sft`, `dpo` or (reinforcement) `grpo` run, seen through OpenAI's job
+    object."""
 
     id: str = Field(description="`ftjob-<run id hex>`.")
     object: Literal["fine_tuning.job"] = "fine_tuning.job"

@@ -299,12 +299,32 @@ def normalize_ranking(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return {"prompt": prompt, "responses": list(responses)}, "plain"
 
 
+def is_rft_line(obj: dict[str, Any]) -> bool:
+    """An OpenAI reinforcement fine-tuning line: chat ``messages`` whose last turn is not the assistant's
+    (the model writes that one), with no ``prompt``/``question`` of its own."""
+    messages = obj.get("messages")
+    if "prompt" in obj or "question" in obj or not isinstance(messages, list) or not messages:
+        return False
+    last = messages[-1]
+    return isinstance(last, dict) and last.get("role") != "assistant"
+
+
 def normalize_prompts(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """Prompts for online RL -> ``{"prompt", "answer": str | None, "meta": {other fields}}``.
 
-    Formats: ``plain`` {prompt, answer?, ...}; ``question`` {question, answer?, ...} (GSM8K-style lines).
-    A numeric answer is kept as its decimal text.
+    Formats: ``plain`` {prompt, answer?, ...}; ``question`` {question, answer?, ...} (GSM8K-style lines);
+    ``rft`` {messages: [..., user turn], ...} (OpenAI's reinforcement fine-tuning lines: the messages are
+    the prompt, every other field is the item graders read). A numeric answer is kept as its decimal text;
+    in ``rft`` lines an answer of another JSON type stays in ``meta`` (graders read it as ``item.answer``).
     """
+    if is_rft_line(obj):
+        messages = _messages(obj["messages"], "messages")
+        if messages[-1]["role"] == "assistant":
+            raise LineError("'messages' must end with the turn the model answers, not an assistant one")
+        answer = obj.get("answer")
+        scalar = isinstance(answer, str | int | float) and not isinstance(answer, bool)
+        meta = {k: v for k, v in obj.items() if k != "messages" and (k != "answer" or not scalar)}
+        return {"prompt": messages, "answer": str(answer) if scalar else None, "meta": meta}, "rft"
     key, fmt = ("prompt", "plain") if "prompt" in obj or "question" not in obj else ("question", "question")
     prompt = _prompt(obj, key)
     answer = obj.get("answer")
@@ -336,7 +356,10 @@ DETECT_LINES = 20  # non-blank lines read to detect a kind (or to check one) bef
 
 
 def detect_kind(obj: dict[str, Any]) -> str | None:
-    """The dataset kind a parsed line's keys say (see ``KIND_KEYS``), or None when they say none."""
+    """The dataset kind a parsed line's keys say (see ``KIND_KEYS``; chat ``messages`` that end before the
+    assistant's turn are an RFT prompts line), or None when they say none."""
+    if is_rft_line(obj):
+        return "prompts"
     return next((kind for kind, keys in KIND_KEYS if any(k in obj for k in keys)), None)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from sqlalchemy import Text, cast, func, or_, select
+from sqlalchemy import ColumnElement, Text, and_, cast, exists, func, or_, select
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError, DatasetNotFound, FileInUse, FileNotFound, JobNotFound, RunNotFound
@@ -69,7 +69,7 @@ def get_job(*, session: Session, job: str, project_id: uuid.UUID, param: str) ->
         if run_id is None:
             raise RunNotFound(job)
         run = get_run(session=session, run_id=run_id, project_id=project_id)
-        if run.algorithm not in JOB_ALGORITHMS:
+        if not session.scalar(select(job_filter()).where(Run.id == run.id)):
             raise RunNotFound(job)
     except RunNotFound:
         raise JobNotFound(f"No such fine-tuning job: {job}", field=param) from None
@@ -87,13 +87,23 @@ def job_methods(*, session: Session, run_ids: Sequence[uuid.UUID]) -> dict[uuid.
 
 
 def list_jobs(*, session: Session, project_id: uuid.UUID, after: str | None, limit: int) -> Slice[Run]:
-    """The project's jobs (its sft and dpo runs), newest first, after the job ``after``."""
+    """The project's jobs (``job_filter``), newest first, after the job ``after``."""
     key = None
     if after is not None:
         anchor = get_job(session=session, job=after, project_id=project_id, param="after")
         key = RUNS_ORDER.key_of(anchor)
-    stmt = select(Run).where(Run.project_id == project_id, Run.algorithm.in_(JOB_ALGORITHMS))
+    stmt = select(Run).where(Run.project_id == project_id, job_filter())
     return paginate(session, stmt, RUNS_ORDER, limit=limit, after=key)
+
+
+def job_filter() -> ColumnElement[bool]:
+    """Which runs are jobs: every sft and dpo run, and the grpo runs made as reinforcement jobs (they
+    carry the job's creation event; a grpo run submitted to /v1/runs is not a job)."""
+    made_as_job = exists().where(Event.run_id == Run.id, Event.kind == CREATED_EVENT)
+    return or_(
+        Run.algorithm.in_([a for a in JOB_ALGORITHMS if a != "grpo"]),
+        and_(Run.algorithm == "grpo", made_as_job),
+    )
 
 
 def list_job_events(*, session: Session, run_id: uuid.UUID, after: str | None, limit: int) -> Slice[Event]:

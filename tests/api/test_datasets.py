@@ -304,6 +304,42 @@ def test_prompts_kind_keeps_extra_fields_as_meta(session: Session) -> None:
     ]
 
 
+def test_openai_reinforcement_lines_upload_as_prompts_detected_or_named(session: Session) -> None:
+    lines = [
+        {
+            "messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": "2+2?"}],
+            "answer": 4,
+        },
+        {"messages": [{"role": "user", "content": "capital?"}], "answer": {"city": "Oslo"}, "tags": ["geo"]},
+    ]
+    with api_client(session) as client:
+        # no kind given: the messages end in a user turn
+        detected = client.post("/v1/datasets", files={"file": ("rft.jsonl", jsonl(lines))})
+        named = upload(client, jsonl(lines), kind="prompts")
+        as_sft = upload(client, jsonl(lines), kind="sft")
+        ends_with_assistant = upload(
+            client,
+            jsonl([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]),
+            kind="prompts",
+        )
+        assert detected.status_code == named.status_code == 201, detected.text
+        assert detected.json()["kind"] == "prompts" and detected.json()["stats"]["source_formats"] == {
+            "rft": 2
+        }
+        got = rows_of(client, detected.json()["id"])
+    assert got == [
+        {"prompt": lines[0]["messages"], "answer": "4", "meta": {}},
+        # an answer that is no string or number stays a field for graders (item.answer)
+        {
+            "prompt": lines[1]["messages"],
+            "answer": None,
+            "meta": {"answer": {"city": "Oslo"}, "tags": ["geo"]},
+        },
+    ]
+    assert as_sft.status_code == 422 and "assistant message" in as_sft.text
+    assert ends_with_assistant.status_code == 422 and "missing field 'prompt'" in ends_with_assistant.text
+
+
 def test_dataset_kind_names_agree_between_api_and_db() -> None:
     from typing import get_args
 

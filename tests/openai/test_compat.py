@@ -122,7 +122,12 @@ def test_refusals_name_the_openai_parameter() -> None:
     assert "preferred_output" in dpo_on_sft.message and mapping.file_id(sft.id) in dpo_on_sft.message
     assert refusal(request(pref), pref).field == "training_file"  # supervised is the default method
     assert refusal(request(pref, method={"type": "dpo"}), pref, validation=sft).field == "validation_file"
-    assert refusal(request(sft, method={"type": "reinforcement"}), sft).field == "method.type"
+    assert refusal(request(sft, method={"type": "reinforcement"}), sft).field == "method.reinforcement"
+    grader = {"type": "string_check", "name": "g", "input": "a", "reference": "a", "operation": "eq"}
+    rft_on_sft = refusal(
+        request(sft, method={"type": "reinforcement", "reinforcement": {"grader": grader}}), sft
+    )
+    assert rft_on_sft.field == "training_file" and "ending in a user turn" in rft_on_sft.message
     assert refusal(request(sft, method={"type": "supervised", "dpo": {}}), sft).field == "method.dpo"
     assert refusal(request(sft, model="tiny:nope"), sft).field == "model"
     assert refusal(request(sft, integrations=[{"type": "wandb"}]), sft).field == "integrations"

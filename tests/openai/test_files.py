@@ -77,7 +77,7 @@ def test_a_malformed_file_names_the_line_and_stores_no_dataset(session: Session)
 def test_list_pages_newest_first_with_after_and_limit(session: Session) -> None:
     base = utcnow() + timedelta(days=1)  # newer than anything else in the shared database
     made = [make_dataset(session, kind="sft", created_at=base + timedelta(seconds=i)) for i in range(3)]
-    prompts = make_dataset(session, kind="prompts", created_at=base + timedelta(seconds=9))
+    ranking = make_dataset(session, kind="ranking", created_at=base + timedelta(seconds=9))
     ids = [f"file-{d.id.hex}" for d in made]
     with api_client(session) as client:
         p1 = client.get("/v1/files", params={"limit": 2}).json()
@@ -89,7 +89,7 @@ def test_list_pages_newest_first_with_after_and_limit(session: Session) -> None:
     assert (p1["first_id"], p1["last_id"]) == (ids[2], ids[1])
     assert [f["id"] for f in p2["data"]] == [ids[0]]
     assert [f["id"] for f in oldest_first["data"]] == [ids[1]]
-    assert f"file-{prompts.id.hex}" not in [f["id"] for f in p1["data"]]  # not a fine-tuning file
+    assert f"file-{ranking.id.hex}" not in [f["id"] for f in p1["data"]]  # not a fine-tuning file
     assert other["data"] == [] and not other["has_more"]
     assert bad_after.status_code == 404 and openai_error(bad_after)["param"] == "after"
 

@@ -114,7 +114,11 @@ def test_refused_requests_answer_in_openai_shape_and_store_nothing(session: Sess
     cases: dict[str, tuple[int, dict[str, Any]]] = {
         "training_file": (404, dpo_job(f"file-{uuid.uuid4().hex}")),
         "validation_file": (404, dpo_job(file, validation_file="file-nope")),
-        "method.type": (400, {"model": "m", "training_file": file, "method": {"type": "reinforcement"}}),
+        "method.type": (400, {"model": "m", "training_file": file, "method": {"type": "unsupervised"}}),
+        "method.reinforcement": (
+            400,
+            {"model": "m", "training_file": file, "method": {"type": "reinforcement"}},
+        ),
         "model": (400, {"training_file": file}),
         "method.dpo.hyperparameters.n_epochs": (
             400,
@@ -146,7 +150,7 @@ def test_list_pages_newest_first_and_shows_only_sft_and_dpo_runs(session: Sessio
         "dataset_id": str(ds.id),
         "hyperparameters": {"max_steps": 1},
     }
-    make_run(
+    native_grpo = make_run(  # a grpo run not made as a reinforcement job is no job
         session,
         ds,
         algorithm="grpo",
@@ -155,6 +159,7 @@ def test_list_pages_newest_first_and_shows_only_sft_and_dpo_runs(session: Sessio
     )
     ids = [f"ftjob-{r.id.hex}" for r in made]
     with api_client(session) as client:
+        assert client.get(f"/v1/fine_tuning/jobs/ftjob-{native_grpo.id.hex}").status_code == 404
         p1 = client.get("/v1/fine_tuning/jobs", params={"limit": 2}).json()
         p2 = client.get("/v1/fine_tuning/jobs", params={"limit": 2, "after": p1["data"][-1]["id"]}).json()
         unknown_after = client.get("/v1/fine_tuning/jobs", params={"after": f"ftjob-{uuid.uuid4().hex}"})

@@ -180,10 +180,112 @@ def test_sdk_errors_are_typed_and_name_the_parameter(sdk: openai.OpenAI) -> None
     assert wrong_kind.value.param == "training_file" and "preferred_output" in wrong_kind.value.message
     with pytest.raises(openai.BadRequestError) as rft:
         sdk.fine_tuning.jobs.create(
-            model="tiny:llama-0.4m", training_file=chat.id, method={"type": "reinforcement"}
+            model="tiny:llama-0.4m",
+            training_file=chat.id,
+            method={"type": "reinforcement", "reinforcement": {"grader": EXACT}},  # type: ignore[typeddict-item]
         )
-    assert rft.value.param == "method.type"
+    assert rft.value.param == "training_file" and "ending in a user turn" in rft.value.message
+    rft_file = sdk.files.create(file=("rft.jsonl", jsonl(rft_lines(4))), purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError) as effort:
+        sdk.fine_tuning.jobs.create(
+            model="tiny:llama-0.4m",
+            training_file=rft_file.id,
+            method={
+                "type": "reinforcement",
+                "reinforcement": {"grader": EXACT, "hyperparameters": {"reasoning_effort": "high"}},
+            },  # type: ignore[typeddict-item]
+        )
+    assert effort.value.param == "method.reinforcement.hyperparameters.reasoning_effort"
+    with pytest.raises(openai.BadRequestError) as escape:
+        sdk.fine_tuning.jobs.create(
+            model="tiny:llama-0.4m",
+            training_file=rft_file.id,
+            method={
+                "type": "reinforcement",
+                "reinforcement": {"grader": {**EXACT, "input": "{{os.environ}}"}},
+            },  # type: ignore[typeddict-item]
+        )
+    assert escape.value.param is not None and escape.value.param.startswith("method.reinforcement.grader")
     bad = jsonl(chat_lines(2)) + b'{"messages": []}\n'
     with pytest.raises(openai.BadRequestError) as malformed:
         sdk.files.create(file=("bad.jsonl", bad), purpose="fine-tune")
     assert malformed.value.param == "file" and "line 3" in malformed.value.message
+
+
+EXACT = {
+    "type": "string_check",
+    "name": "exact",
+    "input": "{{sample.output_text}}",
+    "reference": "{{item.answer}}",
+    "operation": "like",
+}
+CLOSE = {
+    "type": "python",
+    "name": "close",
+    "source": "import re\n"
+    "def grade(sample, item):\n"
+    "    numbers = re.findall(r'-?\\d+', sample['output_text'])\n"
+    "    if not numbers:\n"
+    "        return 0.0\n"
+    "    return 1.0 / (1.0 + abs(int(numbers[-1]) - int(item['answer'])))\n",
+}
+
+
+def rft_lines(n: int) -> list[dict[str, Any]]:
+    """OpenAI's reinforcement lines: messages ending in the user's turn, and the fields graders read."""
+    return [
+        {"messages": [{"role": "user", "content": f"{i}+{i}="}], "answer": str(2 * i), "level": i % 3}
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize(
+    "grader",
+    [
+        pytest.param(CLOSE, id="python"),
+        pytest.param(
+            {
+                "type": "multi",
+                "name": "mixed",
+                "graders": {"exact": EXACT, "close": CLOSE},
+                "calculate_output": "0.5 * exact + 0.5 * close",
+            },
+            id="multi",
+        ),
+    ],
+)
+def test_a_reinforcement_job_with_a_grader(
+    sdk: openai.OpenAI, served: httpx.Client, grader: dict[str, Any]
+) -> None:
+    file = sdk.files.create(file=("rft.jsonl", jsonl(rft_lines(8))), purpose="fine-tune")
+    job = sdk.fine_tuning.jobs.create(
+        model="tiny:llama-0.4m",
+        training_file=file.id,
+        validation_file=file.id,
+        method={
+            "type": "reinforcement",
+            "reinforcement": {
+                "grader": grader,
+                "hyperparameters": {
+                    "n_epochs": 1,
+                    "batch_size": 4,
+                    "compute_multiplier": 0.5,
+                    "eval_interval": 1,
+                },
+            },
+        },  # type: ignore[typeddict-item]
+    )
+    assert job.method is not None and job.method.type == "reinforcement"
+    done = wait(sdk, job.id)
+    assert done.status == "succeeded", done
+    assert done.fine_tuned_model == f"run:{run_id(job.id)}" and done.method.reinforcement is not None
+    assert done.method.reinforcement.grader.name == grader["name"]
+    hp = done.method.reinforcement.hyperparameters
+    assert hp is not None and (hp.n_epochs, hp.batch_size, hp.compute_multiplier) == (1, 4, 0.5)
+    run = served.get(f"/v1/runs/{run_id(job.id)}").json()
+    assert run["algorithm"] == "grpo" and run["spec"]["rewards"][0]["grader"]["name"] == grader["name"]
+    # 8 rows / 4 prompts per step = 2 steps of 4 prompts x 2 samples (round(4 x 0.5))
+    assert run["progress"]["step"] == 2 and run["spec"]["hyperparameters"]["samples_per_prompt"] == 2
+    keys = {m["key"] for m in all_metrics(served, str(run_id(job.id)))}
+    assert {f"reward/{grader['name']}/mean", "reward/failures", "eval/accuracy"} <= keys
+    assert job.id in [j.id for j in sdk.fine_tuning.jobs.list(limit=100)]
