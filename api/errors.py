@@ -199,11 +199,18 @@ def field_path(loc: tuple[int | str, ...] | list[int | str]) -> str:
     return ".".join(parts)
 
 
+_NAMED_IN_MESSAGE = re.compile(r"^Value error, ([a-z_][a-z0-9_.]*): ")
+
+
 def _error_field(error: Any) -> str:
     path = field_path(error.get("loc", ()))
     if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):  # the discriminator itself
         tag = str(error.get("ctx", {}).get("discriminator", "algorithm")).strip("'")
         path = f"{path}.{tag}" if path else tag
+    # A check over several fields (a model validator) names the one at fault first: "field: why".
+    named = _NAMED_IN_MESSAGE.match(str(error.get("msg", "")))
+    if named and not path.endswith(named.group(1)):
+        path = f"{path}.{named.group(1)}" if path else named.group(1)
     return path
 
 

@@ -34,11 +34,11 @@ def t(*xs: float) -> torch.Tensor:
 
 
 def test_registry_keys() -> None:
-    assert set(PREFERENCE_LOSSES) == {"sigmoid", "cdpo", "robust", "ipo", "hinge"}
+    assert set(PREFERENCE_LOSSES) == {"sigmoid", "cdpo", "robust", "ipo", "hinge", "simpo"}
 
 
 def test_unknown_name_lists_valid_names() -> None:
-    with pytest.raises(ValueError, match="cdpo, hinge, ipo, robust, sigmoid"):
+    with pytest.raises(ValueError, match="cdpo, hinge, ipo, robust, sigmoid, simpo"):
         get_preference_loss("dpo")
     assert get_preference_loss("ipo") is ipo
 

@@ -35,7 +35,7 @@ REGISTRIES: list[tuple[Mapping[str, Any], Callable[[str], Any], set[str]]] = [
         {"token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"},
     ),
     (KL_CONTROLLERS, get_kl_controller, {"fixed", "adaptive"}),
-    (PREFERENCE_LOSSES, get_preference_loss, {"sigmoid", "cdpo", "robust", "ipo", "hinge"}),
+    (PREFERENCE_LOSSES, get_preference_loss, {"sigmoid", "cdpo", "robust", "ipo", "hinge", "simpo"}),
 ]
 IDS = ["advantages", "policy_losses", "kl", "aggregation", "kl_control", "preference_losses"]
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import math
 import re
 import tarfile
 from collections.abc import Iterator
@@ -92,10 +93,17 @@ def test_every_run_kind_trains_an_adapter_with_accumulation(
         "dpo": submit(client, "dpo", pairs, hyperparameters=offline),
         "grpo": submit(client, "grpo", prompts, rewards=[{"name": "numeric"}], hyperparameters=online),
         "ppo": submit(client, "ppo", prompts, rewards=[{"name": "numeric"}], hyperparameters=online),
+        # issue 22's run types: reference-free preference losses and the newer policy losses
+        "orpo": submit(client, "orpo", pairs, hyperparameters=offline),
+        "simpo": submit(client, "dpo", pairs, hyperparameters=offline | {"loss_type": "simpo"}),
+        "gspo": submit(client, "gspo", prompts, rewards=[{"name": "numeric"}], hyperparameters=online),
+        "cispo": submit(client, "cispo", prompts, rewards=[{"name": "numeric"}], hyperparameters=online),
     }
     for algorithm, run_id in runs.items():
         done = wait_for(client, run_id, lambda r: r["status"] in FINISHED)
         assert done["status"] == "succeeded", (algorithm, done)
+        losses = [m["value"] for m in all_metrics(client, run_id) if m["key"] in ("loss", "loss/total")]
+        assert losses and all(math.isfinite(v) for v in losses), (algorithm, losses)
         output = Path(done["output_path"])
         assert is_adapter_folder(output) and (output / BASE_FILE).exists(), algorithm
         assert not (output / "model.safetensors").exists(), algorithm  # the adapter, not a model copy

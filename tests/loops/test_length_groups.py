@@ -24,11 +24,11 @@ from trainer.loops import dpo as dpo_loop
 from trainer.loops.dpo import (
     PairGrouping,
     PairObjective,
-    chosen_tokens,
     in_row_order,
     micro_losses,
     pair_collate,
     pair_grouping,
+    pair_tokens,
     run_dpo,
 )
 from trainer.models import load_causal_lm, tiny_model_dir
@@ -158,7 +158,7 @@ def test_grouped_passes_give_the_one_pass_gradient(tiny_cache: Path) -> None:
         out: dict[str, list[torch.Tensor]] = {}
         model.zero_grad()
         objective = PairObjective(PREFERENCE_LOSSES["sigmoid"], params)
-        tokens = chosen_tokens(pairs)
+        tokens = pair_tokens(pairs)
         for loss in micro_losses(model, parts, ref, tokens, objective, cpu, out, len(pairs)):
             loss.backward()
         values.append(torch.stack([in_row_order(out, "chosen"), in_row_order(out, "rejected")]))

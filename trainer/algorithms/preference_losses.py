@@ -27,10 +27,12 @@ class PreferenceParams:
             it is the regulariser tau: the target margin is ``1 / (2 beta)``. Must be > 0.
         label_smoothing: assumed probability eps that a preference label is flipped; read by ``cdpo``
             (0 <= eps <= 1) and ``robust`` (0 <= eps < 0.5). Ignored by the other losses.
+        gamma: ``simpo``'s target reward margin (>= 0). Ignored by the other losses.
     """
 
     beta: float = 0.1
     label_smoothing: float = 0.0
+    gamma: float = 0.0  # simpo's target reward margin
 
 
 PreferenceLossFn = Callable[[Tensor, Tensor, PreferenceParams], Tensor]
@@ -143,6 +145,66 @@ def hinge(chosen_logratio: Tensor, rejected_logratio: Tensor, p: PreferenceParam
     return torch.relu(1.0 - p.beta * (chosen_logratio - rejected_logratio))
 
 
+def simpo(chosen_avg_logp: Tensor, rejected_avg_logp: Tensor, p: PreferenceParams) -> Tensor:
+    """SimPO: the length-normalised log-likelihood as the implicit reward, with a target margin; no
+    reference model.
+
+    Args:
+        chosen_avg_logp: (B,) ``log pi(y_w|x) / |y_w|``, the chosen answer's mean token log-prob (the caller
+            passes averages, not log-ratios: SimPO is reference-free).
+        rejected_avg_logp: (B,) the same for the rejected answer.
+        p: ``beta`` (the reward scale; the paper uses 2.0 to 2.5) and ``gamma`` (the margin, >= 0).
+
+    Returns:
+        (B,) per-pair loss.
+
+    Formula: ``-log sigmoid(beta * (c - r) - gamma)`` with ``c, r`` the mean token log-probs.
+    Source: Meng, Xia and Chen 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward",
+        eq. 6 (TRL's CPOTrainer ``loss_type="simpo"`` subtracts ``gamma / beta`` inside the ``beta *``, the
+        same value).
+    Degenerate: equal averages give ``log(1 + e^gamma)`` (``log 2`` at gamma 0).
+    """
+    return -F.logsigmoid(p.beta * (chosen_avg_logp - rejected_avg_logp) - p.gamma)
+
+
+def log_odds(avg_logp: Tensor) -> Tensor:
+    """The log-odds of a length-normalised likelihood, as ORPO defines odds.
+
+    Args:
+        avg_logp: (B,) mean token log-probs (< 0); values above -1e-6 are taken as -1e-6 (P < 1).
+
+    Returns:
+        (B,) ``log(P / (1 - P))`` with ``P = exp(avg_logp)``.
+
+    Formula: ``avg_logp - log(1 - exp(avg_logp))``, the second term with ``log1p(-exp(x))`` (exact near 0
+    and for very negative x).
+    Source: Hong, Lee and Thorne 2024, "ORPO", eq. 4 (odds) with eq. 5's length-normalised likelihood.
+    Degenerate: P -> 1 would be +inf; the clamp keeps it finite (about 13.8).
+    """
+    return avg_logp - torch.log1p(-torch.exp(avg_logp.clamp(max=-1e-6)))
+
+
+def orpo_odds_ratio(chosen_avg_logp: Tensor, rejected_avg_logp: Tensor, p: PreferenceParams) -> Tensor:
+    """ORPO's odds-ratio term (the preference part; the full ORPO loss adds the chosen answer's NLL).
+
+    Args:
+        chosen_avg_logp: (B,) the chosen answer's mean token log-prob ``log P_theta(y_w|x)``.
+        rejected_avg_logp: (B,) the rejected answer's.
+        p: ``beta`` is ORPO's lambda (the weight of this term); ``label_smoothing`` is ignored.
+
+    Returns:
+        (B,) ``lambda * L_OR``.
+
+    Formula: ``odds(y|x) = P(y|x) / (1 - P(y|x))`` with ``P`` the length-normalised likelihood
+    ``exp(mean token log-prob)``; ``L_OR = -log sigmoid(log odds(y_w|x) - log odds(y_l|x))``; the ORPO
+    objective is ``L_SFT + lambda * L_OR`` (the loop adds ``L_SFT``, the chosen NLL per token).
+    Source: Hong, Lee and Thorne 2024, "ORPO: Monolithic Preference Optimization without Reference
+        Model", eqs. 4-7.
+    Degenerate: equal likelihoods give ``lambda * log 2``.
+    """
+    return -p.beta * F.logsigmoid(log_odds(chosen_avg_logp) - log_odds(rejected_avg_logp))
+
+
 def chosen_nll(chosen_logps: Tensor, chosen_tokens: Tensor) -> Tensor:
     """RPO's negative log-likelihood term: the chosen answer's NLL per token, one value per pair.
 
@@ -251,5 +313,10 @@ PREFERENCE_LOSSES: Mapping[str, PreferenceLossFn] = MappingProxyType(
         "robust": robust,
         "ipo": ipo,
         "hinge": hinge,
+        "simpo": simpo,
     }
 )
+# Losses of length-normalised log-likelihoods with no reference model: the loop passes each answer's mean
+# token log-prob instead of a log-ratio, and loads no reference. ORPO's odds-ratio term
+# (``orpo_odds_ratio``) is one too; it is the `orpo` run type's, not a DPO `loss_type`.
+REFERENCE_FREE_LOSSES = frozenset({"simpo"})

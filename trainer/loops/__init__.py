@@ -43,7 +43,7 @@ LOOPS: Mapping[str, Loop] = MappingProxyType(
     {
         name: in_precision(loop)
         for name, loop in (
-            {"dpo": run_dpo, "sft": run_sft, "reward_model": run_reward_model}
+            {"dpo": run_dpo, "orpo": run_dpo, "sft": run_sft, "reward_model": run_reward_model}
             | {"eval": run_eval, "merge": run_merge}
             | dict.fromkeys(get_args(GroupAlgorithm), run_group_rl)
             | dict.fromkeys(get_args(PpoAlgorithm), run_ppo)

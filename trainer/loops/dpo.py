@@ -24,9 +24,11 @@ from trainer.adapters import adapter_off, has_adapter
 from trainer.algorithms.logprobs import token_logprobs
 from trainer.algorithms.preference_losses import (
     PREFERENCE_LOSSES,
+    REFERENCE_FREE_LOSSES,
     PreferenceLossFn,
     PreferenceParams,
     chosen_nll,
+    orpo_odds_ratio,
 )
 from trainer.data.length_groups import (
     CPU_PASS_OVERHEAD,
@@ -59,7 +61,7 @@ from trainer.models import load_causal_lm
 from trainer.phases import Phase
 from trainer.precision import frozen_dtype
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
-from trainer.specs import DpoSpec
+from trainer.specs import DpoHyperparameters, DpoSpec, OrpoSpec
 
 # Pairs per no-grad pass (reference log-probs, evaluation) at most; never more than a training
 # (micro-)batch, so these passes never need more activation memory than a step.
@@ -270,31 +272,81 @@ def pair_stats(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float) 
     }
 
 
-def chosen_tokens(pairs: Sequence[TokenizedPair]) -> Tensor:
-    """(B,) how many tokens of each pair's chosen answer are scored: all of them after a prompt; without
-    a prompt the first has nothing to be predicted from (every layout skips it)."""
-    return torch.tensor([len(p.chosen) - (0 if p.prompt else 1) for p in pairs], dtype=torch.float32)
+def pair_tokens(pairs: Sequence[TokenizedPair]) -> Tensor:
+    """(B, 2) how many tokens of each pair's chosen and rejected answer are scored: all of them after a
+    prompt; without a prompt the first has nothing to be predicted from (every layout skips it)."""
+    skip = [0 if p.prompt else 1 for p in pairs]
+    return torch.tensor(
+        [[len(p.chosen) - k, len(p.rejected) - k] for p, k in zip(pairs, skip, strict=True)],
+        dtype=torch.float32,
+    ).reshape(len(pairs), 2)
 
 
 @dataclass(frozen=True)
 class PairObjective:
-    """What a pair costs: the preference loss ``loss_fn`` of its log-ratios, plus ``rpo_alpha`` times its
-    chosen answer's per-token NLL (``chosen_nll``; RPO) when ``rpo_alpha`` > 0."""
+    """What a pair costs: the preference loss ``loss_fn`` of its two answers' scores, plus ``rpo_alpha``
+    times its chosen answer's per-token NLL (``chosen_nll``; RPO, and ORPO's SFT term) when > 0.
+
+    The scores are log-ratios to the reference (``log pi - log pi_ref``, summed over tokens), or with
+    ``length_normalized`` (SimPO, ORPO: no reference) each answer's mean token log-prob."""
 
     loss_fn: PreferenceLossFn
     params: PreferenceParams
     rpo_alpha: float = 0.0
+    length_normalized: bool = False
+
+    def scores(self, chosen: Tensor, rejected: Tensor, ref: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """What ``loss_fn`` reads for pairs with policy log-probs ``chosen``/``rejected`` (B,), reference
+        ``ref`` (B, 2) and ``tokens`` (B, 2) scored tokens."""
+        if self.length_normalized:
+            counts = tokens.to(chosen.device).clamp(min=1.0)
+            return chosen / counts[:, 0], rejected / counts[:, 1]
+        return chosen - ref[:, 0], rejected - ref[:, 1]
 
     def per_pair(
         self, chosen: Tensor, rejected: Tensor, ref: Tensor, tokens: Tensor
     ) -> tuple[Tensor, Tensor | None]:
-        """(B,) losses of pairs with policy log-probs ``chosen``/``rejected``, reference ``ref`` (B, 2) and
-        ``tokens`` scored chosen tokens; and (B,) their chosen NLL per token (None without RPO)."""
-        loss = self.loss_fn(chosen - ref[:, 0], rejected - ref[:, 1], self.params)
+        """(B,) losses of the pairs (see ``scores``), and (B,) their chosen NLL per token (None without
+        an NLL term)."""
+        loss = self.loss_fn(*self.scores(chosen, rejected, ref, tokens), self.params)
         if self.rpo_alpha == 0:
             return loss, None
-        nll = chosen_nll(chosen, tokens.to(chosen.device))
+        nll = chosen_nll(chosen, tokens[:, 0].to(chosen.device))
         return loss + self.rpo_alpha * nll, nll
+
+
+def pair_objective(spec: DpoSpec | OrpoSpec) -> PairObjective:
+    """The objective of a dpo run (its ``loss_type``; simpo reference-free) or an orpo run (the chosen
+    NLL plus lambda times the odds-ratio term, reference-free)."""
+    hp = spec.hyperparameters
+    if isinstance(spec, OrpoSpec):
+        return PairObjective(orpo_odds_ratio, PreferenceParams(beta=hp.beta), 1.0, length_normalized=True)
+    assert isinstance(hp, DpoHyperparameters)
+    return PairObjective(
+        PREFERENCE_LOSSES[hp.loss_type],
+        PreferenceParams(beta=hp.beta, label_smoothing=hp.label_smoothing, gamma=hp.gamma),
+        hp.rpo_alpha,
+        length_normalized=hp.loss_type in REFERENCE_FREE_LOSSES,
+    )
+
+
+class NoReference:
+    """The reference values of a reference-free objective: zeros, never computed, nothing to keep."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def get(self, idx: Sequence[int]) -> Tensor:
+        return torch.zeros(len(idx), 2)
+
+    def sync(self, ranks: Ranks) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {}
+
+    def load(self, state: dict[str, Tensor]) -> None:
+        pass
 
 
 def evaluate(
@@ -312,9 +364,10 @@ def evaluate(
 ) -> dict[str, float]:
     """``<prefix>/*`` metrics over ``pairs`` (reference log-probs ``ref``) with the current policy."""
     logps = all_pair_logps(model, pairs, collate, batch_size, device, progress, grouping, equal_passes)
-    chosen_logratio, rejected_logratio = logps[:, 0] - ref[:, 0], logps[:, 1] - ref[:, 1]
-    stats = pair_stats(chosen_logratio, rejected_logratio, objective.params.beta)
-    loss, nll = objective.per_pair(logps[:, 0], logps[:, 1], ref, chosen_tokens(pairs))
+    tokens = pair_tokens(pairs)
+    chosen_score, rejected_score = objective.scores(logps[:, 0], logps[:, 1], ref, tokens)
+    stats = pair_stats(chosen_score, rejected_score, objective.params.beta)
+    loss, nll = objective.per_pair(logps[:, 0], logps[:, 1], ref, tokens)
     stats["loss"] = loss.mean()
     if nll is not None:
         stats["nll/chosen"] = nll.mean()
@@ -382,11 +435,14 @@ class Reference:
         return self.model
 
 
-def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
-    """Train ``spec.model`` with the preference loss ``spec.hyperparameters.loss_type``."""
+def run_dpo(spec: DpoSpec | OrpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
+    """Train ``spec.model`` with the preference loss ``spec.hyperparameters.loss_type`` (a dpo run) or
+    ORPO's (an orpo run). Reference-free objectives (simpo, orpo) load no reference model."""
     hp, ranks = spec.hyperparameters, ctx.ranks
-    same_reference = spec.reference_model is None or spec.reference_model == spec.model
-    ref_path = ctx.resolve_model(spec.reference_model or spec.model)  # before seeding, as ``begin`` says
+    objective = pair_objective(spec)
+    reference_model = spec.reference_model if isinstance(spec, DpoSpec) else None
+    same_reference = reference_model is None or reference_model == spec.model
+    ref_path = ctx.resolve_model(reference_model or spec.model)  # before seeding, as ``begin`` says
     start = begin(ctx, reporter, spec.model, hp.seed, spec.adapter)
     model, tokenizer = load_policy(start, hp)
     pad_id, device = tokenizer.pad_token_id, start.device
@@ -405,11 +461,6 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
             return out
 
         pairs, val_pairs = tokenize(data.train), tokenize(data.validation)
-    objective = PairObjective(
-        PREFERENCE_LOSSES[hp.loss_type],
-        PreferenceParams(beta=hp.beta, label_smoothing=hp.label_smoothing),
-        hp.rpo_alpha,
-    )
     session = TrainingSession(start, hp, model, tokenizer, len(pairs))
     if session.finished_before:
         return session.result
@@ -418,7 +469,10 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     # the reference_model; after a resume, loaded from the start only if a value is still missing.
     # With an adapter the reference is the policy with its adapter off (the start: no copy at all).
     fresh_start = not session.resumed and same_reference
-    precompute = hp.reference_mode == "precompute"
+    reference_free = objective.length_normalized
+    precompute = (
+        isinstance(hp, DpoHyperparameters) and hp.reference_mode == "precompute" and not reference_free
+    )
     reference = Reference(
         ref_path,
         reporter,
@@ -426,7 +480,9 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         model if precompute and fresh_start else None,
         dtype=frozen_dtype(hp.precision),
     )
-    if same_reference and has_adapter(unwrap(model)):
+    if reference_free:
+        pass  # nothing to copy or load: the objective reads the policy alone
+    elif same_reference and has_adapter(unwrap(model)):
         reference.model = model
     elif not precompute and fresh_start and not is_sharded(model):  # a sharded one loads its own copy
         reference.model = copy.deepcopy(unwrap(model)).to(reference.dtype).eval().requires_grad_(False)
@@ -464,9 +520,11 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
 
         return compute
 
-    ref = ReferenceLogps(len(pairs), computer(pairs), reporter)
-    val_ref = ReferenceLogps(len(val_pairs), computer(val_pairs), reporter)
-    saved = session.extra.get("ref_logps")
+    ref: ReferenceLogps | NoReference = ReferenceLogps(len(pairs), computer(pairs), reporter)
+    val_ref: ReferenceLogps | NoReference = ReferenceLogps(len(val_pairs), computer(val_pairs), reporter)
+    if reference_free:
+        ref, val_ref = NoReference(len(pairs)), NoReference(len(val_pairs))
+    saved = None if reference_free else session.extra.get("ref_logps")
     if isinstance(saved, tuple):  # a checkpoint written before reference_mode: every value precomputed
         saved = {
             key: {"values": v, "known": torch.ones(len(v), dtype=torch.bool)}
@@ -490,10 +548,15 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         ref.sync(ranks)
         val_ref.get(val_idx)
         reference.model = None  # not needed again: every value a step or an evaluation reads is known
+    how = (
+        "no reference model (length-normalised likelihoods)"
+        if reference_free
+        else f"reference log-probs: {hp.reference_mode if isinstance(hp, DpoHyperparameters) else 'lazy'}"
+    )
     reporter.event(
         "info",
         f"training on {len(pairs)} pairs ({len(val_pairs)} validation) for "
-        f"{hp.max_steps} steps on {device.type}; reference log-probs: {hp.reference_mode}",
+        f"{hp.max_steps} steps on {device.type}; {how}",
     )
     model.train()
 
@@ -543,20 +606,21 @@ def run_dpo(spec: DpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         groups = grouping.groups(mine_pairs, max_rows, equal_passes=ranks.active)
         parts = [(g, collate([mine_pairs[q] for q in g])) for g in groups]
         out: dict[str, list[Tensor]] = {}
-        tokens = chosen_tokens(mine_pairs)
+        tokens = pair_tokens(mine_pairs)
         grad_norm = session.update(
             micro_losses(model, parts, ref_mine, tokens, objective, device, out, total=len(idx))
         )
         chosen = gather_rows(in_row_order(out, "chosen"), ranks)  # every rank's, in batch order
         rejected = gather_rows(in_row_order(out, "rejected"), ranks)
-        chosen_logratio, rejected_logratio = chosen - ref_batch[:, 0], rejected - ref_batch[:, 1]
+        batch_tokens = pair_tokens([pairs[i] for i in idx]).to(device)
+        chosen_logratio, rejected_logratio = objective.scores(chosen, rejected, ref_batch, batch_tokens)
         loss = sum_over_ranks(torch.stack(out["loss"]).sum(), ranks)
         n_tokens = int(sum_over_ranks(torch.tensor(sum(b.n_tokens for _, b in parts)), ranks))
         session.count_tokens(n_tokens)
 
         metrics: dict[str, float] = {}
         if session.log_due:
-            stats = pair_stats(chosen_logratio, rejected_logratio, hp.beta)
+            stats = pair_stats(chosen_logratio, rejected_logratio, objective.params.beta)
             stats |= {
                 "loss": loss,
                 "grad_norm": grad_norm,

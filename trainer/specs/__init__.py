@@ -31,6 +31,8 @@ from trainer.specs.merge import MergeHyperparameters, MergeSpec
 from trainer.specs.offline import (
     DpoHyperparameters,
     DpoSpec,
+    OrpoHyperparameters,
+    OrpoSpec,
     RewardModelHyperparameters,
     RewardModelSpec,
     SftHyperparameters,
@@ -99,6 +101,8 @@ __all__ = [
     "AnyRunSpec",
     "DpoHyperparameters",
     "DpoSpec",
+    "OrpoHyperparameters",
+    "OrpoSpec",
     "EvalHyperparameters",
     "EvalSpec",
     "MergeHyperparameters",
@@ -137,11 +141,12 @@ __all__ = [
     "spec_references",
 ]
 
-AnyRunSpec = DpoSpec | SftSpec | RewardModelSpec | GroupRlSpec | PpoSpec | EvalSpec | MergeSpec
+AnyRunSpec = DpoSpec | OrpoSpec | SftSpec | RewardModelSpec | GroupRlSpec | PpoSpec | EvalSpec | MergeSpec
 RunSpec = Annotated[AnyRunSpec, Field(discriminator="algorithm")]
 RUN_SPEC_ADAPTER: TypeAdapter[AnyRunSpec] = TypeAdapter(RunSpec)
 ALGORITHMS: tuple[str, ...] = (
     "dpo",
+    "orpo",
     "sft",
     "reward_model",
     *get_args(GroupAlgorithm),

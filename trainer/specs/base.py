@@ -19,7 +19,7 @@ from trainer.specs.refs import (
 )
 
 # Names of the algorithm registries in trainer/algorithms; a test checks they match the registry keys.
-PreferenceLossName = Literal["sigmoid", "cdpo", "robust", "ipo", "hinge"]
+PreferenceLossName = Literal["sigmoid", "cdpo", "robust", "ipo", "hinge", "simpo"]
 AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce", "reinforce_pp", "reinforce_baseline", "remax"]
 PolicyLossName = Literal["ppo_clip", "vanilla", "gspo", "cispo"]
 KlEstimatorName = Literal["k1", "k2", "k3", "abs"]

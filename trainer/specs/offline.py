@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -23,23 +23,60 @@ PACKING_DOC = (
 )
 
 
-class DpoHyperparameters(TrainingHyperparameters):
-    """Direct Preference Optimization (Rafailov et al. 2023) and its loss variants."""
+SHARED_PROMPT_DOC = (
+    "Run each pair's prompt once: one `prompt | chosen | rejected` row per pair, with position "
+    "ids and a 4D attention mask that keep the rejected answer from seeing the chosen one, so "
+    "every log-prob is the padded layout's (to float rounding) for P + C + R token positions "
+    "instead of 2P + C + R. A model whose attention ignores custom 4D masks (e.g. flash "
+    "attention) is detected at start and runs the padded layout, with a warning event. Not "
+    "combined with `packing` (packing wins)."
+)
+
+
+class _PairHyperparameters(TrainingHyperparameters):
+    """What every preference-pair run type (dpo, orpo) shares: prompt budget and the pair layouts."""
 
     family: ClassVar[str] = "dpo"
 
+    max_prompt_length: int = Field(
+        default=128, ge=1, description="Longest prompt in tokens (cut from the left)."
+    )
+    packing: bool = Field(default=False, description=PACKING_DOC)
+    shared_prompt: bool = Field(default=True, description=SHARED_PROMPT_DOC)
+
+    @model_validator(mode="after")
+    def _prompt_fits(self) -> _PairHyperparameters:
+        if self.max_prompt_length >= self.max_length:
+            raise ValueError("max_prompt_length must be smaller than max_length")
+        return self
+
+
+SIMPO_BETA = 2.0  # SimPO's beta when the spec leaves it out (Meng et al. 2024 use 2.0 to 2.5)
+
+
+class DpoHyperparameters(_PairHyperparameters):
+    """Direct Preference Optimization (Rafailov et al. 2023) and its loss variants."""
+
     loss_type: PreferenceLossName = Field(
         default="sigmoid",
-        description="Preference loss: sigmoid (DPO), cdpo (label smoothing), robust (rDPO), ipo, hinge.",
+        description="Preference loss: sigmoid (DPO), cdpo (label smoothing), robust (rDPO), ipo, hinge, "
+        "simpo (SimPO: length-normalised likelihoods, margin `gamma`, no reference model).",
     )
     beta: float = Field(
-        default=0.1, gt=0, le=100.0, description="Strength of the implicit KL constraint to the reference."
+        default=0.1,
+        gt=0,
+        le=100.0,
+        description="Strength of the implicit KL constraint to the reference (simpo: the reward scale; "
+        f"left out, {SIMPO_BETA}).",
     )
     label_smoothing: float = Field(
         default=0.0, ge=0, lt=0.5, description="Assumed label-noise rate; used by cdpo and robust only."
     )
-    max_prompt_length: int = Field(
-        default=128, ge=1, description="Longest prompt in tokens (cut from the left)."
+    gamma: float = Field(
+        default=0.5,
+        ge=0,
+        le=100.0,
+        description="simpo only: the target reward margin (SimPO's gamma; the paper tunes 0.5 to 1.6).",
     )
     rpo_alpha: float = Field(
         default=0.0,
@@ -57,28 +94,34 @@ class DpoHyperparameters(TrainingHyperparameters):
         description="lazy: the reference log-probs of the pairs a step uses are computed when a step first "
         "uses them (a frozen copy of the reference is kept meanwhile), so step 1 starts at once; "
         "precompute: every pair's before step 1 (no reference kept in memory while training). Either way "
-        "the values computed travel in checkpoints, so a resumed run reads the same ones.",
-    )
-    packing: bool = Field(default=False, description=PACKING_DOC)
-    shared_prompt: bool = Field(
-        default=True,
-        description=(
-            "Run each pair's prompt once: one `prompt | chosen | rejected` row per pair, with position "
-            "ids and a 4D attention mask that keep the rejected answer from seeing the chosen one, so "
-            "every log-prob is the padded layout's (to float rounding) for P + C + R token positions "
-            "instead of 2P + C + R. A model whose attention ignores custom 4D masks (e.g. flash "
-            "attention) is detected at start and runs the padded layout, with a warning event. Not "
-            "combined with `packing` (packing wins)."
-        ),
+        "the values computed travel in checkpoints, so a resumed run reads the same ones. simpo has no "
+        "reference.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _simpo_beta(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("loss_type") == "simpo" and data.get("beta") is None:
+            return {**data, "beta": SIMPO_BETA}
+        return data
+
     @model_validator(mode="after")
-    def _prompt_fits(self) -> DpoHyperparameters:
-        if self.max_prompt_length >= self.max_length:
-            raise ValueError("max_prompt_length must be smaller than max_length")
+    def _smoothing_for_its_losses(self) -> DpoHyperparameters:
         if self.label_smoothing > 0 and self.loss_type not in ("cdpo", "robust"):
             raise ValueError("label_smoothing applies only to loss_type 'cdpo' or 'robust'")
         return self
+
+
+class OrpoHyperparameters(_PairHyperparameters):
+    """ORPO (Hong et al. 2024): SFT on the chosen answer plus lambda times an odds-ratio preference term."""
+
+    beta: float = Field(
+        default=0.1,
+        gt=0,
+        le=100.0,
+        description="ORPO's lambda: the weight of the odds-ratio term next to the chosen answer's NLL "
+        "(the paper and TRL use 0.1).",
+    )
 
 
 class SftHyperparameters(TrainingHyperparameters):
@@ -106,10 +149,32 @@ class RewardModelHyperparameters(TrainingHyperparameters):
 
 
 class DpoSpec(_ReferencedSpecBase):
-    """A DPO run: a policy trained on preference pairs against a frozen reference model."""
+    """A DPO run: a policy trained on preference pairs against a frozen reference model (none for
+    ``loss_type: simpo``, which is reference-free)."""
 
     algorithm: Literal["dpo"] = Field(description="Run type.")
     hyperparameters: DpoHyperparameters = Field(default_factory=DpoHyperparameters)
+    dataset_kinds: ClassVar[tuple[str, ...]] = ("preference",)
+
+    @model_validator(mode="after")
+    def _simpo_has_no_reference(self) -> DpoSpec:
+        if self.hyperparameters.loss_type == "simpo" and self.reference_model is not None:
+            raise ValueError(
+                "reference_model: loss_type 'simpo' is reference-free (no reference model is loaded); "
+                "leave reference_model out"
+            )
+        return self
+
+    def rank_split(self) -> tuple[str, int] | None:
+        return "hyperparameters.batch_size", self.hyperparameters.batch_size
+
+
+class OrpoSpec(_RunSpecBase):
+    """An ORPO run: the policy alone on preference pairs (no reference model): the chosen answer's NLL
+    plus lambda times the odds-ratio loss, both on length-normalised likelihoods."""
+
+    algorithm: Literal["orpo"] = Field(description="Run type.")
+    hyperparameters: OrpoHyperparameters = Field(default_factory=OrpoHyperparameters)
     dataset_kinds: ClassVar[tuple[str, ...]] = ("preference",)
 
     def rank_split(self) -> tuple[str, int] | None:
