@@ -46,6 +46,12 @@ def row_profile(kind: str, row: dict[str, Any]) -> tuple[dict[str, list[int]], d
                 "empty_responses": any(not x.strip() for x in responses),
             },
         )
+    if kind == "unpaired":
+        return {"prompt": [prompt], "completion": [len(row["completion"])]}, {
+            "desirable": row["label"],
+            "undesirable": not row["label"],
+            "empty_completions": not row["completion"].strip(),
+        }
     return {"prompt": [prompt], "answer": [_chars(row["answer"])]}, {"with_answer": row["answer"] is not None}
 
 

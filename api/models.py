@@ -31,7 +31,7 @@ JsonType = JSON().with_variant(JSONB(), "postgresql")
 RUN_STATUSES = ("queued", "running", "paused", "succeeded", "failed", "cancelled")
 FINISHED_STATUSES = ("succeeded", "failed", "cancelled")
 PIPELINE_STATUSES = ("running", "succeeded", "failed", "cancelled")
-DATASET_KINDS = ("preference", "sft", "ranking", "prompts")
+DATASET_KINDS = ("preference", "sft", "ranking", "prompts", "unpaired")
 
 
 # Every row belongs to a project. With auth off (loopback only) everything lives in this one.

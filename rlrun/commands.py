@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 Handler = Callable[[argparse.Namespace, "Client"], int]
 SPARK_WIDTH = 32
 KEY_LIMIT = 6
-KINDS = ("preference", "sft", "ranking", "prompts")  # = rlrun.schemas.DatasetKind (a test keeps them equal)
+# = rlrun.schemas.DatasetKind (a test keeps them equal)
+KINDS = ("preference", "sft", "ranking", "prompts", "unpaired")
 SKIPPED_SHOWN = 5  # skipped lines printed after an upload with --skip-invalid
 LOCAL_LINE_BYTES = 8 * 1024 * 1024  # the server's default RLRUN_MAX_LINE_BYTES, for the local --kind check
 

@@ -299,6 +299,25 @@ def normalize_ranking(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
     return {"prompt": prompt, "responses": list(responses)}, "plain"
 
 
+def normalize_unpaired(obj: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Unpaired feedback (KTO) -> ``{"prompt": str | [messages], "completion": str, "label": bool}``:
+    one answer marked desirable (``true``) or undesirable (``false``), no pair needed.
+
+    Formats: ``plain`` {prompt, completion, label} strings (TRL's unpaired preference lines);
+    ``conversational`` {prompt: [messages], completion: [one assistant message], label}.
+    """
+    prompt = _prompt(obj)
+    if "completion" not in obj:
+        raise LineError("missing field 'completion'", "completion")
+    label = obj.get("label")
+    if not isinstance(label, bool):
+        raise LineError("'label' must be true (a desirable answer) or false (an undesirable one)", "label")
+    if isinstance(obj["completion"], list):
+        completion = _single_assistant(_messages(obj["completion"], "completion"), "completion")
+        return {"prompt": prompt, "completion": completion, "label": label}, "conversational"
+    return {"prompt": prompt, "completion": _text(obj, "completion"), "label": label}, "plain"
+
+
 def is_rft_line(obj: dict[str, Any]) -> bool:
     """An OpenAI reinforcement fine-tuning line: chat ``messages`` whose last turn is not the assistant's
     (the model writes that one), with no ``prompt``/``question`` of its own."""
@@ -341,6 +360,7 @@ NORMALIZERS: dict[str, Callable[[dict[str, Any]], tuple[dict[str, Any], str]]] =
     "sft": normalize_sft,
     "ranking": normalize_ranking,
     "prompts": normalize_prompts,
+    "unpaired": normalize_unpaired,
 }
 
 
@@ -349,6 +369,7 @@ NORMALIZERS: dict[str, Callable[[dict[str, Any]], tuple[dict[str, Any], str]]] =
 KIND_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("preference", ("chosen", "rejected", "preferred_output", "non_preferred_output")),
     ("ranking", ("responses",)),
+    ("unpaired", ("label",)),
     ("sft", ("messages", "completion")),
     ("prompts", ("prompt", "question")),
 )

@@ -12,7 +12,7 @@ from typing import Any, Generic, Literal, TypeVar, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 T = TypeVar("T")
-DatasetKind = Literal["preference", "sft", "ranking", "prompts"]
+DatasetKind = Literal["preference", "sft", "ranking", "prompts", "unpaired"]
 SKIPPED_IN_RESPONSE = 100  # skipped lines listed in a dataset's response (all: GET /v1/datasets/{id}/skipped)
 
 
@@ -63,12 +63,13 @@ class DatasetStats(BaseModel):
     exact_duplicates: int = Field(description="Rows identical to an earlier row (after normalisation).")
     source_formats: dict[str, int] = Field(description="How many lines came in each accepted input format.")
     lengths: dict[str, LengthStats] = Field(
-        description="Per field: prompt, chosen/rejected (preference), completion (sft), responses and "
-        "candidates per row (ranking), answer (prompts)."
+        description="Per field: prompt, chosen/rejected (preference), completion (sft, unpaired), responses "
+        "and candidates per row (ranking), answer (prompts)."
     )
     flags: dict[str, int] = Field(
         description="Rows with a property: empty_pairs, identical_pairs, with_margin (preference); "
-        "empty_completions (sft); duplicate_responses, empty_responses (ranking); with_answer (prompts)."
+        "empty_completions (sft, unpaired); duplicate_responses, empty_responses (ranking); with_answer "
+        "(prompts); desirable, undesirable (unpaired)."
     )
 
 

@@ -12,8 +12,8 @@ model) leaves a 0.4M-parameter preset at loss ln 2, and 1e-3 (what the presets n
 | larger       | 5e-6 | 2e-6         | 2e-7 | 5e-7      | Tulu 3 70B                                   |
 | unknown size | the "up to 15B" row: cautious for the models users bring (1B-8B)              |
 
-ORPO runs take the dpo column (TRL's ORPO default is its DPO one). The numbers are starting points; the
-held-out learning benchmarks are where they get measured.
+ORPO and KTO runs take the dpo column (TRL's defaults for them are its DPO one). The numbers are starting
+points; the held-out learning benchmarks are where they get measured.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ UNKNOWN_SIZE_ROW = 2
 def family_of(algorithm: str) -> Family:
     if algorithm in ("sft", "reward_model", "dpo"):
         return algorithm  # type: ignore[return-value]
-    if algorithm == "orpo":  # a preference loss on the policy alone: TRL's ORPO default is its DPO one
+    if algorithm in ("orpo", "kto"):  # preference losses: TRL's ORPO and KTO defaults are its DPO one
         return "dpo"
     return "online_rl"
 

@@ -6,7 +6,7 @@ import json
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import ValidationError
@@ -27,7 +27,15 @@ from api.schemas import DatasetCreateJson
 from api.services import datasets as service
 from api.settings import Settings
 from rlrun.formats import MAX_ROW_DEPTH, LineError, detect_upload_kind, upload_lines
-from rlrun.schemas import SKIPPED_IN_RESPONSE, DatasetRead, DatasetRowRead, ErrorBody, Page, SkippedLineRead
+from rlrun.schemas import (
+    SKIPPED_IN_RESPONSE,
+    DatasetKind,
+    DatasetRead,
+    DatasetRowRead,
+    ErrorBody,
+    Page,
+    SkippedLineRead,
+)
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
@@ -48,7 +56,7 @@ _UPLOAD_BODY: dict[str, Any] = {
                         "name": {"type": "string", "description": "Default: the file name"},
                         "kind": {
                             "type": "string",
-                            "enum": ["preference", "sft", "ranking", "prompts"],
+                            "enum": list(get_args(DatasetKind)),
                             "description": "Omit to detect it from the keys of the first lines "
                             "(`kind_detected` in the response)",
                         },

@@ -340,6 +340,32 @@ def test_openai_reinforcement_lines_upload_as_prompts_detected_or_named(session:
     assert ends_with_assistant.status_code == 422 and "missing field 'prompt'" in ends_with_assistant.text
 
 
+def test_unpaired_answers_upload_with_their_labels_counted(session: Session) -> None:
+    lines = [
+        {"prompt": "2+2=", "completion": "4", "label": True},
+        {
+            "prompt": [{"role": "user", "content": "2+3="}],
+            "completion": [{"role": "assistant", "content": "6"}],
+            "label": False,
+        },
+        {"prompt": "2+4=", "completion": "6", "label": True},
+    ]
+    with api_client(session) as client:
+        detected = client.post("/v1/datasets", files={"file": ("kto.jsonl", jsonl(lines))})
+        assert detected.status_code == 201, detected.text
+        body = detected.json()
+        got = rows_of(client, body["id"])
+        not_bool = upload(
+            client, jsonl([{"prompt": "p", "completion": "c", "label": "yes"}]), kind="unpaired"
+        )
+        no_label = upload(client, jsonl([{"prompt": "p", "completion": "c"}]), kind="unpaired")
+    assert body["kind"] == "unpaired" and body["stats"]["source_formats"] == {"plain": 2, "conversational": 1}
+    assert body["stats"]["flags"]["desirable"] == 2 and body["stats"]["flags"]["undesirable"] == 1
+    assert got[1] == {"prompt": lines[1]["prompt"], "completion": "6", "label": False}
+    assert not_bool.status_code == 422 and not_bool.json()["error"]["details"][0]["field"] == "label"
+    assert no_label.status_code == 422 and "label" in no_label.text
+
+
 def test_dataset_kind_names_agree_between_api_and_db() -> None:
     from typing import get_args
 

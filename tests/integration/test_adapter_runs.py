@@ -85,6 +85,15 @@ def test_every_run_kind_trains_an_adapter_with_accumulation(
         upload(client, SFT, "sft"),
         upload(client, PROMPTS, "prompts"),
     )
+    unpaired = upload(
+        client,
+        [
+            {"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+            for p in PAIRS
+            for side in ("chosen", "rejected")
+        ],
+        "unpaired",
+    )
     offline = {"batch_size": 4, "micro_batch_size": 2}
     online = {**RL_HP, "micro_batch_size": 4}
     runs = {
@@ -96,6 +105,7 @@ def test_every_run_kind_trains_an_adapter_with_accumulation(
         # issue 22's run types: reference-free preference losses and the newer policy losses
         "orpo": submit(client, "orpo", pairs, hyperparameters=offline),
         "simpo": submit(client, "dpo", pairs, hyperparameters=offline | {"loss_type": "simpo"}),
+        "kto": submit(client, "kto", unpaired, hyperparameters=offline),
         "gspo": submit(client, "gspo", prompts, rewards=[{"name": "numeric"}], hyperparameters=online),
         "cispo": submit(client, "cispo", prompts, rewards=[{"name": "numeric"}], hyperparameters=online),
     }

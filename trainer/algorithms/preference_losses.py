@@ -205,6 +205,61 @@ def orpo_odds_ratio(chosen_avg_logp: Tensor, rejected_avg_logp: Tensor, p: Prefe
     return -p.beta * F.logsigmoid(log_odds(chosen_avg_logp) - log_odds(rejected_avg_logp))
 
 
+def kto_reference_point(policy_kl_logps: Tensor, reference_kl_logps: Tensor) -> Tensor:
+    """KTO's reference point z_0: the policy's KL to the reference, estimated on mismatched pairs.
+
+    Args:
+        policy_kl_logps: (M,) ``log pi(y'|x)`` summed over tokens, for answers ``y'`` paired with prompts
+            ``x`` they were not written for (each prompt with another example's answer in the batch).
+        reference_kl_logps: (M,) the same under the reference.
+
+    Returns:
+        () ``max(0, mean(policy - reference))``, detached (no gradient flows through z_0).
+
+    Formula: ``z_0 = max(0, (1/M) sum_i log pi(y'_i|x_i) - log pi_ref(y'_i|x_i))``.
+    Source: Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization", eq. 8 and
+        the estimate of Sec. 4.1 (mismatched pairs of the same microbatch; no backpropagation through it),
+        as TRL's KTOTrainer computes it.
+    Degenerate: no pairs (M = 0) gives 0.
+    """
+    if policy_kl_logps.numel() == 0:
+        return torch.zeros((), dtype=policy_kl_logps.dtype, device=policy_kl_logps.device)
+    return (policy_kl_logps - reference_kl_logps).mean().clamp(min=0).detach()
+
+
+def kto(logratio: Tensor, desirable: Tensor, z0: Tensor, p: KtoParams) -> Tensor:
+    """KTO loss per example: one answer, desirable or not, against the reference point.
+
+    Args:
+        logratio: (B,) ``r = log pi(y|x) - log pi_ref(y|x)`` summed over the answer's tokens.
+        desirable: (B,) bool, True where the answer is marked desirable.
+        z0: () the reference point (``kto_reference_point``).
+        p: ``beta``, ``desirable_weight`` (lambda_D) and ``undesirable_weight`` (lambda_U).
+
+    Returns:
+        (B,) ``lambda_y - v(x, y)``.
+
+    Formula: ``v = lambda_D sigmoid(beta (r - z0))`` for a desirable answer,
+    ``lambda_U sigmoid(beta (z0 - r))`` for an undesirable one; the loss is ``lambda_y - v``.
+    Source: Ethayarajh et al. 2024, "KTO", eq. 8 (TRL's KTOTrainer: ``desirable_weight * (1 - sigmoid(beta
+        (r - KL)))`` and ``undesirable_weight * (1 - sigmoid(beta (KL - r)))``, the same values).
+    Degenerate: r = z0 gives ``lambda_y / 2``.
+    """
+    ones = torch.ones_like(logratio)
+    sign = torch.where(desirable, ones, -ones)
+    weight = torch.where(desirable, ones * p.desirable_weight, ones * p.undesirable_weight)
+    return weight * (1.0 - torch.sigmoid(p.beta * sign * (logratio - z0)))
+
+
+@dataclass(frozen=True)
+class KtoParams:
+    """KTO's hyper-parameters: ``beta`` and the class weights lambda_D, lambda_U (all > 0)."""
+
+    beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+
+
 def chosen_nll(chosen_logps: Tensor, chosen_tokens: Tensor) -> Tensor:
     """RPO's negative log-likelihood term: the chosen answer's NLL per token, one value per pair.
 

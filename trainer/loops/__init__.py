@@ -11,6 +11,7 @@ from typing import Any, get_args
 from trainer.loops.dpo import run_dpo
 from trainer.loops.evaluate import run_eval
 from trainer.loops.group_rl import run_group_rl
+from trainer.loops.kto import run_kto
 from trainer.loops.merge import run_merge
 from trainer.loops.ppo import run_ppo
 from trainer.loops.reward_model import run_reward_model
@@ -43,7 +44,13 @@ LOOPS: Mapping[str, Loop] = MappingProxyType(
     {
         name: in_precision(loop)
         for name, loop in (
-            {"dpo": run_dpo, "orpo": run_dpo, "sft": run_sft, "reward_model": run_reward_model}
+            {
+                "dpo": run_dpo,
+                "orpo": run_dpo,
+                "kto": run_kto,
+                "sft": run_sft,
+                "reward_model": run_reward_model,
+            }
             | {"eval": run_eval, "merge": run_merge}
             | dict.fromkeys(get_args(GroupAlgorithm), run_group_rl)
             | dict.fromkeys(get_args(PpoAlgorithm), run_ppo)

@@ -31,6 +31,8 @@ from trainer.specs.merge import MergeHyperparameters, MergeSpec
 from trainer.specs.offline import (
     DpoHyperparameters,
     DpoSpec,
+    KtoHyperparameters,
+    KtoSpec,
     OrpoHyperparameters,
     OrpoSpec,
     RewardModelHyperparameters,
@@ -101,6 +103,8 @@ __all__ = [
     "AnyRunSpec",
     "DpoHyperparameters",
     "DpoSpec",
+    "KtoHyperparameters",
+    "KtoSpec",
     "OrpoHyperparameters",
     "OrpoSpec",
     "EvalHyperparameters",
@@ -141,12 +145,15 @@ __all__ = [
     "spec_references",
 ]
 
-AnyRunSpec = DpoSpec | OrpoSpec | SftSpec | RewardModelSpec | GroupRlSpec | PpoSpec | EvalSpec | MergeSpec
+AnyRunSpec = (
+    DpoSpec | OrpoSpec | KtoSpec | SftSpec | RewardModelSpec | GroupRlSpec | PpoSpec | EvalSpec | MergeSpec
+)
 RunSpec = Annotated[AnyRunSpec, Field(discriminator="algorithm")]
 RUN_SPEC_ADAPTER: TypeAdapter[AnyRunSpec] = TypeAdapter(RunSpec)
 ALGORITHMS: tuple[str, ...] = (
     "dpo",
     "orpo",
+    "kto",
     "sft",
     "reward_model",
     *get_args(GroupAlgorithm),

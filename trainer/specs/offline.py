@@ -169,6 +169,48 @@ class DpoSpec(_ReferencedSpecBase):
         return "hyperparameters.batch_size", self.hyperparameters.batch_size
 
 
+class KtoHyperparameters(TrainingHyperparameters):
+    """KTO (Ethayarajh et al. 2024): a policy trained on answers marked desirable or undesirable, each
+    against a frozen reference, with the KL reference point estimated from mismatched pairs in the batch."""
+
+    family: ClassVar[str] = "dpo"
+
+    beta: float = Field(
+        default=0.1, gt=0, le=100.0, description="Strength of the implicit KL constraint to the reference."
+    )
+    desirable_weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=100.0,
+        description="lambda_D: the weight of desirable answers' losses. Ethayarajh et al. advise "
+        "lambda_D n_D / (lambda_U n_U) in [1, 4/3] when the classes are unbalanced.",
+    )
+    undesirable_weight: float = Field(
+        default=1.0, gt=0, le=100.0, description="lambda_U: the weight of undesirable answers' losses."
+    )
+    max_prompt_length: int = Field(
+        default=128, ge=1, description="Longest prompt in tokens (cut from the left)."
+    )
+
+    @model_validator(mode="after")
+    def _prompt_fits(self) -> KtoHyperparameters:
+        if self.max_prompt_length >= self.max_length:
+            raise ValueError("max_prompt_length must be smaller than max_length")
+        return self
+
+
+class KtoSpec(_ReferencedSpecBase):
+    """A KTO run: unpaired desirable/undesirable answers (an `unpaired` dataset) against a frozen reference
+    model (`reference_model`, default the starting model)."""
+
+    algorithm: Literal["kto"] = Field(description="Run type.")
+    hyperparameters: KtoHyperparameters = Field(default_factory=KtoHyperparameters)
+    dataset_kinds: ClassVar[tuple[str, ...]] = ("unpaired",)
+
+    def rank_split(self) -> tuple[str, int] | None:
+        return "hyperparameters.batch_size", self.hyperparameters.batch_size
+
+
 class OrpoSpec(_RunSpecBase):
     """An ORPO run: the policy alone on preference pairs (no reference model): the chosen answer's NLL
     plus lambda times the odds-ratio loss, both on length-normalised likelihoods."""
