@@ -84,6 +84,8 @@ def _errors(grader: Any, failed: bool, error: str | None) -> GraderErrors:
             python_grader_server_error=server,
             python_grader_server_error_type=text if server else None,
         )
+    if text.startswith("score_model graders run in training runs"):
+        return GraderErrors(model_grader_server_error=True, model_grader_server_error_details=text)
     if text.startswith("calculate_output"):
         return GraderErrors(formula_parse_error=True, other_error=True)
     if "{{" in text:

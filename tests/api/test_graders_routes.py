@@ -82,12 +82,34 @@ def test_validate_echoes_a_good_grader_and_names_the_field_of_a_bad_one(client: 
         ({**EXACT, "reference": "{{item.answer}} {{secrets}}"}, "template"),
         ({"type": "multi", "name": "m", "graders": {"exact": EXACT}, "calculate_output": "exact + x"}, "x"),
         ({"type": "python", "name": "p", "source": "import os\n"}, "grade"),
-        ({"type": "score_model", "name": "s", "input": [], "model": "gpt-4o"}, "score_model"),
+        ({"type": "label_model", "name": "s", "input": [], "model": "gpt-4o"}, "label_model"),
+        (
+            {
+                "type": "score_model",
+                "name": "s",
+                "input": [{"role": "user", "content": "x"}],
+                "model": "run:x",
+            },
+            "run",
+        ),
     ]:
         with pytest.raises(openai.BadRequestError) as caught:
             graders.validate(grader=bad)  # type: ignore[arg-type]
         error = caught.value.body
         assert isinstance(error, dict) and words in error["message"] and error["param"].startswith("grader")
+
+
+def test_run_of_a_score_model_grader_says_the_api_loads_no_judge(client: TestClient) -> None:
+    judge = {
+        "type": "score_model",
+        "name": "judge",
+        "model": "tiny:llama-0.4m",
+        "input": [{"role": "user", "content": "Rate: {{sample.output_text}}"}],
+        "range": [0, 10],
+    }
+    ran = sdk(client).fine_tuning.alpha.graders.run(grader=judge, model_sample="42")  # type: ignore[arg-type]
+    assert ran.reward == 0.0 and ran.metadata.errors.model_grader_server_error
+    assert "training runs" in (ran.metadata.errors.model_grader_server_error_details or "")
 
 
 def grpo_spec(dataset_id: str, reward: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +135,23 @@ def test_a_grader_reward_is_stored_with_the_run_and_a_bad_one_is_refused(
         "/v1/runs", json=grpo_spec(str(dataset.id), {"grader": {**EXACT, "input": "{{sample.text}}"}})
     )
     assert refused.status_code == 422 and "rewards.0.grader" in refused.json()["error"]["field"]
+    judge = {
+        "type": "multi",
+        "name": "mixed",
+        "graders": {
+            "exact": EXACT,
+            "judge": {
+                "type": "score_model",
+                "name": "judge",
+                "model": f"run:{uuid.uuid4()}",  # no such run in this project
+                "input": [{"role": "user", "content": "{{sample.output_text}}"}],
+            },
+        },
+        "calculate_output": "exact + judge",
+    }
+    unknown_judge = client.post("/v1/runs", json=grpo_spec(str(dataset.id), {"grader": judge}))
+    assert unknown_judge.status_code in (404, 409, 422), unknown_judge.text
+    assert unknown_judge.json()["error"]["field"] == "rewards[0].grader.graders.judge.model"
     both = client.post("/v1/runs", json=grpo_spec(str(dataset.id), {"name": "numeric", "grader": EXACT}))
     assert both.status_code == 422 and "`grader` is required for name 'grader'" in both.text
     assert uuid.UUID(made.json()["id"])

@@ -87,3 +87,27 @@ def test_graders_reward_a_grpo_run(tiny_cache: Path, tmp_path: Path) -> None:
     assert checked == 32
     failures = [v for _, k, v in reporter.metrics if k == "reward/failures"]
     assert failures and all(v == 0 for v in failures)
+
+
+def test_a_score_model_judge_rewards_a_run(tiny_cache: Path, tmp_path: Path) -> None:
+    judge = {
+        "type": "score_model",
+        "name": "judge",
+        "model": "tiny:llama-0.4m",  # a generative judge: its first number, clamped, or a failure
+        "input": [{"role": "user", "content": "Rate 0-9: {{sample.output_text}}"}],
+        "range": [0, 9],
+        "sampling_params": {"max_completions_tokens": 8},
+    }
+    reporter = MemoryReporter()
+    result = run_group_rl(
+        spec([{"grader": judge}]),
+        RunData(train=ROWS, validation=[]),
+        reporter,
+        loop_ctx(tiny_cache, tmp_path),
+    )
+    assert result.status == "succeeded", result
+    means = [v for _, k, v in reporter.metrics if k == "reward/judge/mean"]
+    failures = [v for _, k, v in reporter.metrics if k == "reward/failures"]
+    assert len(means) == 2 and all(0 <= m <= 9 for m in means) and len(failures) == 2
+    for _, sample in reporter.samples:
+        assert 0 <= sample["components"]["judge"] <= 9

@@ -12,20 +12,36 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from trainer.graders.arithmetic import ArithmeticError_, parse_formula
 from trainer.graders.sandbox import DEFAULT_LIMITS, Limits, run_grader
 from trainer.graders.similarity import similarity
 from trainer.graders.templates import TemplateError, render, sample_json
 from trainer.specs.graders import (
+    AnyGrader as AnyGrader,
+)
+from trainer.specs.graders import (
     MultiGrader,
     PythonGrader,
+    ScoreModelGrader,
     StringCheckGrader,
     TextSimilarityGrader,
 )
 
-AnyGrader = StringCheckGrader | TextSimilarityGrader | PythonGrader | MultiGrader
+NO_JUDGE = (
+    "score_model graders run in training runs, where the worker loads the judge model; the API loads no "
+    "models, so graders/run cannot score them"
+)
+
+
+class JudgeScorer(Protocol):
+    """What a score_model grader needs (trainer/graders/judges.py ``Judges``): per sample (score, None)
+    or (None, why), for the rendered ``input`` conversation of each sample and its text."""
+
+    def __call__(
+        self, grader: ScoreModelGrader, conversations: Sequence[list[dict[str, str]]], texts: Sequence[str]
+    ) -> list[tuple[float | None, str | None]]: ...
 
 
 @dataclass
@@ -79,15 +95,48 @@ def text_similarity(grader: TextSimilarityGrader, text: str, item: Mapping[str, 
     return score
 
 
+def score_model(
+    grader: ScoreModelGrader,
+    texts: Sequence[str],
+    items: Sequence[Mapping[str, Any]],
+    judges: JudgeScorer | None,
+) -> Graded:
+    """Each sample's conversation (``input`` with its templates filled) judged by ``judges``."""
+    scores, failed, first = [0.0] * len(texts), [True] * len(texts), None
+    conversations, where = [], []
+    for i, (text, item) in enumerate(zip(texts, items, strict=True)):
+        try:
+            conversations.append(
+                [{"role": m.role, "content": render(m.content, item, text)} for m in grader.input]
+            )
+            where.append(i)
+        except TemplateError as exc:
+            first = first or f"TemplateError: {exc}"
+    if judges is None:
+        return Graded(scores, failed, NO_JUDGE)
+    if where:
+        for i, (value, why) in zip(
+            where, judges(grader, conversations, [texts[i] for i in where]), strict=True
+        ):
+            if value is not None:
+                scores[i], failed[i] = value, False
+            else:
+                first = first or why
+    return Graded(scores, failed, first)
+
+
 def grade_batch(
     grader: AnyGrader,
     texts: Sequence[str],
     items: Sequence[Mapping[str, Any]],
     limits: Limits = DEFAULT_LIMITS,
+    judges: JudgeScorer | None = None,
 ) -> Graded:
-    """Score every ``texts[i]`` against ``items[i]``."""
+    """Score every ``texts[i]`` against ``items[i]`` (``judges``: for score_model graders)."""
     if len(texts) != len(items):
         raise ValueError(f"{len(texts)} samples for {len(items)} items")
+    if isinstance(grader, ScoreModelGrader):
+        return score_model(grader, texts, items, judges)
     if isinstance(grader, PythonGrader):
         calls = [
             ({"output_text": t, "output_json": sample_json(t)}, dict(i))
@@ -101,7 +150,7 @@ def grade_batch(
             first_error=errors[0] if errors else None,
         )
     if isinstance(grader, MultiGrader):
-        return _multi(grader, texts, items, limits)
+        return _multi(grader, texts, items, limits, judges)
     scores, failed, first = [], [], None
     for text, item in zip(texts, items, strict=True):
         try:
@@ -118,10 +167,14 @@ def grade_batch(
 
 
 def _multi(
-    grader: MultiGrader, texts: Sequence[str], items: Sequence[Mapping[str, Any]], limits: Limits
+    grader: MultiGrader,
+    texts: Sequence[str],
+    items: Sequence[Mapping[str, Any]],
+    limits: Limits,
+    judges: JudgeScorer | None,
 ) -> Graded:
     formula = parse_formula(grader.calculate_output)
-    parts = {name: grade_batch(sub, texts, items, limits) for name, sub in grader.graders.items()}
+    parts = {name: grade_batch(sub, texts, items, limits, judges) for name, sub in grader.graders.items()}
     scores, failed = [], []
     first = next((p.first_error for p in parts.values() if p.first_error), None)
     for i in range(len(texts)):

@@ -19,6 +19,7 @@ import torch
 from trainer.data.prompts import PromptSet
 from trainer.data.sampling import EpochSampler
 from trainer.distributed import ONE, Ranks, gather_objects, padded_share
+from trainer.graders.judges import Judges
 from trainer.rewards.composite import CompositeReward, RewardComponent, RewardResult
 from trainer.rewards.grader_reward import GraderReward
 from trainer.rewards.reward_model_scorer import RewardModelScorer
@@ -35,8 +36,9 @@ def build_reward(specs: Sequence[RewardSpec], resolve_model: Any, device: torch.
             if scorer is not None:
                 raise ValueError("at most one reward_model component per reward")
             scorer = RewardModelScorer(resolve_model(r.model), normalize=r.normalize, device=device)
+    judges = Judges(resolve_model, device)  # score_model graders' judge models, loaded when first used
     components = [
-        RewardComponent(name=r.grader.name, weight=r.weight, batch=GraderReward(r.grader))
+        RewardComponent(name=r.grader.name, weight=r.weight, batch=GraderReward(r.grader, judges=judges))
         if r.grader is not None
         else RewardComponent(name=r.name, weight=r.weight, params=r.params)
         for r in specs

@@ -1,7 +1,7 @@
 """Grader specs in OpenAI's shapes (platform.openai.com/docs/guides/graders): ``string_check``,
-``text_similarity``, ``python`` and ``multi``, told apart by ``type``. A grader scores one sample of a model
-against one dataset item; as a reward component (``rewards: [{"grader": {...}}]``) it is one term of the
-reward. Torch-free (the API validates them); the scoring is trainer/graders/.
+``text_similarity``, ``python``, ``score_model`` and ``multi``, told apart by ``type``. A grader scores one
+sample of a model against one dataset item; as a reward component (``rewards: [{"grader": {...}}]``) it
+is one term of the reward. Torch-free (the API validates them); the scoring is trainer/graders/.
 
 Templates: ``input`` and ``reference`` may hold ``{{item.<field>}}`` (a field of the dataset row),
 ``{{sample.output_text}}`` (the model's answer) and ``{{sample.output_json.<field>}}`` (a field of the answer
@@ -15,6 +15,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from trainer.specs.base import _Frozen
+from trainer.specs.refs import REFERENCE_MARK, check_model_ref
+
+# A judge may be any model, a scorer or a causal LM: no role to check.
+JUDGE_MODEL_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "model"}
 
 SIMILARITY_METRICS = (
     "fuzzy_match",
@@ -122,6 +126,63 @@ class PythonGrader(_Grader):
         return v
 
 
+class JudgeMessage(_Frozen):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str = Field(
+        max_length=65_536, description="A template (`{{item.*}}`, `{{sample.output_text}}`)."
+    )
+
+    @field_validator("content")
+    @classmethod
+    def _template(cls, v: str) -> str:
+        from trainer.graders.templates import check_template
+
+        check_template(v)
+        return v
+
+
+class JudgeSampling(_Frozen):
+    """How a generative judge answers: greedy unless ``temperature`` > 0."""
+
+    max_completions_tokens: int = Field(default=16, ge=1, le=1024, description="Tokens the judge may write.")
+    temperature: float = Field(default=0.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    reasoning_effort: None = Field(default=None, description="Not supported: refused when set.")
+
+
+class ScoreModelGrader(_Grader):
+    """A model judges each sample: the ``input`` messages (templates filled) go to ``model``, and its score
+    lands in ``range`` (trainer/graders/judges.py). A reward-model run (a score head) scores the rendered
+    conversation with the sample as its answer, mapped into ``range`` by a sigmoid; a generative model
+    answers the messages and the first number it writes, clamped to ``range``, is the score (none: the
+    sample fails). Runs in training runs (the worker loads the judge); ``graders/run`` answers it with
+    ``model_grader_server_error`` (the API loads no models)."""
+
+    type: Literal["score_model"]
+    model: str = Field(
+        min_length=1,
+        description="The judge: `run:<id>` of a reward-model or other run, a preset, or a model folder.",
+        json_schema_extra=JUDGE_MODEL_REFERENCE,
+    )
+    input: list[JudgeMessage] = Field(min_length=1, max_length=32)
+    range: tuple[float, float] = Field(default=(0.0, 1.0), description="[lowest, highest] score.")
+    sampling_params: JudgeSampling = Field(default_factory=JudgeSampling)
+
+    @field_validator("model")
+    @classmethod
+    def _model_ref(cls, v: str) -> str:
+        check_model_ref(v)
+        return v
+
+    @model_validator(mode="after")
+    def _range_ordered(self) -> ScoreModelGrader:
+        low, high = self.range
+        if not low < high:
+            raise ValueError(f"range: [{low}, {high}] must have its lowest score below its highest")
+        return self
+
+
 class MultiGrader(_Grader):
     """Several graders combined by ``calculate_output``, an arithmetic expression over their names
     (``+ - * / ^``, parentheses, numbers, ``min max abs floor ceil exp sqrt log``), evaluated by a parser
@@ -162,18 +223,31 @@ class MultiGrader(_Grader):
 
 
 Grader = Annotated[
-    StringCheckGrader | TextSimilarityGrader | PythonGrader | MultiGrader, Field(discriminator="type")
+    StringCheckGrader | TextSimilarityGrader | PythonGrader | ScoreModelGrader | MultiGrader,
+    Field(discriminator="type"),
 ]
 MultiGrader.model_rebuild()
 
 
-def _depth(grader: StringCheckGrader | TextSimilarityGrader | PythonGrader | MultiGrader) -> int:
+AnyGrader = StringCheckGrader | TextSimilarityGrader | PythonGrader | ScoreModelGrader | MultiGrader
+
+
+def _depth(grader: AnyGrader) -> int:
     if isinstance(grader, MultiGrader):
         return 1 + max(_depth(g) for g in grader.graders.values())
     return 1
 
 
-def python_sources(grader: StringCheckGrader | TextSimilarityGrader | PythonGrader | MultiGrader) -> bool:
+def judges_of(grader: AnyGrader) -> list[str]:
+    """The judge models ``grader`` names (score_model graders, in multi graders too)."""
+    if isinstance(grader, ScoreModelGrader):
+        return [grader.model]
+    if isinstance(grader, MultiGrader):
+        return [m for g in grader.graders.values() for m in judges_of(g)]
+    return []
+
+
+def python_sources(grader: AnyGrader) -> bool:
     """Whether ``grader`` runs user Python anywhere (a python grader, or a multi holding one)."""
     if isinstance(grader, PythonGrader):
         return True

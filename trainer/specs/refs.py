@@ -161,6 +161,10 @@ def spec_references(node: BaseModel, path: SpecPath = ()) -> list[Reference]:
             for i, item in enumerate(value):
                 if isinstance(item, BaseModel):
                     out += spec_references(item, (*path, name, i))
+        elif isinstance(value, dict):  # e.g. a multi grader's graders by name
+            for key, item in value.items():
+                if isinstance(item, BaseModel):
+                    out += spec_references(item, (*path, name, key))
     return out
 
 
