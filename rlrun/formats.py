@@ -369,7 +369,6 @@ NORMALIZERS: dict[str, Callable[[dict[str, Any]], tuple[dict[str, Any], str]]] =
 KIND_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("preference", ("chosen", "rejected", "preferred_output", "non_preferred_output")),
     ("ranking", ("responses",)),
-    ("unpaired", ("label",)),
     ("sft", ("messages", "completion")),
     ("prompts", ("prompt", "question")),
 )
@@ -378,9 +377,12 @@ DETECT_LINES = 20  # non-blank lines read to detect a kind (or to check one) bef
 
 def detect_kind(obj: dict[str, Any]) -> str | None:
     """The dataset kind a parsed line's keys say (see ``KIND_KEYS``; chat ``messages`` that end before the
-    assistant's turn are an RFT prompts line), or None when they say none."""
+    assistant's turn are an RFT prompts line, ``label`` with ``completion`` an unpaired line), or None when
+    they say none."""
     if is_rft_line(obj):
         return "prompts"
+    if "label" in obj and "completion" in obj:  # an unpaired (KTO) line; `label` alone is too common a key
+        return "unpaired"
     return next((kind for kind, keys in KIND_KEYS if any(k in obj for k in keys)), None)
 
 
@@ -406,7 +408,7 @@ def detect_upload_kind(lines: Iterable[bytes], max_lines: int = DETECT_LINES) ->
     ``chosen``). Lines that are no JSON object do not decide (with ``skip_invalid`` they are skipped);
     ingest then validates every line against the kind found. Raises ``LineError`` (field ``kind``) saying
     what the first line held when no line decides."""
-    order = [kind for kind, _ in KIND_KEYS]
+    order = ["preference", "ranking", "unpaired", "sft", "prompts"]  # most specific first (KIND_KEYS's)
     best: str | None = None
     first: str | None = None
     for line_no, obj in _head(lines, max_lines):

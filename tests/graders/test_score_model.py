@@ -13,9 +13,9 @@ import pytest
 import torch
 from pydantic import TypeAdapter, ValidationError
 
+from tests.rewards.helpers import reward_model_dir
 from trainer.graders.grade import NO_JUDGE, grade_batch
 from trainer.graders.judges import Judges, first_number, squash
-from trainer.loops.common import seed_everything
 from trainer.models import load_reward_model, tiny_model_dir
 from trainer.specs.graders import Grader
 
@@ -40,15 +40,8 @@ def judge_grader(model: str, **over: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def rm_dir(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = str(tiny_model_dir("llama-0.4m", tiny_cache))
-    seed_everything(0)
-    model, tok = load_reward_model(path)
-    with torch.no_grad():
-        model.score.weight.mul_(30.0)
-    out = tmp_path_factory.mktemp("judge-rm")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    """A reward-model folder: the tiny LM with a seeded score head (tests/rewards/helpers.py)."""
+    return reward_model_dir(tiny_cache, tmp_path_factory.mktemp("judge-rm"))
 
 
 def test_first_number_and_squash() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from trainer.rewards.verifiers import Sample
@@ -26,3 +27,19 @@ def sample(
         max_new_tokens=max_new_tokens,
         truncated=truncated,
     )
+
+
+def reward_model_dir(tiny_cache: Path, out: Path) -> Path:
+    """A reward-model folder in ``out``: the tiny LM with a seeded score head, spread so scores differ."""
+    import torch
+
+    from trainer.loops.common import seed_everything
+    from trainer.models import load_reward_model, tiny_model_dir
+
+    seed_everything(0)
+    model, tok = load_reward_model(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    with torch.no_grad():
+        model.score.weight.mul_(30.0)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.loops.common import seed_everything
+from tests.rewards.helpers import reward_model_dir
 from trainer.loops.reward_model import run_reward_model
-from trainer.models import REWARD_STATS_FILE, load_reward_model, resolve_model, tiny_model_dir
+from trainer.models import REWARD_STATS_FILE, load_reward_model, resolve_model
 from trainer.reporting import LoopContext, MemoryReporter, RunData
 from trainer.rewards.reward_model_scorer import RewardModelScorer
 from trainer.specs import RewardModelSpec, parse_spec
@@ -25,16 +25,8 @@ COMPLETIONS = [" 4", " the answer is four, good", " bad bad bad bad bad bad", ""
 
 @pytest.fixture(scope="module")
 def rm_dir(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A reward-model folder: the tiny LM with a seeded score head, spread so scores differ clearly."""
-    path = str(tiny_model_dir("llama-0.4m", tiny_cache))
-    seed_everything(0)
-    model, tok = load_reward_model(path)
-    with torch.no_grad():
-        model.score.weight.mul_(30.0)
-    out = tmp_path_factory.mktemp("rm")
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    """A reward-model folder: the tiny LM with a seeded score head (tests/rewards/helpers.py)."""
+    return reward_model_dir(tiny_cache, tmp_path_factory.mktemp("rm"))
 
 
 @torch.no_grad()

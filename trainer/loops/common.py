@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from trainer.algorithms.logprobs import token_logprobs
 from trainer.data.packing import PackedBatch, pack_sequences
 from trainer.distributed import Ranks, all_true, current, from_main, grad_sum_factor, local_norm
 from trainer.precision import enable_loss_scaling, loss_scaler
@@ -142,6 +143,16 @@ def completion_logits(
         input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=length - first + 1
     ).logits
     return logits[:, :-1], input_ids[:, first:], completion_mask[:, first:]
+
+
+def completion_logp_sums(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+) -> torch.Tensor:
+    """(B,) ``sum_t log p(x_t | x_<t)`` over each row's completion tokens (``completion_logits``), the
+    per-token log-probs in the logits' dtype and summed in float32."""
+    logits, targets, mask = completion_logits(model, input_ids, attention_mask, completion_mask)
+    logp = token_logprobs(logits, targets).float()
+    return (logp * mask.to(logp.dtype)).sum(-1)
 
 
 def packed_completion_logits(

@@ -51,7 +51,7 @@ from trainer.distributed import (
 )
 from trainer.loops.common import (
     check_packing,
-    completion_logits,
+    completion_logp_sums,
     micro_batches,
     packed_completion_logits,
     to_floats,
@@ -192,11 +192,9 @@ def sequence_logps(model: Any, batch: AnyPairBatch, device: torch.device) -> Ten
         logp = token_logprobs(logits, targets).float() * scored
         sums = torch.zeros(batch.n_sequences, device=logp.device, dtype=logp.dtype)
         return sums.index_add(0, sequence.clamp(min=0).flatten(), logp.flatten())  # padding adds 0
-    logits, targets, mask = completion_logits(
+    return completion_logp_sums(
         model, batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device)
     )
-    logp = token_logprobs(logits, targets).float()
-    return (logp * mask.to(logp.dtype)).sum(-1)
 
 
 @torch.no_grad()

@@ -23,11 +23,10 @@ import torch
 from torch import Tensor
 
 from trainer.adapters import adapter_off, has_adapter
-from trainer.algorithms.logprobs import token_logprobs
 from trainer.algorithms.preference_losses import KtoParams, kto, kto_reference_point
 from trainer.data.sft import TokenizedExample, collate_examples, tokenize_example
 from trainer.distributed import ONE, Ranks, is_sharded, share, sum_over_ranks, unwrap
-from trainer.loops.common import completion_logits, to_floats
+from trainer.loops.common import completion_logp_sums, to_floats
 from trainer.loops.dpo import Reference
 from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy
 from trainer.phases import Phase
@@ -43,11 +42,9 @@ def answer_logps(
 ) -> Tensor:
     """(B,) ``log pi(answer | prompt)`` summed over each example's answer tokens, one padded pass."""
     batch = collate_examples(list(examples), pad_id)
-    logits, targets, mask = completion_logits(
+    return completion_logp_sums(
         model, batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device)
     )
-    logp = token_logprobs(logits, targets).float()
-    return (logp * mask.to(logp.dtype)).sum(-1)
 
 
 @torch.no_grad()
@@ -111,8 +108,7 @@ def run_kto(spec: KtoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         def tokenize(rows: list[dict[str, Any]]) -> tuple[list[TokenizedExample], Tensor]:
             out = []
             for r in rows:
-                prompt_cut = {**r}
-                example = tokenize_example(prompt_cut, tokenizer, max_length=hp.max_length)
+                example = tokenize_example(r, tokenizer, max_length=hp.max_length)
                 prompt = example.prompt[-hp.max_prompt_length :]
                 out.append(TokenizedExample(prompt=prompt, completion=example.completion))
                 progress.advance()

@@ -20,7 +20,7 @@ from trainer.specs.refs import REFERENCE_MARK, check_model_ref
 # A judge may be any model, a scorer or a causal LM: no role to check.
 JUDGE_MODEL_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "model"}
 
-SIMILARITY_METRICS = (
+SimilarityMetric = Literal[
     "fuzzy_match",
     "bleu",
     "gleu",
@@ -32,7 +32,7 @@ SIMILARITY_METRICS = (
     "rouge_4",
     "rouge_5",
     "rouge_l",
-)
+]
 MAX_SOURCE_CHARS = 256 * 1024
 MAX_GRADER_DEPTH = 3
 
@@ -68,19 +68,7 @@ class TextSimilarityGrader(_TemplatedGrader):
     type: Literal["text_similarity"]
     input: str = Field(max_length=65_536)
     reference: str = Field(max_length=65_536)
-    evaluation_metric: Literal[
-        "fuzzy_match",
-        "bleu",
-        "gleu",
-        "meteor",
-        "cosine",
-        "rouge_1",
-        "rouge_2",
-        "rouge_3",
-        "rouge_4",
-        "rouge_5",
-        "rouge_l",
-    ]
+    evaluation_metric: SimilarityMetric
     pass_threshold: float | None = Field(
         default=None, ge=0, le=1, description="If set, the score is 1.0 at or above it and 0.0 below."
     )

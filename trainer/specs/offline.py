@@ -206,9 +206,7 @@ class KtoSpec(_ReferencedSpecBase):
     algorithm: Literal["kto"] = Field(description="Run type.")
     hyperparameters: KtoHyperparameters = Field(default_factory=KtoHyperparameters)
     dataset_kinds: ClassVar[tuple[str, ...]] = ("unpaired",)
-
-    def rank_split(self) -> tuple[str, int] | None:
-        return "hyperparameters.batch_size", self.hyperparameters.batch_size
+    # One device for now: its loop sums z_0 over ranks, but no multi-rank test has run it yet.
 
 
 class OrpoSpec(_RunSpecBase):
@@ -218,9 +216,7 @@ class OrpoSpec(_RunSpecBase):
     algorithm: Literal["orpo"] = Field(description="Run type.")
     hyperparameters: OrpoHyperparameters = Field(default_factory=OrpoHyperparameters)
     dataset_kinds: ClassVar[tuple[str, ...]] = ("preference",)
-
-    def rank_split(self) -> tuple[str, int] | None:
-        return "hyperparameters.batch_size", self.hyperparameters.batch_size
+    # One device for now: the DPO loop it runs in splits batches over ranks, but untested for orpo.
 
 
 class SftSpec(_RunSpecBase):
