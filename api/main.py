@@ -12,6 +12,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.orm import Session, sessionmaker
 
+from api.compression import JsonGzipMiddleware
 from api.db import make_engine, make_session_factory
 from api.errors import install_error_handlers
 from api.queue import CeleryEnqueue, Enqueue
@@ -66,6 +67,8 @@ def create_app(
     app.include_router(openai_jobs.router)
     app.include_router(graders.router)
     app.include_router(inference.router)
+
+    app.add_middleware(JsonGzipMiddleware)
 
     @app.middleware("http")
     async def log_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

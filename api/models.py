@@ -110,6 +110,20 @@ class DatasetSkippedLine(Base):
     field: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
+def _spec_name(context: Any) -> str:
+    spec = context.get_current_parameters().get("spec") or {}
+    return str(spec.get("name") or "")[:200]
+
+
+def run_tags(stored: str) -> list[str]:
+    """A run's tags from its ``tags`` column (',a,b,': delimited so one LIKE finds a whole tag)."""
+    return [t for t in stored.split(",") if t]
+
+
+def stored_tags(tags: list[str]) -> str:
+    return f",{','.join(tags)}," if tags else ""
+
+
 class Run(Base):
     __tablename__ = "runs"
     __table_args__ = (
@@ -171,6 +185,16 @@ class Run(Base):
     )
     stage: Mapped[str | None] = mapped_column(String(64), nullable=True)
     user_metadata: Mapped[dict[str, str] | None] = mapped_column("metadata", JsonType, nullable=True)
+    name: Mapped[str] = mapped_column(
+        String(200),
+        default=_spec_name,
+        server_default=text("''"),
+        doc="The spec's name ('' when it has none), a column so the runs list can sort and search it.",
+    )
+    tags: Mapped[str] = mapped_column(
+        Text, default="", server_default=text("''"), doc="Its tags as ',a,b,' ('' for none): see run_tags."
+    )
+    note: Mapped[str | None] = mapped_column(Text, nullable=True)
     announced: Mapped[bool] = mapped_column(
         Boolean, default=False, server_default=sa_false(), doc="Webhook deliveries for its end are queued."
     )
@@ -212,6 +236,25 @@ class Metric(Base):
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     value: Mapped[float] = mapped_column(Float)
     logged_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+
+
+class MetricTier(Base):
+    """A bucket of a key's series at one width: its lowest and highest point (api/metric_tiers.py).
+
+    Written with the points by ``api.metric_store.write_points``; charts of long runs read these."""
+
+    __tablename__ = "metric_tiers"
+
+    run_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    key: Mapped[str] = mapped_column(String(200), primary_key=True)
+    width: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True)
+    min_step: Mapped[int] = mapped_column(Integer)
+    min_value: Mapped[float] = mapped_column(Float)
+    max_step: Mapped[int] = mapped_column(Integer)
+    max_value: Mapped[float] = mapped_column(Float)
 
 
 class Event(Base):

@@ -21,7 +21,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -63,6 +63,13 @@ def _error_from(resp: httpx.Response) -> ApiError:
         text = resp.text.strip().splitlines()[0][:200] if resp.text.strip() else resp.reason_phrase
         return ApiError(resp.status_code, "http_error", f"HTTP {resp.status_code}: {text}")
     return ApiError(resp.status_code, info.code, info.message, info.field, info.details)
+
+
+class Unset:
+    """A keyword left out (where None means something: ``note=None`` removes a note)."""
+
+
+UNSET = Unset()
 
 
 def _params(**values: Any) -> dict[str, Any]:
@@ -171,24 +178,50 @@ class Runs(_Namespace):
         limit: int | None = None,
         after: str | None = None,
         flagged: bool | None = None,
+        sort: str | None = None,
+        q: str | None = None,
+        tags: Sequence[str] = (),
     ) -> Page[RunRead]:
         """One page, newest first, optionally only runs in ``status``; ``flagged`` True: only runs with
-        health warnings (``warnings`` not empty), False: only runs without, None: both."""
-        params = _params(status=status, limit=limit, after=after, flagged=flagged)
+        health warnings (``warnings`` not empty), False: only runs without, None: both. ``sort``: a column
+        of created_at, name, status, algorithm, ``-`` first for descending; ``q``: a search of name,
+        algorithm, model, tags, note and id prefix; ``tags``: only runs with all of them."""
+        params = _params(status=status, limit=limit, after=after, flagged=flagged, sort=sort, q=q)
+        if tags:
+            params["tag"] = list(tags)
         return _parse(Page[RunRead], self._client.request("GET", "/v1/runs", params=params))
 
     def iter(
-        self, *, status: str | None = None, flagged: bool | None = None, page_size: int = 100
+        self,
+        *,
+        status: str | None = None,
+        flagged: bool | None = None,
+        page_size: int = 100,
+        sort: str | None = None,
+        q: str | None = None,
+        tags: Sequence[str] = (),
     ) -> Iterator[RunRead]:
-        """Every run (newest first; ``status`` and ``flagged`` as for :meth:`list`), fetching pages as it
-        goes."""
+        """Every run (filters and order as for :meth:`list`), fetching pages as it goes."""
         after: str | None = None
         while True:
-            page = self.list(status=status, limit=page_size, after=after, flagged=flagged)
+            page = self.list(
+                status=status, limit=page_size, after=after, flagged=flagged, sort=sort, q=q, tags=tags
+            )
             yield from page.data
             if not page.has_more:
                 return
             after = page.next_cursor
+
+    def update(
+        self, run_id: Id, *, tags: Sequence[str] | None = None, note: str | None | Unset = UNSET
+    ) -> RunRead:
+        """Replace the run's tags and/or note (``note=None`` removes it); what is left out stays."""
+        body: dict[str, Any] = {}
+        if tags is not None:
+            body["tags"] = list(tags)
+        if not isinstance(note, Unset):
+            body["note"] = note
+        return _parse(RunRead, self._client.request("PATCH", f"/v1/runs/{run_id}", json=body))
 
     def get(self, run_id: Id) -> RunRead:
         return _parse(RunRead, self._client.request("GET", f"/v1/runs/{run_id}"))

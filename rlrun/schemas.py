@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar, get_args
+from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
 
 T = TypeVar("T")
 DatasetKind = Literal["preference", "sft", "ranking", "prompts", "unpaired"]
@@ -184,6 +184,8 @@ class RunRead(_Read):
         description="What the run's health checks flagged while it trained (each code once; README, "
         '"Warnings"): no learning signal, a diverging loss or KL, collapsed rewards, skipped updates.',
     )
+    tags: list[str] = Field(default_factory=list, description="Its tags (PATCH /v1/runs/{id}), lowercase.")
+    note: str | None = Field(default=None, description="Its note (PATCH /v1/runs/{id}).")
     cancel_requested: bool
     pause_requested: bool
     error: str | None = Field(description="One-line reason when the run failed.")
@@ -195,11 +197,50 @@ class RunRead(_Read):
     finished_at: datetime | None
 
 
+MAX_TAGS = 20
+MAX_TAG_LENGTH = 40
+MAX_NOTE_LENGTH = 4000
+TAG_PATTERN = r"^[a-z0-9][a-z0-9._:/+-]*$"
+Tag = Annotated[
+    str,
+    BeforeValidator(lambda v: v.strip().lower() if isinstance(v, str) else v),  # before the pattern
+    StringConstraints(min_length=1, max_length=MAX_TAG_LENGTH, pattern=TAG_PATTERN),
+]
+
+
+class RunUpdate(BaseModel):
+    """``PATCH /v1/runs/{id}``: the fields given replace the run's (a field left out stays as it is)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tags: list[Tag] | None = Field(
+        default=None,
+        max_length=MAX_TAGS,
+        description=f"At most {MAX_TAGS} tags, each 1-{MAX_TAG_LENGTH} characters of a-z, 0-9 and "
+        ". _ : / + - (starting with a letter or digit; stored lowercase, repeats dropped). [] removes them.",
+    )
+    note: str | None = Field(
+        default=None,
+        max_length=MAX_NOTE_LENGTH,
+        description=f'Free text, at most {MAX_NOTE_LENGTH} characters; null or "" removes it.',
+    )
+
+
 class MetricRead(_Read):
     key: str
     step: int
     value: float
     logged_at: datetime | None = Field(description="When it was logged (null in `max_points` chart mode).")
+
+
+class MetricColumns(BaseModel):
+    """One key's chart series as columns (``GET /v1/runs/{id}/metrics?format=columns``)."""
+
+    step: list[int] = Field(description="Steps, ascending.")
+    value: list[float] = Field(description="The value at each step.")
+    time: list[float] | None = Field(
+        default=None, description="Seconds since the epoch each point was logged (only with `time=true`)."
+    )
 
 
 class EventRead(_Read):

@@ -24,14 +24,13 @@ from typing import Any, TypeVar
 
 from celery import Celery
 from sqlalchemy import delete, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from api import lifecycle
 from api.db import make_engine, make_session_factory
-from api.models import Checkpoint, Event, Metric, Run, RunSample, utcnow
+from api.metric_store import write_points
+from api.models import Checkpoint, Event, Run, RunSample, utcnow
 from api.queue import TASK_NAME, CeleryEnqueue, make_celery
 from api.services.datasets import load_rows
 from api.services.pipelines import advance
@@ -121,27 +120,6 @@ def extend_lease(
         .execution_options(synchronize_session=False)
     )
     return _updated(session, stmt) == 1
-
-
-@lru_cache(maxsize=4)
-def _upsert_statement(dialect: str) -> Any:
-    """One compiled-once INSERT ... ON CONFLICT (run_id, key, step) DO UPDATE per dialect.
-
-    Executed with a list of rows it goes through SQLAlchemy's "insertmanyvalues" batching; building a
-    fresh ``.values(rows)`` statement per batch instead spent ~90% of ingest time compiling SQL.
-    """
-    insert = pg_insert if dialect == "postgresql" else sqlite_insert
-    stmt = insert(Metric)
-    return stmt.on_conflict_do_update(
-        index_elements=["run_id", "key", "step"],
-        set_={"value": stmt.excluded.value, "logged_at": stmt.excluded.logged_at},
-    )
-
-
-def upsert_metrics(session: Session, rows: list[dict[str, Any]]) -> None:
-    """Insert metric rows; a (run, key, step) written before (a retried attempt) is overwritten."""
-    if rows:
-        session.execute(_upsert_statement(session.get_bind().dialect.name), rows)
 
 
 class DbReporter:
@@ -254,7 +232,7 @@ class DbReporter:
                 owned = extend_lease(session, self.run_id, self.worker_id, self.lease_seconds, step=self.step)
                 if not owned:
                     raise LeaseLost(f"run {self.run_id} is no longer held by {self.worker_id}")
-                upsert_metrics(session, rows)
+                write_points(session, rows)
 
         retry_busy(f"run {self.run_id}: metrics flush", write)
         self.buffer.clear()

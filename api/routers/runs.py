@@ -5,15 +5,28 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query
+from fastapi.responses import JSONResponse
 
 from api import lifecycle
 from api.db import commit_unless_conflict
 from api.deps import EnqueueDep, ProjectDep, RunDep, SessionDep, SettingsDep
+from api.errors import InvalidRequest
 from api.pagination import AfterCursor
 from api.services import runs as service
 from api.services.pipelines import cancel_run_and_its_pipeline
+from api.services.runs import RunSort
 from api.services.runs import run_read as to_read
-from rlrun.schemas import ErrorBody, EventRead, MetricRead, Page, RunRead, SampleRead
+from rlrun.schemas import (
+    MAX_TAGS,
+    ErrorBody,
+    EventRead,
+    MetricColumns,
+    MetricRead,
+    Page,
+    RunRead,
+    RunUpdate,
+    SampleRead,
+)
 from trainer.specs import MAX_STEP, RunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
@@ -67,10 +80,36 @@ def list_runs(
         bool | None,
         Query(description="true: only runs with warnings (`warnings` not empty); false: only runs without"),
     ] = None,
+    sort: Annotated[
+        RunSort,
+        Query(
+            description="Order: a column, `-` first for descending; ties by creation time then id in the "
+            "same direction. A cursor continues the sort it came from."
+        ),
+    ] = "-created_at",
+    q: Annotated[
+        str | None,
+        Query(
+            max_length=200,
+            description="Only runs whose name, algorithm, model, tags or note contains this (any case), "
+            "or whose id starts with it.",
+        ),
+    ] = None,
+    tag: Annotated[
+        list[str] | None, Query(max_length=MAX_TAGS, description="Only runs with every one of these tags.")
+    ] = None,
 ) -> Page[RunRead]:
-    """List runs, newest first."""
+    """List runs, newest first unless `sort` says otherwise."""
     found = service.list_runs(
-        session=session, limit=limit, after=after, status=status, project_id=project_id, flagged=flagged
+        session=session,
+        limit=limit,
+        after=after,
+        status=status,
+        project_id=project_id,
+        flagged=flagged,
+        sort=sort,
+        q=q,
+        tags=tag or [],
     )
     return found.as_page(to_read)
 
@@ -78,6 +117,14 @@ def list_runs(
 @router.get("/{run_id}", response_model=RunRead, responses=_ERRORS)
 def read_run(run: RunDep) -> RunRead:
     """One run with its status and progress."""
+    return to_read(run)
+
+
+@router.patch("/{run_id}", response_model=RunRead, responses=_ERRORS)
+def update_run(run: RunDep, update: RunUpdate, session: SessionDep) -> RunRead:
+    """Set the run's tags and/or note (in any status); fields left out stay as they are."""
+    run = service.update_run(session=session, run=run, update=update)
+    session.commit()
     return to_read(run)
 
 
@@ -109,7 +156,11 @@ def resume_run(run: RunDep, session: SessionDep, enqueue: EnqueueDep) -> RunRead
     return to_read(run)
 
 
-@router.get("/{run_id}/metrics", response_model=Page[MetricRead], responses=_ERRORS)
+@router.get(
+    "/{run_id}/metrics",
+    response_model=Page[MetricRead] | dict[str, MetricColumns],
+    responses=_ERRORS,
+)
 def list_metrics(
     run: RunDep,
     session: SessionDep,
@@ -127,8 +178,33 @@ def list_metrics(
             "downsampled, first and last kept); no paging.",
         ),
     ] = None,
-) -> Page[MetricRead]:
+    format: Annotated[
+        Literal["rows", "columns"],
+        Query(
+            description="`rows`: a page of {key, step, value, logged_at}; `columns` (chart mode only, "
+            "needs `max_points`): {key: {step: [...], value: [...]}}, each key once."
+        ),
+    ] = "rows",
+    time: Annotated[
+        bool, Query(description="With `format=columns`: add `time`, when each point was logged.")
+    ] = False,
+) -> Any:
     """Metric values ordered by step then key; with `max_points`, a downsampled series per key."""
+    if format == "columns":
+        if max_points is None:
+            raise InvalidRequest(
+                "max_points: format=columns needs max_points (chart mode)", field="max_points"
+            )
+        columns = service.metric_columns(
+            session=session,
+            run_id=run.id,
+            keys=key,
+            min_step=min_step,
+            max_step=max_step,
+            max_points=max_points,
+            with_time=time,
+        )
+        return JSONResponse(columns)  # plain lists: no per-point model to validate
     if max_points is not None:
         return Page(
             data=service.downsampled_metrics(

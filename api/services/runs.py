@@ -7,14 +7,15 @@ importable from here, where they used to be.
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Literal
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, String, cast, func, or_, select
 from sqlalchemy.orm import Session
 
-from api.downsample import minmax_downsample
 from api.errors import IdempotencyConflict, RunNotFound, TooManyRuns
 from api.lifecycle import add_event as add_event
 from api.lifecycle import add_queued_run
@@ -22,7 +23,8 @@ from api.lifecycle import cancel_run as cancel_run
 from api.lifecycle import pause_run as pause_run
 from api.lifecycle import resume_run as resume_run
 from api.lifecycle import send_committed as send_committed
-from api.models import DEFAULT_PROJECT_ID, Event, Metric, Run, RunSample, utcnow
+from api.metric_store import chart_points, point_times
+from api.models import DEFAULT_PROJECT_ID, Event, Metric, Run, RunSample, run_tags, stored_tags, utcnow
 from api.pagination import Keyset, Slice, paginate
 from api.services.references import (
     check_devices,
@@ -31,7 +33,7 @@ from api.services.references import (
     total_steps,
     with_default_learning_rate,
 )
-from rlrun.schemas import MetricRead, Progress, RunRead, RunWarningRead
+from rlrun.schemas import MetricRead, Progress, RunRead, RunUpdate, RunWarningRead
 from trainer.specs import AnyRunSpec
 
 log = logging.getLogger("rlrun.runs")
@@ -119,6 +121,41 @@ def get_runs(*, session: Session, run_ids: Sequence[uuid.UUID]) -> list[Run]:
     return [session.get_one(Run, run_id) for run_id in run_ids]
 
 
+RunSort = Literal[
+    "created_at", "-created_at", "name", "-name", "status", "-status", "algorithm", "-algorithm"
+]
+# Each sort: its column, then created_at and id (unique together), all in the one direction.
+RUN_SORTS: dict[str, Keyset] = {
+    f"{sign}{column}": (
+        RUNS_ORDER
+        if column == "created_at" and sign == "-"
+        else Keyset(
+            *([getattr(Run, column)] if column != "created_at" else []),
+            Run.created_at,
+            Run.id,
+            desc=sign == "-",
+        )
+    )
+    for column in ("created_at", "name", "status", "algorithm")
+    for sign in ("", "-")
+}
+HEX_ID = re.compile(r"[0-9a-f]{4,32}")
+
+
+def run_search(q: str) -> ColumnElement[bool]:
+    """Runs whose name, algorithm, model, tags or note contains ``q`` (any case), or whose id starts with
+    it (hex digits, dashes ignored)."""
+    needle = q.strip().lower()
+    found = [
+        func.lower(column).contains(needle, autoescape=True)
+        for column in (Run.name, Run.algorithm, Run.tags, Run.note, Run.spec["model"].as_string())
+    ]
+    hex_id = needle.replace("-", "")
+    if HEX_ID.fullmatch(hex_id):
+        found.append(func.replace(cast(Run.id, String), "-", "").startswith(hex_id, autoescape=True))
+    return or_(*found)
+
+
 def list_runs(
     *,
     session: Session,
@@ -127,15 +164,34 @@ def list_runs(
     status: str | None,
     project_id: uuid.UUID = DEFAULT_PROJECT_ID,
     flagged: bool | None = None,
+    sort: str = "-created_at",
+    q: str | None = None,
+    tags: Sequence[str] = (),
 ) -> Slice[Run]:
-    """The project's runs, newest first (``after``: a cursor of the previous page); ``flagged``: only
-    runs with (True) or without (False) warnings."""
+    """The project's runs in ``sort`` order (``after``: a cursor of the previous page of the same sort);
+    ``flagged``: only runs with (True) or without (False) warnings; ``q``: ``run_search``; ``tags``: only
+    runs with every one of these tags."""
     stmt = select(Run).where(Run.project_id == project_id)
     if status is not None:
         stmt = stmt.where(Run.status == status)
     if flagged is not None:
         stmt = stmt.where(Run.warning_count > 0 if flagged else Run.warning_count == 0)
-    return paginate(session, stmt, RUNS_ORDER, limit=limit, cursor=after)
+    if q and q.strip():
+        stmt = stmt.where(run_search(q))
+    for tag in tags:
+        stmt = stmt.where(Run.tags.contains(f",{tag.strip().lower()},", autoescape=True))
+    return paginate(session, stmt, RUN_SORTS[sort], limit=limit, cursor=after)
+
+
+def update_run(*, session: Session, run: Run, update: RunUpdate) -> Run:
+    """Replace the run's tags and/or note (the fields ``update`` sets); any status."""
+    given = update.model_fields_set
+    if "tags" in given:
+        run.tags = stored_tags(list(dict.fromkeys(update.tags or [])))
+    if "note" in given:
+        run.note = update.note or None
+    session.flush()
+    return run
 
 
 def list_metrics(
@@ -227,19 +283,38 @@ def downsampled_metrics(
     max_step: int | None,
     max_points: int,
 ) -> list[MetricRead]:
-    """Per key, the series in step order cut to ``max_points`` by min-max bucketing (api/downsample.py).
-    Reads only (step, value) through the (run_id, key, step) primary key; ``logged_at`` is left null."""
+    """Per key, the series in step order cut to ``max_points`` (api/metric_store.chart_points: min-max
+    downsampled, long ranges read from the chart tiers); ``logged_at`` is left null."""
     out: list[MetricRead] = []
     for key in keys or metric_keys(session=session, run_id=run_id):
-        # Only (step, value): converting 50k timestamps costs more than the rest of the query.
-        stmt = select(Metric.step, Metric.value).where(Metric.run_id == run_id, Metric.key == key)
-        if min_step is not None:
-            stmt = stmt.where(Metric.step >= min_step)
-        if max_step is not None:
-            stmt = stmt.where(Metric.step <= max_step)
-        rows = session.execute(stmt.order_by(Metric.step)).all()
-        kept = minmax_downsample(rows, [r.value for r in rows], max_points)
-        out += [MetricRead(key=key, step=r.step, value=r.value, logged_at=None) for r in kept]
+        points = chart_points(session, run_id, key, min_step, max_step, max_points)
+        out += [MetricRead(key=key, step=step, value=value, logged_at=None) for step, value in points]
+    return out
+
+
+def metric_columns(
+    *,
+    session: Session,
+    run_id: uuid.UUID,
+    keys: list[str] | None,
+    min_step: int | None,
+    max_step: int | None,
+    max_points: int,
+    with_time: bool,
+) -> dict[str, dict[str, list[Any]]]:
+    """``downsampled_metrics`` as columns: {key: {"step": [...], "value": [...]}} (keys with points only),
+    with ``"time"`` (seconds since the epoch each point was logged) when ``with_time``."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for key in keys or metric_keys(session=session, run_id=run_id):
+        points = chart_points(session, run_id, key, min_step, max_step, max_points)
+        if not points:
+            continue
+        steps = [step for step, _ in points]
+        columns: dict[str, list[Any]] = {"step": steps, "value": [value for _, value in points]}
+        if with_time:
+            times = point_times(session, run_id, key, steps)
+            columns["time"] = [times[step].timestamp() for step in steps]
+        out[key] = columns
     return out
 
 
@@ -262,6 +337,8 @@ def run_read(run: Run) -> RunRead:
             total=run.phase_total,
         ),
         warnings=[RunWarningRead.model_validate(w) for w in run.warnings or []],
+        tags=run_tags(run.tags or ""),
+        note=run.note,
         cancel_requested=run.cancel_requested,
         pause_requested=run.pause_requested,
         error=run.error,

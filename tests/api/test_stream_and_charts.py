@@ -11,7 +11,8 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from api.downsample import minmax_downsample
-from api.models import Event, Metric, utcnow
+from api.metric_store import write_points
+from api.models import Event, utcnow
 from tests.factories import api_client, make_dataset, make_run
 
 
@@ -35,13 +36,17 @@ def test_minmax_downsample_keeps_first_last_and_bucket_extremes() -> None:
 
 def add_metrics(session: Session, run_id: uuid.UUID, key: str, n: int, start: int = 1) -> None:
     now = utcnow()
-    for s in range(start, start + n):
-        session.add(
-            Metric(
-                run_id=run_id, key=key, step=s, value=float(s % 7), logged_at=now + timedelta(microseconds=s)
-            )
-        )
-    session.flush()
+    rows = [
+        {
+            "run_id": run_id,
+            "key": key,
+            "step": s,
+            "value": float(s % 7),
+            "logged_at": now + timedelta(microseconds=s),
+        }
+        for s in range(start, start + n)
+    ]
+    write_points(session, rows)
 
 
 def test_metrics_max_points_downsamples_each_key(session: Session) -> None:

@@ -18,6 +18,7 @@ TABLES = {
     "dataset_skipped_lines",
     "runs",
     "metrics",
+    "metric_tiers",
     "events",
     "checkpoints",
     "pipelines",

@@ -1,0 +1,167 @@
+"""The runs table's server side: sort, search and tag filters with cursor paging; tags and a note per run
+(PATCH /v1/runs/{id}). Expected orders and matches are computed here from the rows the test made."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import httpx
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session
+
+from api.models import Run, utcnow
+from rlrun.client import Client
+from tests.factories import api_client, dpo_spec, make_dataset, make_run
+
+STATUSES = ["succeeded", "failed", "queued", "running", "cancelled", "succeeded"]
+ALGORITHMS = ["dpo", "sft", "grpo", "dpo", "reward_model", "grpo"]
+
+
+def make_table(session: Session, token: str) -> list[Run]:
+    ds = make_dataset(session)
+    start = utcnow() - timedelta(hours=1)
+    runs = []
+    for i, (status, algorithm) in enumerate(zip(STATUSES, ALGORITHMS, strict=True)):
+        spec = dpo_spec(ds.id) | {"name": f"{token}-{'CBAFED'[i]}run"}
+        runs.append(
+            make_run(
+                session,
+                ds,
+                spec=spec,
+                status=status,
+                algorithm=algorithm,
+                created_at=start + timedelta(minutes=i),
+            )
+        )
+    return runs
+
+
+def all_pages(client: TestClient, params: dict[str, Any], limit: int = 2) -> list[dict[str, Any]]:
+    """Every page of GET /v1/runs, following next_cursor."""
+    out: list[dict[str, Any]] = []
+    cursor = None
+    while True:
+        page = client.get(
+            "/v1/runs", params=params | {"limit": limit} | ({"after": cursor} if cursor else {})
+        )
+        assert page.status_code == 200, page.text
+        body = page.json()
+        out += body["data"]
+        if not body["has_more"]:
+            return out
+        cursor = body["next_cursor"]
+
+
+def test_sort_every_column_both_ways_across_pages(session: Session) -> None:
+    token = uuid.uuid4().hex[:10]
+    runs = make_table(session, token)
+    with api_client(session) as client:
+        for column in ("created_at", "name", "status", "algorithm"):
+            for desc in (False, True):
+                sort = f"{'-' if desc else ''}{column}"
+                got = [r["id"] for r in all_pages(client, {"sort": sort, "q": token})]
+                value = {
+                    "created_at": lambda r: r.created_at,
+                    "name": lambda r: r.spec["name"],
+                    "status": lambda r: r.status,
+                    "algorithm": lambda r: r.algorithm,
+                }[column]
+                expected = sorted(runs, key=lambda r: (value(r), r.created_at, r.id.hex), reverse=desc)
+                assert got == [str(r.id) for r in expected], sort
+        default = [r["id"] for r in all_pages(client, {"q": token})]
+        bad = client.get("/v1/runs", params={"sort": "loss"})
+    assert default == [str(r.id) for r in sorted(runs, key=lambda r: r.created_at, reverse=True)]
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "sort"
+
+
+def test_tags_and_note_by_patch_then_filter_and_search(session: Session) -> None:
+    token = uuid.uuid4().hex[:10]
+    runs = make_table(session, token)
+    a, b, c = runs[0], runs[1], runs[2]
+    with api_client(session) as client:
+        set_a = client.patch(f"/v1/runs/{a.id}", json={"tags": ["Baseline", "lr:1e-5", "baseline"]})
+        set_b = client.patch(
+            f"/v1/runs/{b.id}", json={"tags": ["baseline", "sweep_1"], "note": "Odd dip at 300"}
+        )
+        note_only = client.patch(f"/v1/runs/{a.id}", json={"note": "keep"})
+        # `_` and `%` are LIKE wildcards: a tag must match whole, literally
+        wild = client.patch(f"/v1/runs/{c.id}", json={"tags": ["sweepx1"]})
+        baseline = all_pages(client, {"q": token, "tag": "baseline"})
+        both = all_pages(client, {"q": token, "tag": ["baseline", "sweep_1"]})
+        literal = all_pages(client, {"q": token, "tag": "sweep_1"})
+        part = all_pages(client, {"q": token, "tag": "base"})
+        by_note = all_pages(client, {"q": "ODD DIP"})
+        by_tag_text = all_pages(client, {"q": "lr:1e-5"})
+        by_id = all_pages(client, {"q": str(b.id)[:8]})
+        by_name = all_pages(client, {"q": f"{token}-crun".upper()})
+        cleared = client.patch(f"/v1/runs/{b.id}", json={"tags": [], "note": None})
+        refused = [
+            client.patch(f"/v1/runs/{a.id}", json=body)
+            for body in (
+                {"tags": ["has space"]},
+                {"tags": ["x" * 41]},
+                {"tags": [f"t{i}" for i in range(21)]},
+                {"note": "n" * 4001},
+                {"status": "succeeded"},
+                {"tags": "baseline"},
+            )
+        ]
+        after_refusals = client.get(f"/v1/runs/{a.id}").json()
+        missing = client.patch(f"/v1/runs/{uuid.uuid4()}", json={"note": "x"})
+    assert set_a.status_code == 200 and set_a.json()["tags"] == ["baseline", "lr:1e-5"]
+    assert set_b.json()["tags"] == ["baseline", "sweep_1"] and set_b.json()["note"] == "Odd dip at 300"
+    assert note_only.json()["tags"] == ["baseline", "lr:1e-5"] and note_only.json()["note"] == "keep"
+    assert wild.status_code == 200
+    assert {r["id"] for r in baseline} == {str(a.id), str(b.id)}
+    assert [r["id"] for r in both] == [str(b.id)]
+    assert [r["id"] for r in literal] == [str(b.id)]  # not sweepx1
+    assert part == []
+    assert [r["id"] for r in by_note] == [str(b.id)]
+    assert [r["id"] for r in by_tag_text] == [str(a.id)]
+    assert str(b.id) in {r["id"] for r in by_id}
+    assert [r["id"] for r in by_name] == [str(runs[0].id)]  # 'C' is the first run's letter
+    assert cleared.json()["tags"] == [] and cleared.json()["note"] is None
+    fields = [r.json()["error"].get("field", "") for r in refused]
+    assert all(r.status_code == 422 for r in refused)
+    assert fields[0].startswith("tags") and fields[1].startswith("tags") and fields[2] == "tags"
+    assert fields[3] == "note" and fields[5] == "tags"
+    assert after_refusals["tags"] == ["baseline", "lr:1e-5"] and after_refusals["note"] == "keep"
+    assert missing.status_code == 404
+
+
+def test_name_column_follows_the_spec_at_submit(session: Session) -> None:
+    ds = make_dataset(session)
+    named = make_run(session, ds, spec=dpo_spec(ds.id) | {"name": "my sweep"})
+    unnamed = make_run(session, ds)
+    assert named.name == "my sweep" and unnamed.name == ""
+
+
+class ViaTestClient(httpx.BaseTransport):
+    """The SDK's requests answered by the app in process (through the test's session)."""
+
+    def __init__(self, tc: TestClient):
+        self.tc = tc
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        answer = self.tc.request(
+            request.method, str(request.url), content=request.read(), headers=dict(request.headers)
+        )
+        headers = {k: v for k, v in answer.headers.items() if k not in ("content-encoding", "content-length")}
+        return httpx.Response(answer.status_code, headers=headers, content=answer.content)
+
+
+def test_the_sdk_sorts_searches_tags_and_notes(session: Session) -> None:
+    token = uuid.uuid4().hex[:10]
+    runs = make_table(session, token)
+    with api_client(session) as tc, Client("http://testserver", transport=ViaTestClient(tc)) as sdk:
+        tagged = sdk.runs.update(runs[3].id, tags=["keep", "Best"])
+        noted = sdk.runs.update(runs[3].id, note="the one")
+        unnoted = sdk.runs.update(runs[4].id, note=None)
+        by_name = [r.id for r in sdk.runs.iter(q=token, sort="name", page_size=4)]
+        with_tag = sdk.runs.list(q=token, tags=["best", "keep"]).data
+    assert tagged.tags == ["keep", "best"] and noted.tags == ["keep", "best"] and noted.note == "the one"
+    assert unnoted.note is None
+    assert by_name == [r.id for r in sorted(runs, key=lambda r: r.spec["name"])]
+    assert [r.id for r in with_tag] == [runs[3].id]
