@@ -3,15 +3,14 @@
    Routes: #/runs, #/runs/<id>, #/compare?runs=<id>,<id>&key=<metric>, #/datasets, #/datasets/<id>.
    With RLRUN_AUTH=on a 401 brings up the API key form (index.html); the key is kept in sessionStorage
    and sent as `Authorization: Bearer` on every call, the live stream included (class FetchEventSource).
-   Charts are inline SVG (class Chart). Test hooks: data-testid on pages, tables and each chart's <svg>
-   ("chart-<first key>", "compare-chart"); each series is a <polyline data-series=... data-points=N>. */
+   Charts are uPlot (vendored in static/vendor/uplot; class Chart). Test hooks: data-testid on pages and
+   tables, on each chart's plot ("chart-<first key>", "compare-chart") and its controls; each series has a
+   legend item [data-series=... data-points=N]; the chart's <figure data-chart> holds the Chart as ._chart. */
 
 const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
 const ALGORITHMS = ["sft", "reward_model", "dpo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce",
   "reinforce_pp", "reinforce_baseline", "remax", "ppo", "vc_ppo", "eval", "merge"];
-const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#ca8a04", "#db2777",
-  "#4b5563", "#65a30d"];
 const KEY_METRICS = ["eval/pass@1", "reward/mean", "loss"]; // the runs table shows the first one a run has
 // The long phases a run goes through besides its steps (rlrun.schemas.PHASES), named as the CLI names them
 // (rlrun/terminal.py: PHASE_LABELS).
@@ -445,204 +444,506 @@ function showError(err) {
 }
 function hideBanner() { document.getElementById("banner").hidden = true; }
 
-/* ---------- chart ---------- */
+/* ---------- charts (uPlot 1.6.32, vendored in static/vendor/uplot and loaded by index.html) ---------- */
 
 let currentPage = null; // { alive, cleanups, charts }
+let chartPages = 0; // numbers each page's cursor-sync group
 
-/** A line chart as inline SVG: series = [{id, label, color, points: [[step, value], ...]}]. */
-class Chart {
-  constructor({ testid, title, height = 200 }) {
-    this.testid = testid;
-    this.title = title;
-    this.height = height;
-    this.series = [];
-    this.plot = h("div", { class: "chart-plot" });
-    this.legend = h("div", { class: "legend" });
-    this.tip = h("div", { class: "tooltip", hidden: true });
-    this.el = h("figure", { class: "chart", "data-chart": testid },
-      h("figcaption", {}, title), this.plot, this.legend, this.tip);
-    if (currentPage) currentPage.charts.add(this);
-  }
+// Paul Tol's "bright" scheme: told apart under the common colour-vision deficiencies, legible on light and
+// dark. Each series of a chart also gets its own dash pattern, so that no two differ by colour alone
+// (reward min and max are red and green here, and solid and dashed).
+const COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb"];
+const DASHES = [[], [7, 4], [2, 3], [9, 3, 2, 3], [14, 4], [4, 2, 1, 2, 1, 2], [1, 5]];
+const ZOOM_POINTS_MAX = 2000; // max_points of a zoomed range (about the chart's width in pixels)
+const TABLE_ROWS = 200; // a chart's table view shows the last this many steps
+const STEP_INCRS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1e3, 2e3, 2500, 5e3, 1e4, 2e4, 25e3, 5e4,
+  1e5, 2e5, 25e4, 5e5, 1e6];
 
-  set(series) {
-    this.series = series;
-    if (this.el.isConnected) this.render();
-    else requestAnimationFrame(() => this.render());
-  }
-
-  render() {
-    const W = Math.max(240, Math.floor(this.plot.clientWidth || 480));
-    const H = this.height;
-    const m = { l: 58, r: 14, t: 10, b: 24 };
-    const pw = W - m.l - m.r;
-    const ph = H - m.t - m.b;
-    let x0 = Infinity, x1 = -Infinity, y0 = Infinity, y1 = -Infinity;
-    for (const sr of this.series) {
-      for (const [x, y] of sr.points) {
-        if (!Number.isFinite(y)) continue;
-        if (x < x0) x0 = x;
-        if (x > x1) x1 = x;
-        if (y < y0) y0 = y;
-        if (y > y1) y1 = y;
-      }
-    }
-    const root = s("svg", { class: "chart-svg", width: W, height: H, viewBox: `0 0 ${W} ${H}`,
-      "data-testid": this.testid, role: "img", "aria-label": this.title });
-    const empty = !(x0 <= x1);
-    if (empty) {
-      x0 = 0; x1 = 1; y0 = 0; y1 = 1;
-    }
-    const xa = x0 === x1 ? x0 - 1 : x0, xb = x0 === x1 ? x1 + 1 : x1;
-    let ya = y0, yb = y1;
-    if (ya === yb) { const d = Math.abs(ya) * 0.05 || 1; ya -= d; yb += d; }
-    const pad = (yb - ya) * 0.05;
-    ya -= pad; yb += pad;
-    const X = (v) => m.l + ((v - xa) / (xb - xa)) * pw;
-    const Y = (v) => m.t + ph - ((v - ya) / (yb - ya)) * ph;
-    this.scale = { X, m, pw, xa, xb };
-
-    // grid and labels: the data's min and max (and the middle) on both axes
-    const yTicks = empty ? [] : y0 === y1 ? [y0] : [y0, (y0 + y1) / 2, y1];
-    for (const [i, v] of yTicks.entries()) {
-      const cls = yTicks.length === 1 ? "" : i === 0 ? "min" : i === 2 ? "max" : "mid";
-      root.append(s("line", { class: "grid", x1: m.l, x2: W - m.r, y1: Y(v), y2: Y(v) }),
-        s("text", { class: `ylab ${cls}`, x: m.l - 6, y: Y(v) + 4, "text-anchor": "end" }, fmtNum(v)));
-    }
-    const xTicks = empty ? [] : x0 === x1 ? [x0] : [x0, Math.round((x0 + x1) / 2), x1];
-    for (const [i, v] of xTicks.entries()) {
-      const anchor = xTicks.length === 1 ? "middle" : i === 0 ? "start" : i === 2 ? "end" : "middle";
-      root.append(s("text", { class: "xlab", x: X(v), y: H - 6, "text-anchor": anchor }, fmtNum(v)));
-    }
-    root.append(s("line", { class: "axis", x1: m.l, x2: m.l, y1: m.t, y2: m.t + ph }),
-      s("line", { class: "axis", x1: m.l, x2: W - m.r, y1: m.t + ph, y2: m.t + ph }));
-    if (empty) {
-      root.append(s("text", { class: "nodata", x: m.l + pw / 2, y: m.t + ph / 2, "text-anchor": "middle" },
-        "no points yet"));
-    }
-    for (const sr of this.series) {
-      const pts = sr.points.filter((p) => Number.isFinite(p[1]));
-      const drawn = pts.length > pw * 2 ? decimate(pts, Math.floor(pw)) : pts;
-      root.append(s("polyline", {
-        class: "series", fill: "none", stroke: sr.color, "stroke-width": 1.6, "stroke-linejoin": "round",
-        "data-series": sr.id, "data-points": sr.points.length,
-        points: drawn.map(([x, y]) => `${X(x).toFixed(1)},${Y(y).toFixed(1)}`).join(" "),
-      }));
-      if (pts.length <= 40) {
-        for (const [x, y] of pts) root.append(s("circle", { cx: X(x), cy: Y(y), r: 2.4, fill: sr.color }));
-      }
-    }
-    this.guide = s("line", { class: "guide", x1: 0, x2: 0, y1: m.t, y2: m.t + ph, visibility: "hidden" });
-    root.append(this.guide);
-    root.addEventListener("mousemove", (e) => this.hover(e, root));
-    root.addEventListener("mouseleave", () => { this.tip.hidden = true; this.guide.setAttribute("visibility", "hidden"); });
-    fill(this.plot, root);
-
-    fill(this.legend, ...this.series.map((sr) => {
-      const last = sr.points.length ? sr.points[sr.points.length - 1][1] : null;
-      return h("span", { class: "legend-item", "data-series": sr.id, title: sr.title || sr.label },
-        h("i", { class: "swatch", style: `background:${sr.color}` }),
-        sr.href ? h("a", { href: sr.href }, sr.label) : h("span", {}, sr.label),
-        h("b", {}, fmtNum(last)));
-    }));
-  }
-
-  hover(e, root) {
-    const { X, m, pw, xa, xb } = this.scale;
-    const rect = root.getBoundingClientRect();
-    const px = e.clientX - rect.left;
-    if (px < m.l || px > m.l + pw || !this.series.some((sr) => sr.points.length)) return;
-    const step = xa + ((px - m.l) / pw) * (xb - xa);
-    const hits = this.series.map((sr) => [sr, nearest(sr.points, step)]).filter(([, p]) => p);
-    let at = hits[0][1][0];
-    for (const [, p] of hits) if (Math.abs(p[0] - step) < Math.abs(at - step)) at = p[0];
-    const rows = hits.map(([sr, p]) => h("div", {}, h("i", { class: "swatch", style: `background:${sr.color}` }),
-      `${sr.label}: `, h("b", {}, fmtNum(p[1])), p[0] !== at ? h("span", { class: "muted" }, ` @ ${p[0]}`) : ""));
-    this.guide.setAttribute("x1", X(at));
-    this.guide.setAttribute("x2", X(at));
-    this.guide.setAttribute("visibility", "visible");
-    fill(this.tip, h("div", { class: "muted" }, `step ${at}`), ...rows);
-    this.tip.hidden = false;
-    const left = px + 14 + this.tip.offsetWidth > rect.width ? px - 14 - this.tip.offsetWidth : px + 14;
-    this.tip.style.left = `${Math.max(0, left) + this.plot.offsetLeft}px`;
-    this.tip.style.top = `${this.plot.offsetTop + 8}px`;
-  }
+function seriesStyle(i) {
+  return { color: COLORS[i % COLORS.length], dash: DASHES[i % DASHES.length] };
 }
 
-function nearest(points, step) {
-  if (!points.length) return null;
-  let lo = 0, hi = points.length - 1;
-  while (lo < hi) {
-    const mid = (lo + hi) >> 1;
-    if (points[mid][0] < step) lo = mid + 1; else hi = mid;
-  }
-  if (lo > 0 && Math.abs(points[lo - 1][0] - step) <= Math.abs(points[lo][0] - step)) lo -= 1;
-  return points[lo];
+/** The chart settings shared by every chart of a page (its toolbar: chartControls). */
+function chartView() {
+  return { x: "step", smoothing: 0, log: false, zero: false, sync: `rlrun-page-${++chartPages}` };
 }
 
-/** Min-max decimation for drawing: about 2 * buckets points, first and last kept. */
-function decimate(points, buckets) {
-  const out = [points[0]];
-  const n = points.length;
-  for (let b = 0; b < buckets; b++) {
-    const lo = 1 + Math.floor(((n - 2) * b) / buckets), hi = 1 + Math.floor(((n - 2) * (b + 1)) / buckets);
-    if (lo >= hi) continue;
-    let mn = lo, mx = lo;
-    for (let i = lo; i < hi; i++) {
-      if (points[i][1] < points[mn][1]) mn = i;
-      if (points[i][1] > points[mx][1]) mx = i;
-    }
-    out.push(...(mn < mx ? [points[mn], points[mx]] : mn === mx ? [points[mn]] : [points[mx], points[mn]]));
+/** A metric series as columns in step order (a resumed attempt may rewrite a step): `time` is seconds
+    since the epoch (null where not known), non-finite values are null. */
+class Cols {
+  constructor(step = [], value = [], time = null) {
+    this.step = step;
+    this.value = value.map((v) => (Number.isFinite(v) ? v : null));
+    this.time = time || step.map(() => null);
   }
-  out.push(points[n - 1]);
+  add(step, value, time = null) {
+    const v = Number.isFinite(value) ? value : null;
+    const st = this.step;
+    const n = st.length;
+    if (!n || step > st[n - 1]) { st.push(step); this.value.push(v); this.time.push(time); return; }
+    let lo = 0, hi = n;
+    while (lo < hi) { const mid = (lo + hi) >> 1; if (st[mid] < step) lo = mid + 1; else hi = mid; }
+    if (st[lo] === step) { this.value[lo] = v; this.time[lo] = time ?? this.time[lo]; return; }
+    st.splice(lo, 0, step); this.value.splice(lo, 0, v); this.time.splice(lo, 0, time);
+  }
+  get last() {
+    for (let i = this.value.length - 1; i >= 0; i--) if (this.value[i] !== null) return this.value[i];
+    return null;
+  }
+}
+const NO_COLS = new Cols();
+
+/** A run's metric series, chart-sized: Map(key -> Cols), from GET .../metrics?format=columns, which answers
+    {key: {step: [...], value: [...], time: [...] (with time=true)}}: each key at most maxPoints points, first
+    and last kept, min-max downsampled, non-finite values as null. */
+async function fetchColumns(runId, { keys = null, maxPoints = CHART_POINTS, minStep = null, maxStep = null,
+  time = false } = {}) {
+  const body = await api(`/v1/runs/${enc(runId)}/metrics${qs({ format: "columns", max_points: maxPoints,
+    key: keys, min_step: minStep, max_step: maxStep, time: time ? "true" : null })}`);
+  return new Map(Object.entries(body).map(([k, c]) => [k, new Cols(c.step, c.value, c.time)]));
+}
+
+/** TensorBoard's smoothing: an exponential moving average over the points in step order, debiased (divided
+    by 1 - w^n after n points) so that the first points are not pulled towards 0. Nulls stay null. */
+function smooth(values, w) {
+  if (!w) return values.slice();
+  const out = new Array(values.length);
+  let acc = 0, n = 0;
+  for (let i = 0; i < values.length; i++) {
+    const v = values[i];
+    if (v === null) { out[i] = null; continue; }
+    acc = acc * w + (1 - w) * v;
+    n += 1;
+    out[i] = acc / (1 - w ** n);
+  }
   return out;
 }
 
-/** A series keyed by step, kept sorted (a resumed attempt may rewrite a step). */
-class Series {
-  constructor() { this.points = []; }
-  add(step, value) {
-    const pts = this.points;
-    if (!pts.length || step > pts[pts.length - 1][0]) { pts.push([step, value]); return; }
-    let lo = 0, hi = pts.length;
-    while (lo < hi) { const mid = (lo + hi) >> 1; if (pts[mid][0] < step) lo = mid + 1; else hi = mid; }
-    if (lo < pts.length && pts[lo][0] === step) pts[lo][1] = value; else pts.splice(lo, 0, [step, value]);
+function fmtTick(v) {
+  if (v === null || v === undefined) return "";
+  const a = Math.abs(v);
+  if (a === 0) return "0";
+  if (a >= 1e6 || a < 1e-3) return v.toExponential(1).replace("e+", "e");
+  return String(Number(v.toPrecision(6)));
+}
+function fmtWall(sec) { return sec === null || sec === undefined ? "–" : new Date(sec * 1000).toLocaleString(); }
+
+/** Page-level chart settings: x axis (step or wall time), smoothing, log y, y from zero. `onChange(what)`. */
+function chartControls(view, onChange) {
+  const shown = h("output", { class: "mono", "data-testid": "chart-smoothing-value" }, view.smoothing.toFixed(2));
+  const xSel = h("select", { "data-testid": "chart-x", "aria-label": "x axis", onchange: (e) => { view.x = e.target.value; onChange("x"); } },
+    h("option", { value: "step" }, "step"), h("option", { value: "time" }, "wall time"));
+  xSel.value = view.x;
+  return h("div", { class: "toolbar chart-controls", role: "group", "aria-label": "chart settings" },
+    h("label", {}, "x axis ", xSel),
+    h("label", { title: "exponential moving average over the points in step order (debiased, as TensorBoard)" },
+      "smoothing ", h("input", { type: "range", min: 0, max: 0.99, step: 0.01, value: view.smoothing,
+        "data-testid": "chart-smoothing", "aria-label": "smoothing", oninput: (e) => {
+          view.smoothing = Number(e.target.value);
+          shown.textContent = view.smoothing.toFixed(2);
+          onChange("smoothing");
+        } }), " ", shown),
+    h("label", {}, h("input", { type: "checkbox", "data-testid": "chart-log", checked: view.log,
+      onchange: (e) => { view.log = e.target.checked; onChange("log"); } }), " log y"),
+    h("label", {}, h("input", { type: "checkbox", "data-testid": "chart-zero", checked: view.zero,
+      onchange: (e) => { view.zero = e.target.checked; onChange("zero"); } }), " y from 0"),
+    h("span", { class: "muted small hint" }, "drag across a chart to zoom, double-click to reset"));
+}
+
+/** One line chart on uPlot. Each series is drawn twice: its raw values faint, and smoothed on top (with
+    smoothing 0 only the raw line, at full strength). Test hooks: the plot has data-testid=<testid>, the
+    figure data-chart=<testid> (and data-zoom / data-fetched while zoomed), each legend item
+    data-series=<id> data-points=<points loaded>; figure._chart is this object (figure._chart.u the uPlot).
+    `fetchRange(ids, minStep, maxStep, maxPoints)` -> Map(id -> Cols): a zoomed range at full resolution. */
+class Chart {
+  constructor({ testid, title, yLabel = title, view, height = 220, fetchRange = null }) {
+    Object.assign(this, { testid, title, yLabel, view, height, fetchRange });
+    this.defs = [];
+    this.full = new Map(); // id -> Cols: the whole run (what the page holds)
+    this.zoom = null; // {min, max, data: Map | null} in x units
+    this.u = null;
+    this.shape = "";
+    this.frame = 0;
+    this.kb = null; // {idx, left}: where the arrow keys last put the cursor
+    this.resetBtn = h("button", { type: "button", class: "chart-reset", hidden: true, "data-testid": "reset-zoom",
+      "aria-label": `reset zoom of ${title}`, onclick: () => this.resetZoom() }, "reset zoom");
+    this.plot = h("div", { class: "chart-plot", tabindex: 0, role: "group", "data-testid": testid,
+      "aria-label": `${title} chart: drag to zoom, double-click to reset; Left and Right arrow keys move the `
+        + "cursor point by point, Home and End jump to the ends, Escape hides it",
+      onkeydown: (e) => this.onKey(e) });
+    this.legend = h("div", { class: "legend" });
+    this.note = h("p", { class: "chart-note muted small", "data-testid": "chart-note", hidden: true });
+    this.said = h("div", { class: "sr-only", "aria-live": "polite", "data-testid": "chart-said" });
+    this.tableBox = h("div", { class: "chart-table-box" });
+    this.table = h("details", { class: "chart-table", "data-testid": "chart-table", ontoggle: () => this.renderTable() },
+      h("summary", {}, "table of points"), this.tableBox);
+    this.el = h("figure", { class: "chart", "data-chart": testid },
+      h("figcaption", {}, h("span", { class: "chart-title" }, title), this.resetBtn),
+      this.plot, this.legend, this.note, this.table, this.said);
+    this.el._chart = this;
+    this.seenWidth = -1;
+    this.ro = new ResizeObserver((entries) => { // only a new width matters (the height is the chart's own)
+      const w = Math.floor(entries[entries.length - 1].contentRect.width);
+      if (w !== this.seenWidth) { this.seenWidth = w; this.schedule(); }
+    });
+    this.ro.observe(this.plot);
+    if (currentPage) currentPage.charts.add(this);
   }
-  get last() { return this.points.length ? this.points[this.points.length - 1] : null; }
+
+  /** defs: [{id, label, color, dash, href, title}]. */
+  setSeries(defs) {
+    this.defs = defs;
+    this.legendVals = [];
+    fill(this.legend, h("span", { class: "legend-x muted" }),
+      defs.map((d) => {
+        const val = h("b", {});
+        this.legendVals.push(val);
+        return h("span", { class: "legend-item", "data-series": d.id, title: d.title || d.label },
+          swatch(d), d.href ? h("a", { href: d.href }, d.label) : h("span", {}, d.label), val);
+      }));
+    this.legendX = this.legend.firstChild;
+    this.schedule();
+  }
+
+  /** The whole-run series, Map(id -> Cols); Cols the page appends to later need only schedule(). */
+  setData(full) {
+    this.full = full;
+    this.schedule();
+  }
+
+  current() { return (this.zoom && this.zoom.data) || this.full; }
+
+  /** Redraw at the next frame (data appended, settings or size changed); several calls, one redraw. */
+  schedule() {
+    if (!this.frame) this.frame = requestAnimationFrame(() => this.draw());
+  }
+
+  destroy() {
+    cancelAnimationFrame(this.frame);
+    this.ro.disconnect();
+    if (this.u) this.u.destroy();
+    this.u = null;
+  }
+
+  /** uPlot's data: [x, raw 1, smoothed 1, raw 2, smoothed 2, ...] joined on x (null where a series has no
+      point there). In log view the values <= 0 become null and are counted in this.dropped. */
+  aligned() {
+    const data = this.current();
+    const xKey = this.view.x === "time" ? "time" : "step";
+    const cols = this.defs.map((d) => data.get(d.id) || NO_COLS);
+    const seen = new Set();
+    for (const c of cols) for (const x of c[xKey]) if (x !== null) seen.add(x);
+    const xs = [...seen].sort((a, b) => a - b);
+    const at = new Map(xs.map((x, i) => [x, i]));
+    const out = [xs];
+    for (const c of cols) {
+      const sm = smooth(c.value, this.view.smoothing);
+      const raw = new Array(xs.length).fill(null), sy = new Array(xs.length).fill(null);
+      c[xKey].forEach((x, i) => { if (x !== null) { const j = at.get(x); raw[j] = c.value[i]; sy[j] = sm[i]; } });
+      out.push(raw, sy);
+    }
+    this.dropped = 0;
+    this.logOn = this.view.log && out.slice(1).some((ys) => ys.some((v) => v !== null && v > 0));
+    if (this.logOn) {
+      for (let k = 1; k < out.length; k++) {
+        out[k] = out[k].map((v) => {
+          if (v !== null && v <= 0) { if (k % 2) this.dropped += 1; return null; }
+          return v;
+        });
+      }
+    }
+    return out;
+  }
+
+  draw() {
+    this.frame = 0;
+    const data = this.aligned();
+    const loaded = this.current();
+    this.defs.forEach((d, i) => {
+      const item = this.legend.children[i + 1];
+      if (item) item.dataset.points = String((loaded.get(d.id) || NO_COLS).step.length);
+    });
+    const notes = [];
+    if (this.view.log && !this.logOn) notes.push("log scale: no positive values, shown linear");
+    else if (this.dropped) notes.push(`log scale: ${this.dropped} value${this.dropped === 1 ? "" : "s"} ≤ 0 not shown`);
+    if (this.view.x === "time" && data[0].length === 0 && this.defs.some((d) => (loaded.get(d.id) || NO_COLS).step.length)) {
+      notes.push("no wall times for these points");
+    }
+    this.note.textContent = notes.join("; ");
+    this.note.hidden = !notes.length;
+    if (this.table.open) this.renderTable();
+
+    const width = Math.floor(this.plot.clientWidth);
+    if (width < 60) return; // in a closed section (or not laid out yet): drawn when it opens
+    // by the window's width, not the chart's: a chart's height must not depend on its width (a scrollbar
+    // coming and going would resize it for ever)
+    const height = window.innerWidth < 600 ? Math.min(this.height, 200) : this.height;
+    const shape = JSON.stringify([this.view.x, this.logOn, this.view.zero, this.view.smoothing > 0,
+      this.defs.map((d) => [d.id, d.color])]);
+    if (!this.u || shape !== this.shape) {
+      this.build(width, height, data);
+      this.shape = shape;
+    } else {
+      const u = this.u;
+      if (u.width !== width || u.height !== height) u.setSize({ width, height });
+      // A hover stays on its point: the x range may grow with new points, so the cursor is put back on
+      // that x once uPlot has redrawn with the new scales (its "draw" hook: uPlot commits asynchronously).
+      if (u.cursor.left >= 0 && u.cursor.idx !== null && u.cursor.idx !== undefined) {
+        this.hold = { x: u.data[0][u.cursor.idx], kb: Boolean(this.kb && this.kb.left === u.cursor.left) };
+      }
+      u.setData(data, !this.zoom);
+      if (this.zoom) u.setScale("x", { min: this.zoom.min, max: this.zoom.max });
+    }
+    if (this.u.cursor.idx === null || this.u.cursor.idx === undefined) this.showValues(null);
+  }
+
+  build(width, height, data) {
+    if (this.u) this.u.destroy();
+    this.kb = null;
+    const css = getComputedStyle(document.documentElement);
+    const ink = css.getPropertyValue("--muted").trim() || "#6b7280";
+    const grid = { stroke: css.getPropertyValue("--grid").trim() || "#eceef1", width: 1 };
+    const time = this.view.x === "time";
+    const smoothed = this.view.smoothing > 0;
+    const series = [{ label: time ? "wall time" : "step" }];
+    for (const d of this.defs) {
+      series.push({ label: `${d.label} (raw)`, stroke: smoothed ? `${d.color}55` : d.color, width: smoothed ? 1 : 1.75,
+        dash: d.dash, spanGaps: true, ...(smoothed ? { points: { show: false } } : {}) });
+      series.push({ label: d.label, stroke: d.color, width: 1.75, dash: d.dash, spanGaps: true, show: smoothed });
+    }
+    const font = "11px system-ui, sans-serif";
+    const ySize = (u, values) => (values ? Math.max(...values.map((v) => String(v).length)) * 7 + 14 : 40);
+    const zero = this.view.zero;
+    this.u = new uPlot({
+      width, height, series, legend: { show: false },
+      scales: {
+        x: { time },
+        y: this.logOn ? { distr: 3, log: 10 }
+          : { range: (u, min, max) => (min === null || max === null ? [0, 1]
+            : uPlot.rangeNum(zero ? Math.min(0, min) : min, zero ? Math.max(0, max) : max, 0.1, true)) },
+      },
+      axes: [
+        { label: time ? "wall time" : "step", stroke: ink, grid, ticks: grid, font, labelFont: font, labelSize: 16,
+          ...(time ? {} : { incrs: STEP_INCRS, values: (u, splits) => splits.map(fmtTick) }) },
+        { label: this.yLabel, stroke: ink, grid, ticks: grid, font, labelFont: font, labelSize: 16, size: ySize,
+          values: (u, splits) => splits.map(fmtTick) },
+      ],
+      cursor: {
+        // hover follows on every chart of the page; drag-zoom and double-click stay on this chart
+        sync: { key: this.view.sync, filters: { pub: (type) => type === "mousemove" } },
+        drag: { x: true, y: false, setScale: false },
+        bind: { dblclick: () => (e) => { if (e.button === 0) this.resetZoom(); return null; } },
+        points: { size: 7 },
+      },
+      hooks: {
+        setSelect: [(u) => this.onSelect(u)],
+        setCursor: [(u) => this.showValues(u.cursor.idx)],
+        draw: [(u) => this.afterDraw(u)],
+      },
+    }, data, this.plot);
+    if (this.zoom) this.u.setScale("x", { min: this.zoom.min, max: this.zoom.max });
+  }
+
+  afterDraw(u) {
+    const hold = this.hold;
+    this.hold = null;
+    if (!hold || u.cursor.left < 0) return;
+    u.setCursor({ left: u.valToPos(hold.x, "x"), top: u.cursor.top });
+    if (hold.kb) this.kb = { idx: u.cursor.idx, left: u.cursor.left };
+  }
+
+  onSelect(u) {
+    const { left, width } = u.select;
+    if (width < 4) return;
+    const min = u.posToVal(left, "x"), max = u.posToVal(left + width, "x");
+    u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
+    this.zoomTo(min, max);
+  }
+
+  /** Zoom x to [min, max] (x units), then fetch that range of every series at full resolution. */
+  async zoomTo(min, max) {
+    const zoom = { min, max, data: null };
+    this.zoom = zoom;
+    this.resetBtn.hidden = false;
+    this.el.dataset.zoom = `${min},${max}`;
+    delete this.el.dataset.fetched;
+    if (this.u) this.u.setScale("x", { min, max });
+    if (!this.fetchRange) return;
+    const [s0, s1] = this.stepsIn(min, max);
+    const n = Math.max(50, Math.min(ZOOM_POINTS_MAX, Math.round(this.plot.clientWidth)));
+    try {
+      const data = await this.fetchRange(this.defs.map((d) => d.id), s0, s1, n);
+      if (this.zoom !== zoom) return; // reset or zoomed again meanwhile
+      zoom.data = data;
+      this.el.dataset.fetched = `${s0},${s1},${n}`;
+      this.schedule();
+    } catch (err) { showError(err); }
+  }
+
+  /** The steps to fetch for an x range: in wall time, those of the points in it and one either side. */
+  stepsIn(min, max) {
+    if (this.view.x !== "time") return [Math.max(0, Math.floor(min)), Math.max(0, Math.ceil(max))];
+    let lo = Infinity, hi = -Infinity;
+    for (const c of this.full.values()) {
+      const n = c.step.length;
+      for (let i = 0; i < n; i++) {
+        const t = c.time[i];
+        if (t === null) continue;
+        if (t >= min && t <= max) {
+          lo = Math.min(lo, c.step[Math.max(0, i - 1)]);
+          hi = Math.max(hi, c.step[Math.min(n - 1, i + 1)]);
+        }
+      }
+    }
+    return lo <= hi ? [lo, hi] : [0, 0];
+  }
+
+  resetZoom() {
+    if (!this.zoom) return;
+    this.zoom = null;
+    this.resetBtn.hidden = true;
+    delete this.el.dataset.zoom;
+    delete this.el.dataset.fetched;
+    if (this.u) this.u.setData(this.aligned(), true);
+    this.schedule();
+  }
+
+  /** The legend: the x and the values under the cursor (the last values when it is away). */
+  showValues(idx) {
+    if (!this.legendVals) return;
+    const u = this.u;
+    const hovering = u && idx !== null && idx !== undefined && idx < u.data[0].length;
+    const smoothed = this.view.smoothing > 0;
+    const loaded = this.current();
+    this.defs.forEach((d, i) => {
+      let raw, sm;
+      if (hovering) {
+        const j = nearestValue(u.data[1 + 2 * i], idx);
+        raw = j === null ? null : u.data[1 + 2 * i][j];
+        sm = j === null ? null : u.data[2 + 2 * i][j];
+      } else {
+        const c = loaded.get(d.id) || NO_COLS;
+        raw = c.last;
+        const s = smooth(c.value, this.view.smoothing);
+        sm = s.length ? s[s.length - 1] : null;
+      }
+      fill(this.legendVals[i], smoothed ? [fmtNum(sm), h("span", { class: "muted" }, ` raw ${fmtNum(raw)}`)] : fmtNum(raw));
+    });
+    const x = hovering ? u.data[0][idx] : null;
+    this.legendX.textContent = x === null ? "" : this.view.x === "time" ? fmtWall(x) : `step ${x}`;
+  }
+
+  onKey(e) {
+    const u = this.u;
+    if (!u || !["ArrowLeft", "ArrowRight", "Home", "End", "Escape"].includes(e.key)) return;
+    e.preventDefault();
+    if (e.key === "Escape") { u.setCursor({ left: -10, top: -10 }, true, true); this.said.textContent = ""; return; }
+    const xs = u.data[0];
+    if (!xs.length) return;
+    let lo = 0, hi = xs.length - 1;
+    while (lo < hi && xs[lo] < u.scales.x.min) lo++;
+    while (hi > lo && xs[hi] > u.scales.x.max) hi--;
+    let cur = u.cursor.idx;
+    if (this.kb && this.kb.left === u.cursor.left) cur = this.kb.idx; // as the keys left it
+    const off = cur === null || cur === undefined || cur < lo || cur > hi;
+    let i;
+    if (e.key === "Home") i = lo;
+    else if (e.key === "End") i = hi;
+    else if (e.key === "ArrowRight") i = off ? lo : Math.min(hi, cur + 1);
+    else i = off ? hi : Math.max(lo, cur - 1);
+    const main = this.view.smoothing > 0 ? 2 : 1;
+    const y = u.data[main] ? u.data[main][i] : null;
+    const left = u.valToPos(xs[i], "x");
+    u.setCursor({ left, top: y === null || y === undefined ? u.over.clientHeight / 2 : u.valToPos(y, "y") }, true, true);
+    this.kb = { idx: i, left: u.cursor.left };
+    this.said.textContent = `${this.legendX.textContent}: ${this.defs.map((d, k) => `${d.label} ${this.legendVals[k].textContent}`).join(", ")}`;
+  }
+
+  /** The chart's points as a table: step (and wall time), one column per series; the last TABLE_ROWS steps. */
+  renderTable() {
+    if (!this.table.open) return;
+    const data = this.current();
+    const time = this.view.x === "time";
+    const cols = this.defs.map((d) => data.get(d.id) || NO_COLS);
+    const index = cols.map((c) => new Map(c.step.map((st, i) => [st, i])));
+    const steps = [...new Set(cols.flatMap((c) => c.step))].sort((a, b) => a - b);
+    const rows = steps.slice(-TABLE_ROWS);
+    const what = this.zoom ? "in the zoomed range" : "loaded";
+    fill(this.tableBox,
+      h("p", { class: "muted small", "data-testid": "chart-table-note" }, steps.length > rows.length
+        ? `the last ${rows.length} of ${steps.length} steps ${what}` : `${steps.length} steps ${what}`),
+      h("div", { class: "scroll table-scroll" }, h("table", { class: "table compact chart-data" },
+        h("caption", { class: "sr-only" }, this.title),
+        h("thead", {}, h("tr", {}, h("th", { scope: "col" }, "step"), time ? h("th", { scope: "col" }, "wall time") : null,
+          this.defs.map((d) => h("th", { scope: "col" }, d.label)))),
+        h("tbody", {}, rows.map((st) => {
+          const first = index.findIndex((m) => m.has(st));
+          return h("tr", { "data-step": st }, h("th", { scope: "row", class: "num" }, st),
+            time ? h("td", { class: "nowrap" }, fmtWall(cols[first].time[index[first].get(st)])) : null,
+            cols.map((c, k) => {
+              const i = index[k].get(st);
+              const v = i === undefined ? null : c.value[i];
+              return h("td", { class: "num", "data-value": v === null ? "" : String(v) }, fmtNum(v));
+            }));
+        })))));
+  }
+}
+
+/** The index nearest to idx where ys has a value (series joined on x have gaps), or null. */
+function nearestValue(ys, idx) {
+  if (!ys) return null;
+  for (let d = 0; d < ys.length; d++) {
+    if (idx - d >= 0 && ys[idx - d] !== null) return idx - d;
+    if (idx + d < ys.length && ys[idx + d] !== null) return idx + d;
+  }
+  return null;
+}
+
+/** A legend sample of a series: its colour and its dash pattern. */
+function swatch(d) {
+  return s("svg", { class: "swatch-line", width: 22, height: 8, viewBox: "0 0 22 8", "aria-hidden": "true" },
+    s("line", { x1: 1, x2: 21, y1: 4, y2: 4, stroke: d.color, "stroke-width": 2.5,
+      "stroke-dasharray": d.dash && d.dash.length ? d.dash.join(" ") : null }));
 }
 
 /* ---------- metric grouping for the run page ---------- */
 
 // One chart per group, in this order; `each` makes one chart per matching key. Keys matching no group
-// get a chart each (after these); final/* values are shown as a table, not charted.
+// get a chart each (after these); final/* values are shown as a table, not charted. Charts are shown in
+// collapsible sections (SECTIONS); a series' colour and dash come from its place in `keys`, so that
+// reward/max looks the same whether or not reward/min was logged.
+const SECTIONS = ["Loss and reward", "Evaluation", "Policy and KL", "Rollouts", "Optimisation", "Other"];
 const GROUPS = [
-  { title: "Loss", keys: ["loss"] },
-  { title: "Reward (mean, min, max)", keys: ["reward/mean", "reward/min", "reward/max"] },
-  { title: "Reward components (mean)", match: /^reward\/(?!failures$)[^/]+\/mean$/ },
-  { title: "Reward std", keys: ["reward/std"] },
-  { title: "Accuracy", keys: ["rewards/accuracy", "accuracy", "token_accuracy"] },
-  { title: "Implicit rewards", keys: ["rewards/chosen", "rewards/rejected"] },
-  { title: "Reward margin", keys: ["rewards/margin", "margin"] },
-  { title: "Log-probs", keys: ["logps/chosen", "logps/rejected"] },
-  { title: "Scores", keys: ["scores/mean", "scores/std"] },
-  { title: "Evaluation", match: /^eval\//, each: true },
-  { title: "KL to reference", keys: ["kl/ref", "kl/seq"] },
-  { title: "Policy entropy", keys: ["policy/entropy"] },
-  { title: "Clip fraction", keys: ["policy/clipfrac"] },
-  { title: "Approx. KL (old policy)", keys: ["policy/approx_kl"] },
-  { title: "Losses", match: /^loss\// },
-  { title: "Value", match: /^(value|critic)\// },
-  { title: "Advantages", match: /^adv\// },
-  { title: "Response length", keys: ["response/length_mean", "response/length_max"] },
-  { title: "Truncated responses", keys: ["response/truncated_frac"] },
-  { title: "Groups", match: /^groups\// , each: true },
-  { title: "Reward failures", keys: ["reward/failures"] },
-  { title: "KL coefficient", keys: ["kl/coef"] },
-  { title: "Grad norm", keys: ["grad_norm"] },
-  { title: "Learning rate", keys: ["lr"] },
-  { title: "Throughput", match: /^perf\//, each: true },
+  { title: "Loss", keys: ["loss"], section: 0 },
+  { title: "Reward (mean, min, max)", keys: ["reward/mean", "reward/min", "reward/max"], section: 0 },
+  { title: "Reward components (mean)", match: /^reward\/(?!failures$)[^/]+\/mean$/, section: 0 },
+  { title: "Reward std", keys: ["reward/std"], section: 0 },
+  { title: "Accuracy", keys: ["rewards/accuracy", "accuracy", "token_accuracy"], section: 0 },
+  { title: "Implicit rewards", keys: ["rewards/chosen", "rewards/rejected"], section: 0 },
+  { title: "Reward margin", keys: ["rewards/margin", "margin"], section: 0 },
+  { title: "Log-probs", keys: ["logps/chosen", "logps/rejected"], section: 0 },
+  { title: "Scores", keys: ["scores/mean", "scores/std"], section: 0 },
+  { title: "Evaluation", match: /^eval\//, each: true, section: 1 },
+  { title: "KL to reference", keys: ["kl/ref", "kl/seq"], section: 2 },
+  { title: "Policy entropy", keys: ["policy/entropy"], section: 2 },
+  { title: "Clip fraction", keys: ["policy/clipfrac"], section: 2 },
+  { title: "Approx. KL (old policy)", keys: ["policy/approx_kl"], section: 2 },
+  { title: "Losses", match: /^loss\//, section: 2 },
+  { title: "Value", match: /^(value|critic)\//, section: 2 },
+  { title: "Advantages", match: /^adv\//, section: 2 },
+  { title: "KL coefficient", keys: ["kl/coef"], section: 2 },
+  { title: "Response length", keys: ["response/length_mean", "response/length_max"], section: 3 },
+  { title: "Truncated responses", keys: ["response/truncated_frac"], section: 3 },
+  { title: "Groups", match: /^groups\// , each: true, section: 3 },
+  { title: "Reward failures", keys: ["reward/failures"], section: 3 },
+  { title: "Grad norm", keys: ["grad_norm"], section: 4 },
+  { title: "Learning rate", keys: ["lr"], section: 4 },
+  { title: "Throughput", match: /^perf\//, each: true, section: 4 },
 ];
+const OPEN_SECTIONS = 2; // with more than OPEN_ALL charts, only the first this many sections start open
+const OPEN_ALL = 8;
 
-/** [{title, keys}] for the keys a run has, in display order. */
+/** [{title, keys, styles, section}] for the keys a run has, in display order. */
 function groupKeys(keys) {
   const left = new Set(keys.filter((k) => !k.startsWith("final/")));
   const out = [];
@@ -650,10 +951,10 @@ function groupKeys(keys) {
     const hit = g.keys ? g.keys.filter((k) => left.has(k)) : [...left].filter((k) => g.match.test(k)).sort();
     if (!hit.length) continue;
     hit.forEach((k) => left.delete(k));
-    if (g.each) hit.forEach((k) => out.push({ title: k, keys: [k] }));
-    else out.push({ title: g.title, keys: hit });
+    if (g.each) hit.forEach((k) => out.push({ title: k, keys: [k], styles: [0], section: g.section }));
+    else out.push({ title: g.title, keys: hit, styles: hit.map((k, i) => (g.keys ? g.keys.indexOf(k) : i)), section: g.section });
   }
-  [...left].sort().forEach((k) => out.push({ title: k, keys: [k] }));
+  [...left].sort().forEach((k) => out.push({ title: k, keys: [k], styles: [0], section: SECTIONS.length - 1 }));
   return out;
 }
 
@@ -669,6 +970,8 @@ function stopPage() {
   if (!currentPage) return;
   currentPage.alive = false;
   for (const f of currentPage.cleanups.splice(0)) { try { f(); } catch { /* ignore */ } }
+  for (const c of currentPage.charts) c.destroy();
+  currentPage.charts.clear();
 }
 async function route() {
   stopPage();
@@ -696,11 +999,6 @@ function every(ctx, ms, fn) {
   const t = setInterval(() => { if (ctx.alive && !document.hidden) fn(); }, ms);
   ctx.cleanups.push(() => clearInterval(t));
 }
-let resizeTimer = null;
-window.addEventListener("resize", () => {
-  clearTimeout(resizeTimer);
-  resizeTimer = setTimeout(() => currentPage && currentPage.charts.forEach((c) => c.el.isConnected && c.render()), 150);
-});
 window.addEventListener("hashchange", route);
 document.getElementById("key-form").addEventListener("submit", useKey);
 document.getElementById("forget-key").addEventListener("click", forgetKey);
@@ -927,18 +1225,21 @@ async function runPage(ctx, main, runId) {
   if (!ctx.alive) return;
   document.title = `${runLabel(run)} · rlrun`;
 
-  const series = new Map(); // key -> Series
+  const series = new Map(); // key -> Cols (the whole run, chart-sized; the stream appends to it)
   const loadedUpTo = new Map(); // key -> last step of the downsampled load (older stream points are skipped)
   const eventIds = new Set();
-  let charts = new Map(); // first key -> {chart, keys}
+  let charts = new Map(); // testid -> {chart, keys, section}
+  const sections = new Map(); // section index -> {details, grid, count}
+  const toggled = new Set(); // sections the user opened or closed (kept as charts come and go)
   let layoutSig = "";
-  let dirty = false;
+  let timesLoaded = false; // whether `series` has wall times (fetched when the x axis first asks for them)
+  const view = chartView();
   let liveState = FINISHED.has(run.status) ? "" : "connecting";
   let confirmCancel = false;
 
   const header = h("section", { class: "card run-header", "data-testid": "run-header" });
   const finalBox = h("div", { class: "final", "data-testid": "final-metrics" });
-  const chartsGrid = h("div", { class: "charts", "data-testid": "charts" });
+  const chartsGrid = h("div", { class: "chart-sections", "data-testid": "charts" });
   const eventsList = h("ol", { class: "events", "data-testid": "events" });
   const eventsBox = h("div", { class: "scroll" }, eventsList);
   const ckptBox = h("div", { "data-testid": "checkpoints" }, h("p", { class: "muted" }, "Loading…"));
@@ -948,7 +1249,7 @@ async function runPage(ctx, main, runId) {
   const spec = h("pre", { class: "json", "data-testid": "spec" }, JSON.stringify(run.spec, null, 2));
   const pipelineBox = h("div", { class: "pipeline", "data-testid": "pipeline" });
   main.append(h("p", { class: "crumbs" }, h("a", { href: "#/runs" }, "← Runs")), header,
-    card("Metrics", finalBox, chartsGrid),
+    card("Metrics", finalBox, chartControls(view, onView), chartsGrid),
     h("div", { class: "two-col" }, card("Events", eventsBox), card("Checkpoints", ckptBox)),
     samplesCard, card("Spec", spec));
   if (run.status === "succeeded" && run.output_path && run.algorithm !== "reward_model") {
@@ -1014,46 +1315,85 @@ async function runPage(ctx, main, runId) {
     } catch { /* optional */ }
   }
 
+  /** Charts for the groups of keys the run has, in sections; kept as they are when their keys are the same
+      (a chart is made again only when its keys change: new keys appear as a live run logs them). */
   function layoutCharts() {
     const groups = groupKeys([...series.keys()]);
     const sig = JSON.stringify(groups);
-    if (sig === layoutSig) return false;
+    if (sig === layoutSig) return;
     layoutSig = sig;
+    const old = charts;
     charts = new Map();
     for (const g of groups) {
-      const chart = new Chart({ testid: `chart-${g.keys[0]}`, title: g.title });
-      charts.set(g.keys[0], { chart, keys: g.keys });
+      const testid = `chart-${g.keys[0]}`;
+      let entry = old.get(testid);
+      old.delete(testid);
+      if (!entry || JSON.stringify(entry.keys) !== JSON.stringify(g.keys)) {
+        if (entry) { entry.chart.destroy(); ctx.charts.delete(entry.chart); }
+        const chart = new Chart({ testid, title: g.title, view, fetchRange: (keys, minStep, maxStep, maxPoints) =>
+          fetchColumns(runId, { keys, minStep, maxStep, maxPoints, time: view.x === "time" }) });
+        chart.setSeries(g.keys.map((k, i) => ({ id: k, label: k, ...seriesStyle(g.styles[i]) })));
+        entry = { chart, keys: g.keys };
+      }
+      entry.section = g.section;
+      entry.chart.setData(new Map(g.keys.map((k) => [k, series.get(k)])));
+      charts.set(testid, entry);
     }
-    fill(chartsGrid, ...[...charts.values()].map((c) => c.chart.el));
+    for (const { chart } of old.values()) { chart.destroy(); ctx.charts.delete(chart); }
+
+    const used = SECTIONS.map((_, i) => [...charts.values()].filter((c) => c.section === i)).map((list, i) => [i, list])
+      .filter(([, list]) => list.length);
+    used.forEach(([i, list], rank) => {
+      if (!sections.has(i)) {
+        const grid = h("div", { class: "charts" });
+        const count = h("span", { class: "muted small" });
+        const details = h("details", { class: "chart-section", "data-testid": "chart-section", "data-section": SECTIONS[i] },
+          h("summary", {}, h("span", { class: "section-title" }, SECTIONS[i]), " ", count), grid);
+        // "toggle" also fires when the page sets `open`: only a user's click (on the summary) is remembered
+        details.firstChild.addEventListener("click", () => toggled.add(i));
+        sections.set(i, { details, grid, count });
+      }
+      const sec = sections.get(i);
+      if (!toggled.has(i)) sec.details.open = charts.size <= OPEN_ALL || rank < OPEN_SECTIONS;
+      sec.count.textContent = `${list.length} chart${list.length === 1 ? "" : "s"}`;
+      fill(sec.grid, list.map((c) => c.chart.el));
+    });
+    fill(chartsGrid, used.map(([i]) => sections.get(i).details));
     if (!charts.size) chartsGrid.append(h("p", { class: "empty" }, FINISHED.has(run.status)
       ? "This run logged no metrics." : "No metrics yet: charts appear as the run logs them."));
-    return true;
   }
 
-  function drawCharts() {
-    dirty = false;
-    layoutCharts();
-    for (const { chart, keys } of charts.values()) {
-      chart.set(keys.map((k, i) => ({ id: k, label: k, color: COLORS[i % COLORS.length], points: series.get(k).points })));
-    }
+  function renderFinals() {
     const finals = [...series.keys()].filter((k) => k.startsWith("final/")).sort();
     fill(finalBox, finals.length ? h("h3", {}, "Final metrics") : null,
       finals.length ? h("div", { class: "tiles" }, finals.map((k) => h("div", { class: "tile", "data-key": k },
-        h("span", { class: "muted small" }, k.slice(6)), h("b", {}, fmtNum(series.get(k).last[1]))))) : null);
-  }
-
-  function addPoint(key, step, value) {
-    if (!series.has(key)) series.set(key, new Series());
-    series.get(key).add(step, value);
+        h("span", { class: "muted small" }, k.slice(6)), h("b", {}, fmtNum(series.get(k).last))))) : null);
   }
 
   async function loadMetrics() {
-    const page = await api(`${base}/metrics${qs({ max_points: CHART_POINTS })}`);
-    for (const p of page.data) {
-      addPoint(p.key, p.step, p.value);
-      loadedUpTo.set(p.key, Math.max(loadedUpTo.get(p.key) ?? -1, p.step));
+    const time = view.x === "time";
+    const cols = await fetchColumns(runId, { time });
+    if (!ctx.alive) return;
+    series.clear();
+    for (const [k, c] of cols) {
+      series.set(k, c);
+      loadedUpTo.set(k, Math.max(loadedUpTo.get(k) ?? -1, c.step.length ? c.step[c.step.length - 1] : -1));
     }
-    drawCharts();
+    timesLoaded = time;
+    layoutSig = ""; // the series are new objects: give every chart its own again
+    layoutCharts();
+    renderFinals();
+  }
+
+  /** The page's chart settings changed (chartControls). */
+  async function onView(what) {
+    if (what === "x") {
+      charts.forEach(({ chart }) => chart.resetZoom());
+      if (view.x === "time" && !timesLoaded) {
+        try { await loadMetrics(); } catch (err) { showError(err); }
+      }
+    }
+    ctx.charts.forEach((c) => c.schedule());
   }
 
   /** Add one event to the list; false if it was there already. */
@@ -1154,12 +1494,19 @@ async function runPage(ctx, main, runId) {
     es.onerror = () => { if (ctx.alive && liveState) setLive(es.readyState === FetchEventSource.CLOSED ? "" : "reconnecting"); };
     es.addEventListener("metrics", (msg) => {
       let maxStep = run.progress.step;
+      let added = false, finals = false;
+      const now = Date.now() / 1000; // the stream sends no logging time: these points were logged about now
       for (const p of JSON.parse(msg.data)) {
         if (p.step <= (loadedUpTo.get(p.key) ?? -1)) continue; // already in the downsampled load
-        addPoint(p.key, p.step, p.value);
-        if (!p.key.startsWith("final/")) maxStep = Math.max(maxStep, p.step);
+        if (!series.has(p.key)) { series.set(p.key, new Cols()); added = true; }
+        series.get(p.key).add(p.step, p.value, now);
+        if (p.key.startsWith("final/")) finals = true;
+        else maxStep = Math.max(maxStep, p.step);
       }
-      dirty = true;
+      // the charts hold these Cols: appended in place, each redraws (setData) at its next frame
+      if (added) layoutCharts();
+      charts.forEach(({ chart }) => chart.schedule());
+      if (finals || added) renderFinals();
       if (maxStep !== run.progress.step) {
         const total = run.progress.total_steps;
         run.progress.step = total ? Math.min(maxStep, total) : maxStep;
@@ -1222,7 +1569,6 @@ async function runPage(ctx, main, runId) {
     } catch (err) { showError(err); }
   }
 
-  every(ctx, 500, () => { if (dirty) drawCharts(); });
   every(ctx, 5000, () => { if (!FINISHED.has(run.status)) refreshRun(); });
   every(ctx, 15000, () => { if (!FINISHED.has(run.status) && run.status === "running") loadSamples().catch(() => {}); });
 }
@@ -1296,26 +1642,30 @@ async function comparePage(ctx, main, params) {
   if (key && !counts.has(key)) keySel.append(h("option", { value: key }, `${key} (no run has it)`));
   keySel.value = key;
 
-  const chart = new Chart({ testid: "compare-chart", title: key || "no metric", height: 320 });
+  const view = chartView();
+  const fetchKey = async (ids, opts) => new Map(await Promise.all(ids.map(async (id) =>
+    [id, (await fetchColumns(id, { keys: [key], time: view.x === "time", ...opts })).get(key) || new Cols()])));
+  const chart = new Chart({ testid: "compare-chart", title: key || "no metric", view, height: 320,
+    fetchRange: (ids, minStep, maxStep, maxPoints) => fetchKey(ids, { minStep, maxStep, maxPoints }) });
+  const defs = runs.map((r, i) => ({ id: r.id, label: `${runLabel(r)} (${r.algorithm})`, title: r.id,
+    href: `#/runs/${r.id}`, ...seriesStyle(i) }));
+  chart.setSeries(defs);
   const summary = h("tbody");
-  main.append(card(null, chart.el), card("Runs", h("table", { class: "table compact", "data-testid": "compare-table" },
+  main.append(card(null, chartControls(view, async (what) => {
+    if (what === "x") { chart.resetZoom(); await load(); } else chart.schedule();
+  }), chart.el), card("Runs", h("div", { class: "scroll-x" }, h("table", { class: "table compact", "data-testid": "compare-table" },
     h("thead", {}, h("tr", {}, ["", "Run", "Status", "Algorithm", "Model", "Learning rate", "Progress", "Last", "Min", "Max"]
-      .map((t) => h("th", {}, t)))), summary)));
+      .map((t) => h("th", {}, t)))), summary))));
 
   async function load() {
-    const pages = await Promise.all(runs.map((r) => (key
-      ? api(`/v1/runs/${r.id}/metrics${qs({ key, max_points: CHART_POINTS })}`) : Promise.resolve({ data: [] }))));
+    const data = key ? await fetchKey(runs.map((r) => r.id), {}) : new Map();
     if (!ctx.alive) return;
-    const data = runs.map((r, i) => ({
-      id: r.id, label: `${runLabel(r)} (${r.algorithm})`, title: r.id, href: `#/runs/${r.id}`,
-      color: COLORS[i % COLORS.length], points: pages[i].data.map((p) => [p.step, p.value]),
-    }));
-    chart.set(data);
-    fill(summary, ...data.map((d, i) => {
+    chart.setData(data);
+    fill(summary, ...defs.map((d, i) => {
       const r = runs[i];
-      const vals = d.points.map((p) => p[1]);
+      const vals = (data.get(r.id) || NO_COLS).value.filter((v) => v !== null);
       const hp = (r.spec && r.spec.hyperparameters) || {};
-      return h("tr", { "data-run-id": r.id }, h("td", {}, h("i", { class: "swatch", style: `background:${d.color}` })),
+      return h("tr", { "data-run-id": r.id }, h("td", {}, swatch(d)),
         h("td", {}, h("a", { href: d.href }, runLabel(r))),
         h("td", { class: "nowrap" }, badge(r.status), " ", warningBadge(r.warnings)), h("td", {}, r.algorithm),
         h("td", { class: "mono small" }, r.spec.model), h("td", { class: "num" }, fmtNum(hp.learning_rate)),

@@ -147,11 +147,12 @@ def wait(browser: WebDriver, predicate: Callable[[], Any], timeout: float = 15, 
 
 
 def points(browser: WebDriver, chart: str, series: str) -> int:
-    """data-points of one series' polyline in the chart whose <svg> has data-testid=chart (-1: none)."""
+    """How many points of one series the chart (figure data-chart=chart) holds: its legend item's data-points
+    (-1: no such chart or series)."""
     n: int = browser.execute_script(
-        "const svg = document.querySelector(`svg[data-testid='${CSS.escape(arguments[0])}']`);"
-        "const p = svg && svg.querySelector(`polyline[data-series='${CSS.escape(arguments[1])}']`);"
-        "return p ? Number(p.dataset.points) : -1;",
+        "const fig = document.querySelector(`figure[data-chart='${CSS.escape(arguments[0])}']`);"
+        "const item = fig && fig.querySelector(`.legend-item[data-series='${CSS.escape(arguments[1])}']`);"
+        "return item && item.dataset.points ? Number(item.dataset.points) : -1;",
         chart,
         series,
     )
@@ -213,6 +214,12 @@ def test_finished_run_page_shows_its_charts(
     wait(browser, lambda: points(browser, "chart-loss", "loss") > 1, what="no loss chart")
     assert points(browser, "chart-loss", "loss") == SHORT_STEPS  # every logged step (< max_points)
     assert points(browser, "chart-rewards/chosen", "rewards/rejected") == SHORT_STEPS  # grouped chart
+    sections = browser.execute_script(  # [name, open, charts]: with more than 8 charts, 2 sections open
+        "return [...document.querySelectorAll('[data-testid=chart-section]')]"
+        "  .map((d) => [d.dataset.section, d.open, d.querySelectorAll('figure[data-chart]').length]);"
+    )
+    assert sections[0][0] == "Loss and reward" and sum(n for _, _, n in sections) > 8
+    assert [is_open for _, is_open, _ in sections] == [True, True] + [False] * (len(sections) - 2)
     assert text(browser, "status") == "succeeded"
     assert f"{SHORT_STEPS} / {SHORT_STEPS}" in text(browser, "progress")
     assert "loss" in text(browser, "final-metrics")  # final/* values as a table, not charts
@@ -273,9 +280,11 @@ def test_compare_two_runs_from_the_runs_table(
             lambda r=run_id: points(browser, "compare-chart", r) == SHORT_STEPS,
             what="series missing",
         )
-    lines = browser.find_elements(By.CSS_SELECTOR, 'svg[data-testid="compare-chart"] polyline')
-    assert {p.get_attribute("data-series") for p in lines} == {data["a"], data["b"]}
-    assert len({p.get_attribute("points") for p in lines}) == 2  # two different curves (seeds differ)
+    curves = browser.execute_script(  # uPlot's data: [steps, raw a, smoothed a, raw b, smoothed b]
+        "const u = document.querySelector(`figure[data-chart='compare-chart']`)._chart.u; return u && u.data;"
+    )
+    assert len(curves[0]) == SHORT_STEPS  # both runs logged the same steps
+    assert curves[1] != curves[3]  # two different curves (seeds differ)
     legend = browser.find_elements(By.CSS_SELECTOR, '[data-chart="compare-chart"] .legend-item')
     assert {e.get_attribute("data-series") for e in legend} == {data["a"], data["b"]}
     assert "dpo-seed0" in legend[0].text + legend[1].text
