@@ -256,7 +256,16 @@ def list_samples(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     after: AfterCursor = None,
+    q: Annotated[
+        str | None,
+        Query(
+            min_length=1,
+            max_length=200,
+            description="Only samples whose prompt or completion contains this (any case), at any step.",
+        ),
+    ] = None,
 ) -> Page[SampleRead]:
-    """Completions stored during online RL with their rewards (every `sample_every` steps)."""
-    found = service.list_samples(session=session, run_id=run.id, step=step, after=after, limit=limit)
+    """Completions stored during online RL with their rewards (every `sample_every` steps); `data.reference`
+    is the prompt's reference answer where its row has one."""
+    found = service.list_samples(session=session, run_id=run.id, step=step, after=after, limit=limit, q=q)
     return found.as_page(SampleRead.model_validate)

@@ -223,12 +223,27 @@ def list_events(*, session: Session, run_id: uuid.UUID, after: str | None, limit
 
 
 def list_samples(
-    *, session: Session, run_id: uuid.UUID, step: int | None, after: str | None, limit: int
+    *,
+    session: Session,
+    run_id: uuid.UUID,
+    step: int | None,
+    after: str | None,
+    limit: int,
+    q: str | None = None,
 ) -> Slice[RunSample]:
-    """Stored completions in the order they were stored, optionally of one step only."""
+    """Stored completions in the order they were stored, optionally of one step only, optionally only
+    those whose prompt or completion contains ``q`` (any case)."""
     stmt = select(RunSample).where(RunSample.run_id == run_id)
     if step is not None:
         stmt = stmt.where(RunSample.step == step)
+    if q:
+        needle = q.lower()
+        stmt = stmt.where(
+            or_(
+                func.lower(RunSample.prompt).contains(needle, autoescape=True),
+                func.lower(RunSample.completion).contains(needle, autoescape=True),
+            )
+        )
     return paginate(session, stmt, SAMPLES_ORDER, limit=limit, cursor=after)
 
 

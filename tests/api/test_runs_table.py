@@ -11,7 +11,7 @@ import httpx
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
-from api.models import Run, utcnow
+from api.models import Run, RunSample, utcnow
 from rlrun.client import Client
 from tests.factories import api_client, dpo_spec, make_dataset, make_run
 
@@ -165,3 +165,39 @@ def test_the_sdk_sorts_searches_tags_and_notes(session: Session) -> None:
     assert unnoted.note is None
     assert by_name == [r.id for r in sorted(runs, key=lambda r: r.spec["name"])]
     assert [r.id for r in with_tag] == [runs[3].id]
+
+
+def test_samples_are_searched_across_steps(session: Session) -> None:
+    run = make_run(session, make_dataset(session))
+    texts = [
+        (1, "What is 2+2?", "It is 4"),
+        (5, "what is 3+3?", "6, I think"),
+        (9, "Name a colour", "50%_red"),
+    ]
+    for step, prompt, completion in texts:
+        session.add(
+            RunSample(
+                run_id=run.id,
+                step=step,
+                prompt=prompt,
+                completion=completion,
+                reward=1.0,
+                data={"reference": "x"},
+            )
+        )
+    session.flush()
+    with api_client(session) as client:
+
+        def found(**params: Any) -> list[int]:
+            answer = client.get(f"/v1/runs/{run.id}/samples", params=params)
+            assert answer.status_code == 200, answer.text
+            return [s["step"] for s in answer.json()["data"]]
+
+        what = found(q="WHAT IS")
+        think = found(q="think")
+        literal = found(q="0%_r")  # LIKE wildcards match literally
+        wildcard = found(q="%")
+        with_step = found(q="what", step=5)
+        empty = client.get(f"/v1/runs/{run.id}/samples", params={"q": ""})
+    assert what == [1, 5] and think == [5] and literal == [9] and wildcard == [9] and with_step == [5]
+    assert empty.status_code == 422 and empty.json()["error"]["field"] == "q"

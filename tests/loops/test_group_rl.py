@@ -98,6 +98,9 @@ def test_every_preset_trains_every_parameter(algorithm: str, tiny_cache: Path, t
     if algorithm == "grpo":
         assert "kl/ref" in keys
     assert {s for s, _ in reporter.samples} == {1, 2} and len(reporter.samples) == 6
+    for _, record in reporter.samples:  # each stored sample carries its prompt's reference answer
+        row = next(r for r in ROWS if record["prompt"].endswith(r["prompt"]))
+        assert record["reference"] == row["answer"]
 
 
 class ScriptedEngine:

@@ -230,20 +230,22 @@ def sample_records(
     rewards: RewardResult,
     limit: int,
 ) -> list[dict[str, Any]]:
-    """A few completions with their rewards, for ``GET /v1/runs/{id}/samples``."""
+    """A few completions with their rewards, for ``GET /v1/runs/{id}/samples``; ``reference``: the prompt
+    row's reference answer (its ``answer``) where it has one, so a reader can judge the reward."""
     out = []
     for i, (c, j) in enumerate(zip(completions, prompt_index, strict=True)):
         if i >= limit:
             break
-        out.append(
-            {
-                "prompt": prompts.texts[j],
-                "completion": c.text,
-                "reward": rewards.total[i],
-                "components": {k: v[i] for k, v in rewards.components.items()},
-                "finish_reason": c.finish_reason,
-            }
-        )
+        record = {
+            "prompt": prompts.texts[j],
+            "completion": c.text,
+            "reward": rewards.total[i],
+            "components": {k: v[i] for k, v in rewards.components.items()},
+            "finish_reason": c.finish_reason,
+        }
+        if prompts.rows[j].get("answer") is not None:
+            record["reference"] = prompts.rows[j]["answer"]
+        out.append(record)
     return out
 
 
