@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy import Connection
 
 from api import models  # noqa: F401  (registers the tables on Base.metadata)
 from api.db import Base, make_engine
@@ -33,15 +34,37 @@ def run_migrations_online() -> None:
     engine.dispose()
 
 
-def _run(connection: object) -> None:
+def _sqlite_pragma(connection: Connection, pragma: str) -> None:
+    """On the driver's connection: through SQLAlchemy it would first open a transaction (api/db.py
+    begins every one IMMEDIATE), inside which SQLite ignores a foreign_keys PRAGMA."""
+    driver = connection.connection.driver_connection
+    assert driver is not None
+    driver.execute(f"PRAGMA {pragma}")
+
+
+def _run(connection: Connection) -> None:
     context.configure(
-        connection=connection,  # type: ignore[arg-type]
+        connection=connection,
         target_metadata=target_metadata,
         render_as_batch=True,  # SQLite can't ALTER most things: batch mode copies the table
         compare_type=True,
     )
-    with context.begin_transaction():
-        context.run_migrations()
+    sqlite = connection.dialect.name == "sqlite"
+    if sqlite:
+        # Batch mode copies a table and drops the old one; with foreign keys on, SQLite's DROP TABLE
+        # cascades (a run's metrics, events and checkpoints deleted) or fails ("FOREIGN KEY constraint
+        # failed" on datasets). Off for the migration (a PRAGMA outside any transaction), then checked.
+        _sqlite_pragma(connection, "foreign_keys=OFF")
+    try:
+        with context.begin_transaction():
+            context.run_migrations()
+            if sqlite:
+                broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                if broken:
+                    raise RuntimeError(f"rows whose foreign keys point nowhere after migrating: {broken[:3]}")
+    finally:
+        if sqlite:
+            _sqlite_pragma(connection, "foreign_keys=ON")
 
 
 if context.is_offline_mode():

@@ -42,7 +42,11 @@ def upgrade() -> None:
     )
     conn = op.get_bind()
     metrics = sa.table(
-        "metrics", sa.column("run_id"), sa.column("key"), sa.column("step"), sa.column("value")
+        "metrics",
+        sa.column("run_id", sa.Uuid()),
+        sa.column("key", sa.String()),
+        sa.column("step", sa.Integer()),
+        sa.column("value", sa.Float()),
     )
     series = conn.execute(sa.select(metrics.c.run_id, metrics.c.key).distinct()).all()
     for run_id, key in series:
@@ -52,7 +56,7 @@ def upgrade() -> None:
             .order_by(metrics.c.step)
         ).all()
         rows = [
-            {"run_id": run_id, "key": key, "width": w, "bucket": b, **vars(e)}
+            {"run_id": run_id, "key": key, "width": w, "bucket": b, **e._asdict()}
             for w in TIER_WIDTHS
             for b, e in bucket_extremes(((s, v) for s, v in points), w).items()
         ]

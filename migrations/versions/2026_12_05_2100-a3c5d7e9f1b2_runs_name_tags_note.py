@@ -22,12 +22,13 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("runs") as batch:
-        batch.add_column(
-            sa.Column("name", sa.String(length=200), server_default=sa.text("''"), nullable=False)
-        )
-        batch.add_column(sa.Column("tags", sa.Text(), server_default=sa.text("''"), nullable=False))
-        batch.add_column(sa.Column("note", sa.Text(), nullable=True))
+    # Plain ADD COLUMN, not batch mode: batch mode copies the table and drops the old one, and on SQLite
+    # with foreign keys on that DROP cascades to every run's metrics, events and checkpoints.
+    op.add_column(
+        "runs", sa.Column("name", sa.String(length=200), server_default=sa.text("''"), nullable=False)
+    )
+    op.add_column("runs", sa.Column("tags", sa.Text(), server_default=sa.text("''"), nullable=False))
+    op.add_column("runs", sa.Column("note", sa.Text(), nullable=True))
     conn = op.get_bind()
     runs = sa.table("runs", sa.column("id", sa.Uuid()), sa.column("spec", sa.JSON()), sa.column("name"))
     for run_id, spec in conn.execute(sa.select(runs.c.id, runs.c.spec)).all():
@@ -37,7 +38,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("runs") as batch:
-        batch.drop_column("note")
-        batch.drop_column("tags")
-        batch.drop_column("name")
+    for column in ("note", "tags", "name"):  # plain DROP COLUMN (SQLite >= 3.35), for the reason above
+        op.drop_column("runs", column)
