@@ -122,7 +122,8 @@ def read_since(session: Session, run_id: uuid.UUID, cur: Cursor, project_id: uui
     return Batch(
         events=[(e.id, EventRead.model_validate(e).model_dump(mode="json")) for e in events],
         points=[
-            ((at, key, step), {"key": key, "step": step, "value": value}) for at, key, step, value in metrics
+            ((at, key, step), {"key": key, "step": step, "value": value, "time": at.timestamp()})
+            for at, key, step, value in metrics
         ],
         status=run.status,
         status_data={

@@ -8,11 +8,12 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.downsample import minmax_downsample
 from api.metric_store import write_points
-from api.models import Event, utcnow
+from api.models import Event, Metric, utcnow
 from tests.factories import api_client, make_dataset, make_run
 
 
@@ -99,6 +100,8 @@ def test_stream_sends_events_metrics_status_then_ends_and_resumes(session: Sessi
     assert kinds == ["event", "event", "metrics", "status", "end"]
     assert [m["data"]["message"] for m in first[:2]] == ["running", "succeeded"]
     assert [(p["key"], p["step"]) for p in first[2]["data"]] == [("loss", 1), ("loss", 2), ("loss", 3)]
+    logged = dict(session.execute(select(Metric.step, Metric.logged_at).where(Metric.run_id == run.id)).all())
+    assert [p["time"] for p in first[2]["data"]] == [logged[s].timestamp() for s in (1, 2, 3)]
     assert first[3]["data"]["status"] == "succeeded"
     assert [m["event"] for m in resumed] == ["metrics", "status", "end"]
     assert missing.status_code == 404
