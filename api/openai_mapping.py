@@ -35,6 +35,7 @@ from api.schemas_openai import (
     ReinforcementMethodHyperparameters,
     SupervisedMethod,
     SupervisedMethodHyperparameters,
+    hyperparameter_number,
 )
 from rlrun.formats import LineError, is_rft_line, parse_json_line
 from trainer.lr_defaults import default_learning_rate, preset_params_of
@@ -261,11 +262,6 @@ def _spec_param(loc: Sequence[int | str], hp_param: str) -> str:
     return f"{hp_param}.{name}" if name else hp_param
 
 
-def _number(value: str | float | None, auto: float) -> float:
-    """A hyperparameter as given, or ``auto``'s value when it is None or "auto" (the only string)."""
-    return auto if value is None or isinstance(value, str) else float(value)
-
-
 def plan_job(
     body: FineTuningJobCreate,
     *,
@@ -301,9 +297,9 @@ def plan_job(
         SftSpecHyperparameters if method_type == "supervised" else DpoSpecHyperparameters
     ).model_fields
     rows = training.row_count
-    n_epochs = int(_number(given.n_epochs, AUTO_EPOCHS))
-    batch_size = int(_number(given.batch_size, min(int(defaults["batch_size"].default), rows)))
-    multiplier = _number(given.learning_rate_multiplier, 1.0)
+    n_epochs = int(hyperparameter_number(given.n_epochs, AUTO_EPOCHS))
+    batch_size = int(hyperparameter_number(given.batch_size, min(int(defaults["batch_size"].default), rows)))
+    multiplier = hyperparameter_number(given.learning_rate_multiplier, 1.0)
     if n_params is None:
         n_params = preset_params_of(body.model)
     hp: dict[str, Any] = {
@@ -318,7 +314,7 @@ def plan_job(
         "learning_rate_multiplier": multiplier,
     }
     if isinstance(given, DpoMethodHyperparameters):
-        hp["beta"] = resolved["beta"] = _number(given.beta, float(defaults["beta"].default))
+        hp["beta"] = resolved["beta"] = hyperparameter_number(given.beta, float(defaults["beta"].default))
     try:
         spec = spec_cls.model_validate(
             {

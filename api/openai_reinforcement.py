@@ -27,6 +27,7 @@ from api.schemas_openai import (
     Method,
     ReinforcementMethod,
     ReinforcementMethodHyperparameters,
+    hyperparameter_number,
 )
 from trainer.lr_defaults import default_learning_rate, preset_params_of
 from trainer.specs import GroupRlSpec
@@ -36,10 +37,6 @@ AUTO_BATCH = 8
 BASE_SAMPLES = 4
 AUTO_EVAL_INTERVAL = 10
 AUTO_EVAL_SAMPLES = 64
-
-
-def _number(value: str | float | None, auto: float) -> float:
-    return auto if value is None or isinstance(value, str) else float(value)
 
 
 def samples_per_prompt(compute_multiplier: float) -> int:
@@ -65,12 +62,12 @@ def plan_reinforcement(
             field=f"{param}.reasoning_effort",
         )
     rows = training.row_count
-    n_epochs = int(_number(given.n_epochs, AUTO_RL_EPOCHS))
-    batch = int(_number(given.batch_size, min(AUTO_BATCH, rows)))
-    multiplier = _number(given.learning_rate_multiplier, 1.0)
-    compute = _number(given.compute_multiplier, 1.0)
-    interval = int(_number(given.eval_interval, AUTO_EVAL_INTERVAL))
-    eval_samples = int(_number(given.eval_samples, AUTO_EVAL_SAMPLES))
+    n_epochs = int(hyperparameter_number(given.n_epochs, AUTO_RL_EPOCHS))
+    batch = int(hyperparameter_number(given.batch_size, min(AUTO_BATCH, rows)))
+    multiplier = hyperparameter_number(given.learning_rate_multiplier, 1.0)
+    compute = hyperparameter_number(given.compute_multiplier, 1.0)
+    interval = int(hyperparameter_number(given.eval_interval, AUTO_EVAL_INTERVAL))
+    eval_samples = int(hyperparameter_number(given.eval_samples, AUTO_EVAL_SAMPLES))
     if n_params is None:
         n_params = preset_params_of(body.model)
     hp: dict[str, Any] = {

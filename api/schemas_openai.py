@@ -290,3 +290,8 @@ class JobCheckpointList(BaseModel):
     first_id: str | None
     last_id: str | None
     has_more: bool
+
+
+def hyperparameter_number(value: str | float | None, auto: float) -> float:
+    """A job hyperparameter as given, or ``auto``'s value when it is None or "auto" (the only string)."""
+    return auto if value is None or isinstance(value, str) else float(value)

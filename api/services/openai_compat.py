@@ -69,7 +69,7 @@ def get_job(*, session: Session, job: str, project_id: uuid.UUID, param: str) ->
         if run_id is None:
             raise RunNotFound(job)
         run = get_run(session=session, run_id=run_id, project_id=project_id)
-        if not session.scalar(select(job_filter()).where(Run.id == run.id)):
+        if not is_job(session=session, run=run):
             raise RunNotFound(job)
     except RunNotFound:
         raise JobNotFound(f"No such fine-tuning job: {job}", field=param) from None
@@ -94,6 +94,14 @@ def list_jobs(*, session: Session, project_id: uuid.UUID, after: str | None, lim
         key = RUNS_ORDER.key_of(anchor)
     stmt = select(Run).where(Run.project_id == project_id, job_filter())
     return paginate(session, stmt, RUNS_ORDER, limit=limit, after=key)
+
+
+def is_job(*, session: Session, run: Run) -> bool:
+    """``job_filter`` for one loaded run: only a grpo run needs the query for its creation event."""
+    if run.algorithm != "grpo":
+        return run.algorithm in JOB_ALGORITHMS
+    made_as_job = select(Event.id).where(Event.run_id == run.id, Event.kind == CREATED_EVENT).limit(1)
+    return session.scalar(made_as_job) is not None
 
 
 def job_filter() -> ColumnElement[bool]:
