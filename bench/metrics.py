@@ -9,7 +9,7 @@ any clock starts.
   ``running`` and held by the bench's worker id. The clock covers ``DbReporter.log_metrics(step, {...})``
   for every step and the final ``flush()``; the reporter flushes by size (``flush_rows`` 20,000, time
   flushes off), and each flush is one transaction that renews the lease and writes the points and their
-  chart tiers (api/metric_store.py), exactly as a worker does. Chart query: ``downsampled_metrics`` for one
+  chart tiers (api/metric_store.py), exactly as a worker does. Chart query: ``chart_series`` for one
   key, 1,000 points, over that key's whole series (50k points of the 1M-point run), and the same through
   the HTTP route ``GET /v1/runs/{id}/metrics?key=K&max_points=1000&format=columns`` (what the dashboard
   asks; FastAPI ``TestClient``: the whole app stack, in process, no socket).
@@ -64,7 +64,7 @@ from api.db import make_engine, make_session_factory
 from api.main import create_app
 from api.migrate import upgrade_head
 from api.models import Dataset, Metric, Run, utcnow
-from api.services.runs import downsampled_metrics
+from api.services.runs import chart_series
 from api.settings import Settings
 from trainer.worker import DbReporter
 
@@ -197,7 +197,7 @@ def bench_rlrun(backend: str, url: str, keys: list[str], steps: Steps) -> Result
 
         def service_query() -> int:
             with sf() as session:
-                rows = downsampled_metrics(
+                series = chart_series(
                     session=session,
                     run_id=run_id,
                     keys=[key],
@@ -205,7 +205,7 @@ def bench_rlrun(backend: str, url: str, keys: list[str], steps: Steps) -> Result
                     max_step=None,
                     max_points=MAX_POINTS,
                 )
-            return len(rows)
+            return len(series[key])
 
         query_ms, returned = median_ms(service_query)
         app = create_app(Settings(database_url=url), session_factory=sf, enqueue=lambda _run_id: None)

@@ -190,33 +190,25 @@ def list_metrics(
     ] = False,
 ) -> Any:
     """Metric values ordered by step then key; with `max_points`, a downsampled series per key."""
-    if format == "columns":
-        if max_points is None:
-            raise InvalidRequest(
-                "max_points: format=columns needs max_points (chart mode)", field="max_points"
-            )
-        columns = service.metric_columns(
+    if max_points is not None:
+        series = service.chart_series(
             session=session,
             run_id=run.id,
             keys=key,
             min_step=min_step,
             max_step=max_step,
             max_points=max_points,
-            with_time=time,
         )
-        return JSONResponse(columns)  # plain lists: no per-point model to validate
-    if max_points is not None:
-        return Page(
-            data=service.downsampled_metrics(
-                session=session,
-                run_id=run.id,
-                keys=key,
-                min_step=min_step,
-                max_step=max_step,
-                max_points=max_points,
-            ),
-            has_more=False,
-        )
+        if format == "columns":  # plain lists: no per-point model to validate
+            return JSONResponse(
+                service.metric_columns(session=session, run_id=run.id, series=series, with_time=time)
+            )
+        rows = [
+            MetricRead(key=k, step=s, value=v, logged_at=None) for k, pts in series.items() for s, v in pts
+        ]
+        return Page(data=rows, has_more=False)
+    if format == "columns":
+        raise InvalidRequest("max_points: format=columns needs max_points (chart mode)", field="max_points")
     found = service.list_metrics(
         session=session,
         run_id=run.id,

@@ -33,7 +33,7 @@ from api.services.references import (
     total_steps,
     with_default_learning_rate,
 )
-from rlrun.schemas import MetricRead, Progress, RunRead, RunUpdate, RunWarningRead
+from rlrun.schemas import Progress, RunRead, RunUpdate, RunWarningRead
 from trainer.specs import AnyRunSpec
 
 log = logging.getLogger("rlrun.runs")
@@ -289,7 +289,7 @@ def metric_keys(*, session: Session, run_id: uuid.UUID) -> list[str]:
     )
 
 
-def downsampled_metrics(
+def chart_series(
     *,
     session: Session,
     run_id: uuid.UUID,
@@ -297,33 +297,24 @@ def downsampled_metrics(
     min_step: int | None,
     max_step: int | None,
     max_points: int,
-) -> list[MetricRead]:
-    """Per key, the series in step order cut to ``max_points`` (api/metric_store.chart_points: min-max
-    downsampled, long ranges read from the chart tiers); ``logged_at`` is left null."""
-    out: list[MetricRead] = []
+) -> dict[str, list[tuple[int, float]]]:
+    """Per key (all the run's when None) that has points in range, its (step, value) series in step
+    order cut to ``max_points`` (api/metric_store.chart_points: min-max downsampled, long ranges read
+    from the chart tiers)."""
+    out = {}
     for key in keys or metric_keys(session=session, run_id=run_id):
-        points = chart_points(session, run_id, key, min_step, max_step, max_points)
-        out += [MetricRead(key=key, step=step, value=value, logged_at=None) for step, value in points]
+        if points := chart_points(session, run_id, key, min_step, max_step, max_points):
+            out[key] = points
     return out
 
 
 def metric_columns(
-    *,
-    session: Session,
-    run_id: uuid.UUID,
-    keys: list[str] | None,
-    min_step: int | None,
-    max_step: int | None,
-    max_points: int,
-    with_time: bool,
+    *, session: Session, run_id: uuid.UUID, series: dict[str, list[tuple[int, float]]], with_time: bool
 ) -> dict[str, dict[str, list[Any]]]:
-    """``downsampled_metrics`` as columns: {key: {"step": [...], "value": [...]}} (keys with points only),
-    with ``"time"`` (seconds since the epoch each point was logged) when ``with_time``."""
+    """``chart_series`` as columns: {key: {"step": [...], "value": [...]}}, with ``"time"`` (seconds since
+    the epoch each point was logged) when ``with_time``."""
     out: dict[str, dict[str, list[Any]]] = {}
-    for key in keys or metric_keys(session=session, run_id=run_id):
-        points = chart_points(session, run_id, key, min_step, max_step, max_points)
-        if not points:
-            continue
+    for key, points in series.items():
         steps = [step for step, _ in points]
         columns: dict[str, list[Any]] = {"step": steps, "value": [value for _, value in points]}
         if with_time:
