@@ -181,12 +181,16 @@ class Runs(_Namespace):
         sort: str | None = None,
         q: str | None = None,
         tags: Sequence[str] = (),
+        algorithm: str | None = None,
     ) -> Page[RunRead]:
         """One page, newest first, optionally only runs in ``status``; ``flagged`` True: only runs with
         health warnings (``warnings`` not empty), False: only runs without, None: both. ``sort``: a column
         of created_at, name, status, algorithm, ``-`` first for descending; ``q``: a search of name,
-        algorithm, model, tags, note and id prefix; ``tags``: only runs with all of them."""
-        params = _params(status=status, limit=limit, after=after, flagged=flagged, sort=sort, q=q)
+        algorithm, model, tags, note and id prefix; ``tags``: only runs with all of them; ``algorithm``:
+        only runs of that type."""
+        params = _params(
+            status=status, limit=limit, after=after, flagged=flagged, sort=sort, q=q, algorithm=algorithm
+        )
         if tags:
             params["tag"] = list(tags)
         return _parse(Page[RunRead], self._client.request("GET", "/v1/runs", params=params))
@@ -200,12 +204,20 @@ class Runs(_Namespace):
         sort: str | None = None,
         q: str | None = None,
         tags: Sequence[str] = (),
+        algorithm: str | None = None,
     ) -> Iterator[RunRead]:
         """Every run (filters and order as for :meth:`list`), fetching pages as it goes."""
         after: str | None = None
         while True:
             page = self.list(
-                status=status, limit=page_size, after=after, flagged=flagged, sort=sort, q=q, tags=tags
+                status=status,
+                limit=page_size,
+                after=after,
+                flagged=flagged,
+                sort=sort,
+                q=q,
+                tags=tags,
+                algorithm=algorithm,
             )
             yield from page.data
             if not page.has_more:

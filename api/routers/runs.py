@@ -27,7 +27,7 @@ from rlrun.schemas import (
     RunUpdate,
     SampleRead,
 )
-from trainer.specs import MAX_STEP, RunSpec
+from trainer.specs import ALGORITHMS, MAX_STEP, RunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 422)}
@@ -76,6 +76,9 @@ def list_runs(
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     after: AfterCursor = None,
     status: Annotated[Status | None, Query(description="Only runs in this status")] = None,
+    algorithm: Annotated[
+        str | None, Query(description=f"Only runs of this algorithm: one of {', '.join(ALGORITHMS)}")
+    ] = None,
     flagged: Annotated[
         bool | None,
         Query(description="true: only runs with warnings (`warnings` not empty); false: only runs without"),
@@ -100,6 +103,8 @@ def list_runs(
     ] = None,
 ) -> Page[RunRead]:
     """List runs, newest first unless `sort` says otherwise."""
+    if algorithm is not None and algorithm not in ALGORITHMS:
+        raise InvalidRequest(f"algorithm: one of {', '.join(ALGORITHMS)}", field="algorithm")
     found = service.list_runs(
         session=session,
         limit=limit,
@@ -110,6 +115,7 @@ def list_runs(
         sort=sort,
         q=q,
         tags=tag or [],
+        algorithm=algorithm,
     )
     return found.as_page(to_read)
 

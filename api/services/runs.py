@@ -167,6 +167,7 @@ def list_runs(
     sort: str = "-created_at",
     q: str | None = None,
     tags: Sequence[str] = (),
+    algorithm: str | None = None,
 ) -> Slice[Run]:
     """The project's runs in ``sort`` order (``after``: a cursor of the previous page of the same sort);
     ``flagged``: only runs with (True) or without (False) warnings; ``q``: ``run_search``; ``tags``: only
@@ -174,6 +175,8 @@ def list_runs(
     stmt = select(Run).where(Run.project_id == project_id)
     if status is not None:
         stmt = stmt.where(Run.status == status)
+    if algorithm is not None:
+        stmt = stmt.where(Run.algorithm == algorithm)
     if flagged is not None:
         stmt = stmt.where(Run.warning_count > 0 if flagged else Run.warning_count == 0)
     if q and q.strip():

@@ -1,17 +1,23 @@
 "use strict";
 /* rlrun dashboard: a dependency-free single-page app over the /v1 API (no build step).
-   Routes: #/runs, #/runs/<id>, #/compare?runs=<id>,<id>&key=<metric>, #/datasets, #/datasets/<id>.
+   Routes: #/runs?q=&status=&flagged=&algorithm=&sort=&tag=, #/runs/<id>, #/compare?runs=<id>,<id>&keys=<metric>,<metric>,
+   #/datasets, #/datasets/<id>.
    With RLRUN_AUTH=on a 401 brings up the API key form (index.html); the key is kept in sessionStorage
    and sent as `Authorization: Bearer` on every call, the live stream included (class FetchEventSource).
    Charts are uPlot (vendored in static/vendor/uplot; class Chart). Test hooks: data-testid on pages and
-   tables, on each chart's plot ("chart-<first key>", "compare-chart") and its controls; each series has a
+   tables, on each chart's plot ("chart-<first key>", "compare-chart-<key>") and its controls; each series has a
    legend item [data-series=... data-points=N]; the chart's <figure data-chart> holds the Chart as ._chart. */
 
 const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
 const ALGORITHMS = ["sft", "reward_model", "dpo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce",
   "reinforce_pp", "reinforce_baseline", "remax", "ppo", "vc_ppo", "eval", "merge"];
-const KEY_METRICS = ["eval/pass@1", "reward/mean", "loss"]; // the runs table shows the first one a run has
+// the runs table's key metric for an algorithm: the one chosen for it (localStorage KEY_METRIC_ITEM +
+// algorithm), else the first of these its runs logged
+const KEY_METRICS = ["eval/pass@1", "reward/mean", "loss"];
+const KEY_METRIC_ITEM = "rlrun.keyMetric.";
+// Columns the runs table sorts by (server-side, GET /v1/runs?sort=): header text -> sort field.
+const SORTABLE = { Run: "name", Status: "status", Algorithm: "algorithm", Created: "created_at" };
 // The long phases a run goes through besides its steps (rlrun.schemas.PHASES), named as the CLI names them
 // (rlrun/terminal.py: PHASE_LABELS).
 const PHASE_LABELS = { model_load: "loading model", tokenize: "tokenising", reference: "reference log-probs",
@@ -148,8 +154,9 @@ function progressView(p, attrs = {}) {
 function warningBadge(warnings) {
   if (!warnings || !warnings.length) return null;
   const label = `${warnings.length} warning${warnings.length > 1 ? "s" : ""}: ${warnings.map((w) => w.code).join(", ")}`;
+  const codes = [...new Set(warnings.map((w) => w.code))];
   return h("span", { class: "badge warn-badge", "data-testid": "warning-badge", role: "img", "aria-label": label,
-    title: label }, `⚠ ${warnings.length}`);
+    title: label }, `⚠ ${codes.join(", ")}`);
 }
 /** The run page's list of warnings, each with its code, step and message in plain text (null for none). */
 function warningsList(warnings) {
@@ -1007,66 +1014,146 @@ route();
 
 /* ---------- runs list ---------- */
 
+
+/** The key metric shown for an algorithm's runs: the one chosen (localStorage), else eval/pass@1, reward/mean
+    or loss, the first of them the algorithm's runs logged. */
+function defaultKeyMetric(algorithm, keys) {
+  const chosen = localStorage.getItem(KEY_METRIC_ITEM + algorithm);
+  if (chosen && (!keys.length || keys.includes(chosen))) return chosen;
+  return KEY_METRICS.find((k) => keys.includes(k)) || keys[0] || "";
+}
+
+/** A tag chip; with `onclick` a button (filter by the tag). */
+function tagChip(tag, onclick = null, attrs = {}) {
+  return onclick ? h("button", { type: "button", class: "tag tag-button", "data-tag": tag, title: `show runs tagged ${tag}`,
+    onclick, ...attrs }, tag) : h("span", { class: "tag", "data-tag": tag, ...attrs }, tag);
+}
+
 async function runsPage(ctx, main, params) {
   document.title = "Runs · rlrun";
   const filters = { status: params.get("status") || "", algorithm: params.get("algorithm") || "",
-    flagged: ["true", "false"].includes(params.get("flagged")) ? params.get("flagged") : "" };
+    flagged: ["true", "false"].includes(params.get("flagged")) ? params.get("flagged") : "",
+    q: params.get("q") || "", tag: params.getAll("tag"), sort: params.get("sort") || "" };
   const selected = new Set();
   const keyMetric = new Map(); // run id -> {key, value, final}
+  const algoKeys = new Map(); // algorithm -> metric keys its runs logged (a few runs' union)
   const rowCache = new Map(); // run id -> {sig, tr}
   let runs = [];
   let hasMore = false;
   let nextCursor = null;
+  let loadSeq = 0; // answers to an older query (search typed on) are dropped
 
   const statusSel = h("select", { id: "filter-status", "data-testid": "filter-status" },
     h("option", { value: "" }, "all statuses"), STATUSES.map((st) => h("option", { value: st }, st)));
   const algoSel = h("select", { id: "filter-algorithm", "data-testid": "filter-algorithm" },
     h("option", { value: "" }, "all algorithms"), ALGORITHMS.map((a) => h("option", { value: a }, a)));
   // ?flagged= of GET /v1/runs: runs with (or without) health warnings
-  const flaggedSel = h("select", { id: "filter-flagged", "data-testid": "filter-flagged", "aria-label": "health warnings" },
+  const flaggedSel = h("select", { id: "filter-flagged", "data-testid": "filter-flagged" },
     h("option", { value: "" }, "with or without warnings"), h("option", { value: "true" }, "⚠ flagged: with warnings"),
     h("option", { value: "false" }, "without warnings"));
+  const search = h("input", { type: "search", id: "runs-search", "data-testid": "runs-search", value: filters.q,
+    placeholder: "name, algorithm, model, tag, note or id", class: "search" });
   statusSel.value = filters.status;
   algoSel.value = filters.algorithm;
   flaggedSel.value = filters.flagged;
   const compareBtn = h("button", { class: "primary", "data-testid": "compare-button", disabled: true,
     onclick: () => { location.hash = `#/compare?runs=${[...selected].map(enc).join(",")}`; } }, "Compare");
   const count = h("span", { class: "muted", "data-testid": "runs-count" });
+  const tagBar = h("div", { class: "toolbar tag-filter", "data-testid": "tag-filter" });
+  const keyBar = h("div", { class: "toolbar key-metrics", "data-testid": "key-metric-choice" });
   const tbody = h("tbody");
-  const table = h("table", { class: "table runs", id: "runs-table", "data-testid": "runs-table" },
-    h("thead", {}, h("tr", {}, h("th", { class: "check" }), ["Run", "Status", "Algorithm", "Model", "Progress",
-      "Key metric", "Created", "Duration"].map((t) => h("th", {}, t)))), tbody);
-  const more = h("button", { "data-testid": "load-more", hidden: true, onclick: () => load(false) }, "Load more");
+  const headRow = h("tr", {}, h("th", { class: "check" }, h("span", { class: "sr-only" }, "select")),
+    ["Run", "Status", "Algorithm", "Model", "Tags", "Progress", "Key metric", "Created", "Duration"].map((t) => {
+      const field = SORTABLE[t];
+      if (!field) return h("th", { scope: "col" }, t);
+      return h("th", { scope: "col", "data-sort": field }, h("button", { type: "button", class: "sort",
+        "data-testid": `sort-${field}`, onclick: () => onSort(field) }, t, h("span", { class: "sort-mark", "aria-hidden": "true" })));
+    }));
+  const table = h("table", { class: "table runs", id: "runs-table", "data-testid": "runs-table" }, h("thead", {}, headRow), tbody);
+  const more = h("button", { "data-testid": "load-more", hidden: true, onclick: () => load(false).catch(showError) }, "Load more");
   main.append(h("div", { class: "page-head" }, h("h1", {}, "Runs"), count),
-    h("div", { class: "toolbar" }, statusSel, algoSel, flaggedSel, compareBtn,
-      h("span", { class: "muted hint" }, "tick runs to overlay a metric")),
+    h("div", { class: "toolbar" },
+      h("label", { class: "field" }, "Search ", search),
+      h("label", { class: "field" }, "Status ", statusSel),
+      h("label", { class: "field" }, "Algorithm ", algoSel),
+      h("label", { class: "field" }, "Health ", flaggedSel),
+      compareBtn, h("span", { class: "muted hint" }, "tick runs to compare them")),
+    tagBar, keyBar,
     h("div", { class: "card flush" }, table), more);
 
   const syncUrl = () => history.replaceState(null, "", `#/runs${qs(filters)}`);
-  statusSel.addEventListener("change", () => { filters.status = statusSel.value; syncUrl(); load(true); });
-  flaggedSel.addEventListener("change", () => { filters.flagged = flaggedSel.value; syncUrl(); load(true); });
-  algoSel.addEventListener("change", () => { filters.algorithm = algoSel.value; syncUrl(); render(); });
+  const requery = () => { syncUrl(); load(true).catch(showError); };
+  statusSel.addEventListener("change", () => { filters.status = statusSel.value; requery(); });
+  flaggedSel.addEventListener("change", () => { filters.flagged = flaggedSel.value; requery(); });
+  algoSel.addEventListener("change", () => { filters.algorithm = algoSel.value; requery(); });
+  let typing = null;
+  search.addEventListener("input", () => {
+    clearTimeout(typing);
+    typing = setTimeout(() => { if (ctx.alive && search.value.trim() !== filters.q) { filters.q = search.value.trim(); requery(); } }, 300);
+  });
+  ctx.cleanups.push(() => clearTimeout(typing));
+
+  function onSort(field) {
+    const cur = filters.sort || "-created_at";
+    // a new column starts ascending (created: newest first); the same column flips
+    filters.sort = cur === field ? `-${field}` : cur === `-${field}` ? field : field === "created_at" ? "-created_at" : field;
+    requery();
+  }
+  function renderSortMarks() {
+    const cur = filters.sort || "-created_at";
+    for (const th of headRow.querySelectorAll("th[data-sort]")) {
+      const f = th.dataset.sort;
+      const dir = cur === f ? "ascending" : cur === `-${f}` ? "descending" : "none";
+      th.setAttribute("aria-sort", dir);
+      th.querySelector(".sort-mark").textContent = dir === "ascending" ? " ▲" : dir === "descending" ? " ▼" : "";
+    }
+  }
+  function addTag(tag) {
+    if (!filters.tag.includes(tag)) { filters.tag = [...filters.tag, tag]; requery(); renderTagBar(); }
+  }
+  function renderTagBar() {
+    fill(tagBar, filters.tag.length ? [h("span", { class: "muted small" }, "Tagged:"),
+      filters.tag.map((t) => h("button", { type: "button", class: "tag tag-button", "data-testid": "tag-filter-chip",
+        "data-tag": t, "aria-label": `stop filtering by tag ${t}`, onclick: () => {
+          filters.tag = filters.tag.filter((x) => x !== t); requery(); renderTagBar();
+        } }, t, " ×"))] : null);
+    tagBar.hidden = !filters.tag.length;
+  }
 
   function updateCompare() {
     compareBtn.disabled = selected.size < 1;
     compareBtn.textContent = selected.size ? `Compare ${selected.size} run${selected.size > 1 ? "s" : ""}` : "Compare";
   }
 
+  /** One select per algorithm in the table: which metric its runs show in the key-metric column. */
+  function renderKeyBar() {
+    const algos = [...algoKeys.keys()].sort();
+    fill(keyBar, algos.length ? h("span", { class: "muted small" }, "Key metric:") : null, algos.map((a) => {
+      const keys = algoKeys.get(a);
+      const sel = h("select", { id: `key-metric-${a}`, "data-testid": "key-metric-select", "data-algorithm": a,
+        onchange: (e) => { localStorage.setItem(KEY_METRIC_ITEM + a, e.target.value); refreshKeyMetrics(a); } },
+      keys.length ? keys.map((k) => h("option", { value: k }, k)) : h("option", { value: "" }, "no metrics yet"));
+      sel.value = defaultKeyMetric(a, keys);
+      return h("label", { class: "field" }, `${a} `, sel);
+    }));
+  }
+
   function render() {
-    const shown = runs.filter((r) => !filters.algorithm || r.algorithm === filters.algorithm);
+    renderSortMarks();
+    const shown = runs; // every filter runs in the API
     count.textContent = `${shown.length} shown${hasMore ? " (more below)" : ""}`;
     more.hidden = !hasMore;
     if (!shown.length) {
       rowCache.clear();
-      fill(tbody, h("tr", {}, h("td", { colspan: 9, class: "empty" },
-        runs.length || filters.status || filters.flagged ? "No run matches the filters."
+      fill(tbody, h("tr", {}, h("td", { colspan: 10, class: "empty" },
+        runs.length || filters.status || filters.flagged || filters.q || filters.tag.length ? "No run matches the filters."
           : "No runs yet: submit one with POST /v1/runs (see the README).")));
       return;
     }
     // rows are rebuilt only when what they show changed, so a checkbox being clicked stays in place
     const trs = shown.map((r) => {
       const km = keyMetric.get(r.id);
-      const sig = JSON.stringify([r.status, r.name, r.progress, r.warnings, km && km.key, km && km.value,
+      const sig = JSON.stringify([r.status, r.name, r.progress, r.warnings, r.tags, km && km.key, km && km.value,
         fmtAge(r.created_at), fmtDuration(runDuration(r))]);
       const cached = rowCache.get(r.id);
       if (cached && cached.sig === sig) return cached.tr;
@@ -1085,7 +1172,7 @@ async function runsPage(ctx, main, params) {
         updateCompare();
       } });
     return h("tr", { class: "clickable", "data-testid": "run-row", "data-run-id": r.id, "data-status": r.status,
-      onclick: (e) => { if (!e.target.closest("input,a")) location.hash = `#/runs/${r.id}`; } },
+      onclick: (e) => { if (!e.target.closest("input,a,button")) location.hash = `#/runs/${r.id}`; } },
     h("td", { class: "check" }, box),
     h("td", {}, h("a", { href: `#/runs/${r.id}` }, runLabel(r)),
       r.name ? h("span", { class: "muted mono small" }, ` ${shortId(r.id)}`) : null,
@@ -1093,6 +1180,7 @@ async function runsPage(ctx, main, params) {
     h("td", { class: "nowrap" }, badge(r.status, { "data-testid": "status" }), " ", warningBadge(r.warnings)),
     h("td", {}, r.algorithm),
     h("td", { class: "small" }, modelRef(r.spec && r.spec.model)),
+    h("td", { class: "tags", "data-testid": "run-tags" }, (r.tags || []).map((t) => tagChip(t, () => addTag(t)))),
     h("td", {}, progressView(r.progress)),
     h("td", { "data-testid": "key-metric" }, km && km.key
       ? [h("span", { class: "muted small" }, `${km.key} `), h("b", {}, fmtNum(km.value))] : "–"),
@@ -1100,45 +1188,72 @@ async function runsPage(ctx, main, params) {
     h("td", {}, fmtDuration(runDuration(r))));
   }
 
-  async function loadKeyMetrics() {
-    const todo = runs.filter((r) => { const km = keyMetric.get(r.id); return !km || !km.final; });
+  /** The metric keys of each algorithm in the table (from up to 6 of its runs), for the key-metric selects. */
+  async function loadAlgoKeys() {
+    const todo = [...new Set(runs.map((r) => r.algorithm))].filter((a) => !algoKeys.has(a) || !algoKeys.get(a).length);
+    await pool(todo, 4, async (a) => {
+      // finished runs first: a queued or cancelled one has often logged nothing
+      const some = runs.filter((r) => r.algorithm === a)
+        .sort((x, y) => (y.status === "succeeded") - (x.status === "succeeded")).slice(0, 6);
+      const lists = await Promise.all(some.map((r) => api(`/v1/runs/${r.id}/metric-keys`).catch(() => [])));
+      algoKeys.set(a, [...new Set(lists.flat())].filter((k) => !k.startsWith("final/") || KEY_METRICS.includes(k)).sort());
+    });
+    if (ctx.alive && todo.length) renderKeyBar();
+  }
+
+  async function loadKeyMetrics(algorithm = null) {
+    const todo = runs.filter((r) => {
+      if (algorithm) return r.algorithm === algorithm;
+      const km = keyMetric.get(r.id);
+      return !km || !km.final || km.key !== defaultKeyMetric(r.algorithm, algoKeys.get(r.algorithm) || []);
+    });
     await pool(todo, 4, async (r) => {
+      const key = defaultKeyMetric(r.algorithm, algoKeys.get(r.algorithm) || []);
+      if (!key) { keyMetric.set(r.id, { key: "", value: null, final: false }); return; }
       try {
-        const page = await api(`/v1/runs/${r.id}/metrics${qs({ key: KEY_METRICS, max_points: 4 })}`);
-        const lastOf = {};
-        for (const p of page.data) lastOf[p.key] = p.value;
-        const key = KEY_METRICS.find((k) => k in lastOf);
-        keyMetric.set(r.id, { key, value: key ? lastOf[key] : null, final: FINISHED.has(r.status) });
+        const cols = await fetchColumns(r.id, { keys: [key], maxPoints: 4 }); // the API's least; the last point is kept
+        keyMetric.set(r.id, { key, value: cols.has(key) ? cols.get(key).last : null, final: FINISHED.has(r.status) });
       } catch { /* a run deleted meanwhile: leave it blank */ }
     });
     if (ctx.alive) render();
   }
+  async function refreshKeyMetrics(algorithm) {
+    try { await loadKeyMetrics(algorithm); } catch (err) { showError(err); }
+  }
+  async function afterLoad() {
+    await loadAlgoKeys();
+    await loadKeyMetrics();
+  }
 
+  const query = (extra) => `/v1/runs${qs({ status: filters.status, algorithm: filters.algorithm,
+    flagged: filters.flagged, q: filters.q, tag: filters.tag, sort: filters.sort, ...extra })}`;
   async function load(reset) {
-    const page = await api(`/v1/runs${qs({ limit: 50, status: filters.status, flagged: filters.flagged,
-      after: reset ? null : nextCursor })}`);
-    if (!ctx.alive) return;
+    const seq = ++loadSeq;
+    const page = await api(query({ limit: 50, after: reset ? null : nextCursor }));
+    if (!ctx.alive || seq !== loadSeq) return;
     runs = reset ? page.data : runs.concat(page.data);
     hasMore = page.has_more;
     nextCursor = page.next_cursor;
     render();
-    loadKeyMetrics();
+    afterLoad().catch(() => {});
   }
 
   async function refresh() {
+    const seq = loadSeq;
     const limit = Math.min(200, Math.max(50, runs.length));
     try {
-      const page = await api(`/v1/runs${qs({ limit, status: filters.status, flagged: filters.flagged })}`);
-      if (!ctx.alive) return;
+      const page = await api(query({ limit }));
+      if (!ctx.alive || seq !== loadSeq) return;
       runs = page.data;
       hasMore = page.has_more;
       nextCursor = page.next_cursor;
       render();
-      loadKeyMetrics();
+      afterLoad().catch(() => {});
     } catch (err) { showError(err); }
   }
 
   updateCompare();
+  renderTagBar();
   await load(true);
   every(ctx, 5000, refresh);
 }
@@ -1246,12 +1361,13 @@ async function runPage(ctx, main, runId) {
   const samplesBox = h("div", { "data-testid": "samples" });
   const samplesCard = card("Samples", samplesBox);
   samplesCard.hidden = true;
-  const spec = h("pre", { class: "json", "data-testid": "spec" }, JSON.stringify(run.spec, null, 2));
   const pipelineBox = h("div", { class: "pipeline", "data-testid": "pipeline" });
-  main.append(h("p", { class: "crumbs" }, h("a", { href: "#/runs" }, "← Runs")), header,
+  const metaBox = h("section", { class: "card run-meta", "data-testid": "run-meta", "aria-label": "tags and note" });
+  main.append(h("p", { class: "crumbs" }, h("a", { href: "#/runs" }, "← Runs")), header, metaBox,
     card("Metrics", finalBox, chartControls(view, onView), chartsGrid),
     h("div", { class: "two-col" }, card("Events", eventsBox), card("Checkpoints", ckptBox)),
-    samplesCard, card("Spec", spec));
+    samplesCard, specCard(run));
+  renderMeta();
   if (run.status === "succeeded" && run.output_path && run.algorithm !== "reward_model") {
     main.insertBefore(card("Playground", playground(run)), main.lastElementChild);
   }
@@ -1396,14 +1512,59 @@ async function runPage(ctx, main, runId) {
     ctx.charts.forEach((c) => c.schedule());
   }
 
-  /** Add one event to the list; false if it was there already. */
+  /** The run's tags and note, and an inline editor for them (PATCH /v1/runs/{id}; a 422 names its field). */
+  function renderMeta(editing = false, error = null) {
+    const tags = run.tags || [];
+    if (!editing) {
+      fill(metaBox, h("div", { class: "meta-row" },
+        h("span", { class: "muted small" }, "Tags"),
+        h("span", { "data-testid": "run-tags" }, tags.length ? tags.map((t) => h("a", { class: "tag", "data-tag": t,
+          href: `#/runs${qs({ tag: t })}`, title: `runs tagged ${t}` }, t)) : h("span", { class: "muted" }, "none")),
+        h("span", { class: "spacer" }),
+        h("button", { type: "button", "data-testid": "edit-meta", onclick: () => renderMeta(true) }, "Edit tags and note")),
+      run.note ? h("p", { class: "note", "data-testid": "run-note" }, run.note) : null);
+      return;
+    }
+    const tagsIn = h("input", { type: "text", id: "edit-tags", "data-testid": "edit-tags", class: "wide mono",
+      value: tags.join(", "), placeholder: "baseline, lr-sweep" });
+    const noteIn = h("textarea", { id: "edit-note", "data-testid": "edit-note", rows: 3, maxlength: 4000 }, run.note || "");
+    const save = async (e) => {
+      e.preventDefault();
+      const body = { tags: tagsIn.value.split(/[\s,]+/).filter(Boolean), note: noteIn.value };
+      try {
+        run = await api(base, { method: "PATCH", body: JSON.stringify(body), headers: { "Content-Type": "application/json" } });
+        if (ctx.alive) renderMeta();
+      } catch (err) {
+        if (ctx.alive) renderMeta(true, err);
+        const kept = metaBox.querySelectorAll("input, textarea"); // what was typed stays
+        kept[0].value = body.tags.join(", ");
+        kept[1].value = body.note;
+      }
+    };
+    fill(metaBox, h("form", { class: "meta-form", "data-testid": "meta-form", onsubmit: save },
+      h("label", { for: "edit-tags" }, "Tags (comma-separated; a-z 0-9 . _ : / + -)"), tagsIn,
+      h("label", { for: "edit-note" }, "Note"), noteIn,
+      error ? h("p", { class: "error-text", role: "alert", "data-testid": "meta-error" },
+        `${error.field ? `${error.field}: ` : ""}${error.message}`) : null,
+      h("div", { class: "toolbar" }, h("button", { type: "submit", class: "primary", "data-testid": "save-meta" }, "Save"),
+        h("button", { type: "button", onclick: () => renderMeta() }, "Cancel"))));
+    tagsIn.focus();
+  }
+
+  /** Add one event to the list; false if it was there already. A failure (an error event, or the status
+      "failed") is marked in words and colour, with its reason written out. */
   function addEvent(e) {
     if (eventIds.has(e.id)) return false;
     eventIds.add(e.id);
     const nearBottom = eventsBox.scrollHeight - eventsBox.scrollTop - eventsBox.clientHeight < 30;
-    eventsList.append(h("li", { class: `event kind-${e.kind}`, title: e.data ? JSON.stringify(e.data) : "" },
+    const failed = e.kind === "error" || (e.kind === "status" && e.message === "failed");
+    const reason = e.data && (e.data.error || e.data.reason);
+    eventsList.append(h("li", { class: `event${failed ? " event-failed" : ""}`, "data-testid": "event",
+      "data-kind": e.kind, title: e.data ? JSON.stringify(e.data) : "" },
       h("time", { title: fmtTime(e.created_at) }, fmtClock(e.created_at)),
-      h("span", { class: `kind kind-${e.kind}` }, e.kind), h("span", { class: "msg" }, e.message)));
+      h("span", { class: `kind kind-${failed ? "failed" : e.kind}` }, failed ? "✖ failed" : e.kind.replace(/_/g, " ")),
+      h("span", { class: "msg" }, failed && e.message === "failed" ? "" : e.message,
+        reason ? h("span", { class: "reason", "data-testid": "event-reason" }, `${failed && e.message === "failed" ? "" : ": "}${reason}`) : null)));
     if (nearBottom) eventsBox.scrollTop = eventsBox.scrollHeight;
     return true;
   }
@@ -1440,37 +1601,84 @@ async function runPage(ctx, main, runId) {
   }
 
   let samples = [];
-  let sampleStep = null;
-  async function loadSamples() {
+  let sampleStep = null; // null: the last step; "all": every step
+  let sampleQ = "";
+  let sampleHits = null; // the answer to a search (across all steps), or null
+  async function fetchSamples(q) {
     const all = [];
     let after = null;
     for (let i = 0; i < 10; i++) { // at most 5000 samples
-      const page = await api(`${base}/samples${qs({ limit: 500, after })}`);
+      const page = await api(`${base}/samples${qs({ limit: 500, after, q: q || null })}`);
       all.push(...page.data);
       if (!page.has_more) break;
       after = page.next_cursor;
     }
-    samples = all;
+    return all;
+  }
+  async function loadSamples() {
+    samples = await fetchSamples("");
+    if (sampleQ) sampleHits = await fetchSamples(sampleQ);
     renderSamples();
   }
+  const sampleSearch = h("input", { type: "search", id: "sample-search", "data-testid": "sample-search",
+    placeholder: "text in a prompt or completion" });
+  let sampleTyping = null;
+  sampleSearch.addEventListener("input", () => {
+    clearTimeout(sampleTyping);
+    sampleTyping = setTimeout(async () => {
+      const q = sampleSearch.value.trim();
+      if (q === sampleQ) return;
+      sampleQ = q;
+      try {
+        const hits = q ? await fetchSamples(q) : null;
+        if (!ctx.alive || q !== sampleQ) return;
+        sampleHits = hits;
+        if (q) sampleStep = "all"; // the hits are from any step: show them all, the step filter narrows them
+        renderSamples();
+      } catch (err) { showError(err); }
+    }, 300);
+  });
+  ctx.cleanups.push(() => clearTimeout(sampleTyping));
+  // the search box stays in place while the rest is drawn again (moving it would take its focus away)
+  const stepTools = h("span", { class: "toolbar inline" });
+  const sampleCount = h("span", { class: "muted", "data-testid": "sample-count" });
+  const sampleList = h("div");
+  samplesBox.append(h("div", { class: "toolbar" }, stepTools, h("label", { for: "sample-search" }, "Search"),
+    sampleSearch, sampleCount), sampleList);
   function renderSamples() {
     samplesCard.hidden = !samples.length;
     if (!samples.length) return;
     const steps = [...new Set(samples.map((x) => x.step))].sort((a, b) => a - b);
-    if (sampleStep === null || !steps.includes(sampleStep)) sampleStep = steps[steps.length - 1];
-    const sel = h("select", { "data-testid": "sample-step", onchange: (e) => { sampleStep = Number(e.target.value); renderSamples(); } },
-      steps.map((st) => h("option", { value: st }, `step ${st}`)));
+    if (sampleStep !== "all" && (sampleStep === null || !steps.includes(sampleStep))) sampleStep = steps[steps.length - 1];
+    const at = steps.indexOf(sampleStep);
+    const go = (st) => { sampleStep = st; renderSamples(); };
+    const sel = h("select", { id: "sample-step", "data-testid": "sample-step",
+      onchange: (e) => go(e.target.value === "all" ? "all" : Number(e.target.value)) },
+    h("option", { value: "all" }, "all steps"), steps.map((st) => h("option", { value: st }, `step ${st}`)));
     sel.value = String(sampleStep);
-    const rows = samples.filter((x) => x.step === sampleStep).sort((a, b) => b.reward - a.reward);
-    const mean = rows.reduce((a, x) => a + x.reward, 0) / rows.length;
-    fill(samplesBox, h("div", { class: "toolbar" }, sel,
-      h("span", { class: "muted" }, `${rows.length} completions, mean reward ${fmtNum(mean)}; best first`)),
-    h("div", { class: "scroll tall" }, h("table", { class: "table compact samples" },
-      h("thead", {}, h("tr", {}, ["Reward", "Prompt", "Completion", "Details"].map((t) => h("th", {}, t)))),
-      h("tbody", {}, rows.map((x) => h("tr", { "data-testid": "sample-row" },
+    const pool = sampleHits || samples;
+    const rows = pool.filter((x) => sampleStep === "all" || x.step === sampleStep)
+      .sort((a, b) => a.step - b.step || b.reward - a.reward);
+    const mean = rows.length ? rows.reduce((a, x) => a + x.reward, 0) / rows.length : null;
+    const withRef = rows.some((x) => x.data && known(x.data.reference));
+    fill(stepTools, h("label", { for: "sample-step" }, "Step"), sel,
+      h("button", { type: "button", "data-testid": "sample-prev", disabled: sampleStep === "all" || at <= 0,
+        "aria-label": "previous step", onclick: () => go(steps[at - 1]) }, "◀ prev"),
+      h("button", { type: "button", "data-testid": "sample-next", disabled: sampleStep === "all" || at >= steps.length - 1,
+        "aria-label": "next step", onclick: () => go(steps[at + 1]) }, "next ▶"));
+    sampleCount.textContent = rows.length
+        ? `${rows.length} completion${rows.length === 1 ? "" : "s"}${sampleQ ? ` matching “${sampleQ}”` : ""}, mean reward ${fmtNum(mean)}`
+        : `no completion${sampleQ ? ` matches “${sampleQ}”` : ""} at this step`;
+    const heads = ["Step", "Reward", "Prompt", "Completion", withRef ? "Reference answer" : null, "Details"].filter(Boolean);
+    fill(sampleList, h("div", { class: "scroll tall" }, h("table", { class: "table compact samples" },
+      h("thead", {}, h("tr", {}, heads.map((t) => h("th", { scope: "col" }, t)))),
+      h("tbody", {}, rows.map((x) => h("tr", { "data-testid": "sample-row", "data-step": x.step },
+        h("td", { class: "num" }, x.step),
         h("td", { class: "num" }, h("b", {}, fmtNum(x.reward))),
         h("td", {}, h("div", { class: "text" }, visible(x.prompt))),
         h("td", {}, h("div", { class: "text" }, visible(x.completion))),
+        withRef ? h("td", { "data-testid": "sample-reference" }, x.data && known(x.data.reference)
+          ? h("div", { class: "text" }, textValue(x.data.reference)) : "–") : null,
         h("td", { class: "small muted" }, sampleDetails(x.data))))))));
   }
 
@@ -1584,45 +1792,138 @@ function sampleDetails(data) {
   if (!data) return "";
   const parts = [];
   if (data.components) for (const [k, v] of Object.entries(data.components)) parts.push(`${k} ${fmtNum(v)}`);
-  for (const [k, v] of Object.entries(data)) if (k !== "components") parts.push(`${k}: ${typeof v === "object" ? JSON.stringify(v) : v}`);
+  for (const [k, v] of Object.entries(data)) if (k !== "components" && k !== "reference") parts.push(`${k}: ${typeof v === "object" ? JSON.stringify(v) : v}`);
   return parts.join(" · ");
+}
+
+/* ---------- a run's spec: table, copy, clone ---------- */
+
+/** A spec as [dotted path, value] pairs in key order: objects are walked ("hyperparameters.learning_rate"),
+    lists and scalars are leaves (an empty object is a leaf too). */
+function flatten(obj, prefix = "", out = []) {
+  for (const [k, v] of Object.entries(obj || {})) {
+    const path = prefix ? `${prefix}.${k}` : k;
+    if (v && typeof v === "object" && !Array.isArray(v) && Object.keys(v).length) flatten(v, path, out);
+    else out.push([path, v]);
+  }
+  return out;
+}
+function specValue(v) {
+  if (v === undefined) return "—";
+  return typeof v === "string" ? v : JSON.stringify(v);
+}
+
+/** Text to the clipboard: navigator.clipboard where the page may use it (a secure context), else a hidden
+    textarea and execCommand("copy"). Resolves to whether it worked. */
+async function copyText(text) {
+  if (navigator.clipboard && window.isSecureContext) {
+    try { await navigator.clipboard.writeText(text); return true; } catch { /* fall back */ }
+  }
+  const ta = h("textarea", { class: "sr-only", "aria-hidden": "true", tabindex: -1, readonly: true });
+  ta.value = text;
+  document.body.append(ta);
+  ta.select();
+  let ok = false;
+  try { ok = document.execCommand("copy"); } catch { ok = false; }
+  ta.remove();
+  return ok;
+}
+
+/** The Spec card: the stored spec as a table of dotted paths, "copy as JSON", and "clone into a new run"
+    (the spec in a textarea, its name suffixed " (clone)", submitted with POST /v1/runs). */
+function specCard(run) {
+  const json = JSON.stringify(run.spec, null, 2);
+  const copied = h("span", { class: "muted small", role: "status", "data-testid": "copy-status" });
+  const cloneBox = h("div", { class: "clone", "data-testid": "clone-box", hidden: true });
+  const copyBtn = h("button", { type: "button", "data-testid": "copy-spec", onclick: async () => {
+    copied.textContent = (await copyText(json)) ? "copied" : "could not copy: select the JSON below";
+  } }, "Copy as JSON");
+  const cloneBtn = h("button", { type: "button", "data-testid": "clone-run", "aria-expanded": "false", onclick: () => {
+    cloneBox.hidden = !cloneBox.hidden;
+    cloneBtn.setAttribute("aria-expanded", String(!cloneBox.hidden));
+    if (!cloneBox.hidden) openClone();
+  } }, "Clone into a new run");
+
+  function openClone() {
+    const spec = { ...run.spec, name: `${run.spec.name || runLabel(run)} (clone)` };
+    const ta = h("textarea", { id: "clone-spec", "data-testid": "clone-spec", class: "mono", rows: 16, spellcheck: "false" });
+    ta.value = JSON.stringify(spec, null, 2);
+    const err = h("p", { class: "error-text", role: "alert", "data-testid": "clone-error", hidden: true });
+    const say = (text) => { err.textContent = text; err.hidden = !text; };
+    const submit = async (e) => {
+      e.preventDefault();
+      let body;
+      try { body = JSON.parse(ta.value); } catch (x) { say(`not JSON: ${x.message}`); return; }
+      say("");
+      try {
+        const made = await api("/v1/runs", { method: "POST", body: JSON.stringify(body),
+          headers: { "Content-Type": "application/json" } });
+        location.hash = `#/runs/${made.id}`;
+      } catch (x) {
+        say(`${x.field ? `${x.field}: ` : ""}${x.message}`);
+      }
+    };
+    fill(cloneBox, h("form", { onsubmit: submit, "data-testid": "clone-form" },
+      h("label", { for: "clone-spec" }, "Spec of the new run (JSON; edit it before submitting)"), ta, err,
+      h("div", { class: "toolbar" }, h("button", { type: "submit", class: "primary", "data-testid": "clone-submit" }, "Submit new run"))));
+  }
+
+  return h("section", { class: "card", "data-testid": "spec-card" }, h("h2", {}, "Spec"),
+    h("div", { class: "toolbar" }, copyBtn, cloneBtn, copied), cloneBox,
+    h("div", { class: "scroll" }, h("table", { class: "table compact spec-table", "data-testid": "spec" },
+      h("thead", {}, h("tr", {}, h("th", { scope: "col" }, "Field"), h("th", { scope: "col" }, "Value"))),
+      h("tbody", {}, flatten(run.spec).map(([k, v]) => h("tr", { "data-path": k },
+        h("td", { class: "mono small" }, k), h("td", { class: "mono small spec-value" }, specValue(v))))))),
+    h("details", {}, h("summary", {}, "JSON"), h("pre", { class: "json", "data-testid": "spec-json" }, json)));
 }
 
 /* ---------- compare ---------- */
 
+/** The spec fields (dotted paths) whose values are not the same in every run: [[path, [value per run]]]. A
+    field a run lacks counts as different (its value undefined). */
+function specDiff(runs) {
+  const flat = runs.map((r) => new Map(flatten(r.spec)));
+  const paths = [];
+  for (const f of flat) for (const k of f.keys()) if (!paths.includes(k)) paths.push(k);
+  return paths.map((k) => [k, flat.map((f) => f.get(k))])
+    .filter(([, vals]) => vals.some((v) => JSON.stringify(v) !== JSON.stringify(vals[0])));
+}
+
 async function comparePage(ctx, main, params) {
   document.title = "Compare · rlrun";
   const ids = [...new Set((params.get("runs") || "").split(",").map((x) => x.trim()).filter(Boolean))];
-  let key = params.get("key") || "";
-  const idsInput = h("input", { type: "text", id: "compare-runs", "data-testid": "compare-runs", class: "wide mono",
-    placeholder: "run ids, comma-separated", value: ids.join(", ") });
-  const keySel = h("select", { id: "compare-key", "data-testid": "compare-key" });
-  const go = (k) => {
-    const list = idsInput.value.split(/[\s,]+/).filter(Boolean);
-    location.hash = `#/compare${qs({ runs: list.join(","), key: k })}`;
-  };
-  const picker = h("details", { class: "picker" }, h("summary", {}, "Pick from recent runs"));
-  main.append(h("div", { class: "page-head" }, h("h1", {}, "Compare runs")),
-    h("div", { class: "toolbar" }, h("label", {}, "Runs ", idsInput), h("label", {}, "Metric ", keySel),
-      h("button", { class: "primary", "data-testid": "compare-apply", onclick: () => go(keySel.value || key) }, "Show")),
-    picker);
-  keySel.addEventListener("change", () => go(keySel.value));
-  idsInput.addEventListener("keydown", (e) => { if (e.key === "Enter") go(keySel.value || key); });
+  let keys = (params.get("keys") || params.get("key") || "").split(",").filter(Boolean);
+  const go = (runIds, ks) => { location.hash = `#/compare${qs({ runs: runIds.join(","), keys: ks.join(",") })}`; };
 
-  api(`/v1/runs${qs({ limit: 50 })}`).then((page) => {
-    if (!ctx.alive) return;
-    picker.append(h("div", { class: "pick-list" }, page.data.map((r) => h("label", { class: "pick" },
-      h("input", { type: "checkbox", checked: ids.includes(r.id), onchange: (e) => {
-        const list = idsInput.value.split(/[\s,]+/).filter(Boolean).filter((x) => x !== r.id);
-        if (e.target.checked) list.push(r.id);
-        idsInput.value = list.join(", ");
-      } }), ` ${runLabel(r)} `, h("span", { class: "muted small" }, `${r.algorithm} · ${r.status} · ${shortId(r.id)}`)))));
-    if (!ids.length) picker.open = true;
-  }).catch(() => {});
+  // add a run: a search over GET /v1/runs?q= (recent runs while the box is empty)
+  const addInput = h("input", { type: "search", id: "compare-add", "data-testid": "compare-add", class: "search",
+    placeholder: "search runs by name, tag, model or id" });
+  const addList = h("ul", { class: "add-list", "data-testid": "compare-add-results" });
+  let typing = null;
+  let seq = 0;
+  async function searchRuns() {
+    const mine = ++seq;
+    try {
+      const page = await api(`/v1/runs${qs({ limit: 8, q: addInput.value.trim() || null })}`);
+      if (!ctx.alive || mine !== seq) return;
+      fill(addList, page.data.filter((r) => !ids.includes(r.id)).map((r) => h("li", {},
+        h("button", { type: "button", class: "link", "data-testid": "compare-add-run", "data-run-id": r.id,
+          onclick: () => go([...ids, r.id], keys) }, `+ ${runLabel(r)}`),
+        h("span", { class: "muted small" }, ` ${r.algorithm} · ${r.status} · ${shortId(r.id)}`))));
+    } catch (err) { showError(err); }
+  }
+  addInput.addEventListener("input", () => { clearTimeout(typing); typing = setTimeout(searchRuns, 300); });
+  ctx.cleanups.push(() => clearTimeout(typing));
+  const chosenBox = h("div", { class: "toolbar chosen-runs", "data-testid": "compare-runs" });
+  const metricBox = h("fieldset", { class: "metric-pick", "data-testid": "compare-metrics" }, h("legend", {}, "Metrics"));
+  main.append(h("div", { class: "page-head" }, h("h1", {}, "Compare runs")),
+    chosenBox,
+    h("details", { class: "picker", open: !ids.length }, h("summary", {}, "Add runs"),
+      h("div", { class: "toolbar" }, h("label", { for: "compare-add" }, "Find a run"), addInput), addList));
+  searchRuns();
 
   if (!ids.length) {
-    keySel.append(h("option", { value: "" }, "—"));
-    main.append(h("p", { class: "empty" }, "Choose runs: tick them on the runs page, pick them above, or paste run ids."));
+    main.append(h("p", { class: "empty" }, "Choose runs: tick them on the runs page or add them above."));
     return;
   }
   let runs = await Promise.all(ids.map((id) => api(`/v1/runs/${enc(id)}`).catch((err) => ({ id, missing: err }))));
@@ -1630,49 +1931,65 @@ async function comparePage(ctx, main, params) {
   const missing = runs.filter((r) => r.missing);
   runs = runs.filter((r) => !r.missing);
   if (missing.length) showError(new Error(`not found: ${missing.map((r) => r.id).join(", ")}`));
+  // one colour and dash per run, the same in every chart, the tables and the diff
+  const defs = runs.map((r, i) => ({ id: r.id, label: `${runLabel(r)} (${r.algorithm})`, title: r.id,
+    href: `#/runs/${r.id}`, ...seriesStyle(i) }));
+  fill(chosenBox, h("span", { class: "muted small" }, `${runs.length} run${runs.length === 1 ? "" : "s"}:`),
+    defs.map((d) => h("span", { class: "chosen", "data-run-id": d.id }, swatch(d), h("a", { href: d.href }, d.label),
+      h("button", { type: "button", class: "link", "data-testid": "compare-remove", "aria-label": `remove ${d.label}`,
+        onclick: () => go(ids.filter((x) => x !== d.id), keys) }, "remove"))));
+
   const keyLists = await Promise.all(runs.map((r) => api(`/v1/runs/${r.id}/metric-keys`).catch(() => [])));
   if (!ctx.alive) return;
   const counts = new Map();
   keyLists.flat().forEach((k) => counts.set(k, (counts.get(k) || 0) + 1));
   const common = [...counts.keys()].filter((k) => counts.get(k) === runs.length).sort();
   const partial = [...counts.keys()].filter((k) => counts.get(k) < runs.length).sort();
-  if (!key) key = ["reward/mean", "eval/accuracy", "loss"].find((k) => common.includes(k)) || common[0] || partial[0] || "";
-  keySel.append(...common.map((k) => h("option", { value: k }, k)),
-    partial.length ? h("optgroup", { label: "not logged by every run" }, partial.map((k) => h("option", { value: k }, k))) : null);
-  if (key && !counts.has(key)) keySel.append(h("option", { value: key }, `${key} (no run has it)`));
-  keySel.value = key;
+  if (!keys.length) {
+    const first = ["eval/pass@1", "reward/mean", "eval/accuracy", "loss"].find((k) => common.includes(k)) || common[0] || partial[0];
+    keys = first ? [first] : [];
+  }
+  const box = (k, note) => h("label", { class: "metric-choice" }, h("input", { type: "checkbox", value: k,
+    "data-testid": "compare-metric", checked: keys.includes(k), onchange: (e) => {
+      go(ids, e.target.checked ? [...keys, k] : keys.filter((x) => x !== k));
+    } }), ` ${k}`, note ? h("span", { class: "muted small" }, ` (${note})`) : null);
+  metricBox.append(h("div", { class: "metric-list" }, common.map((k) => box(k)),
+    partial.map((k) => box(k, `${counts.get(k)} of ${runs.length} runs`)),
+    keys.filter((k) => !counts.has(k)).map((k) => box(k, "no run has it"))));
 
   const view = chartView();
-  const fetchKey = async (ids, opts) => new Map(await Promise.all(ids.map(async (id) =>
+  const fetchKey = async (key, runIds, opts) => new Map(await Promise.all(runIds.map(async (id) =>
     [id, (await fetchColumns(id, { keys: [key], time: view.x === "time", ...opts })).get(key) || new Cols()])));
-  const chart = new Chart({ testid: "compare-chart", title: key || "no metric", view, height: 320,
-    fetchRange: (ids, minStep, maxStep, maxPoints) => fetchKey(ids, { minStep, maxStep, maxPoints }) });
-  const defs = runs.map((r, i) => ({ id: r.id, label: `${runLabel(r)} (${r.algorithm})`, title: r.id,
-    href: `#/runs/${r.id}`, ...seriesStyle(i) }));
-  chart.setSeries(defs);
+  const charts = keys.map((key) => {
+    const chart = new Chart({ testid: `compare-chart-${key}`, title: key, view, height: 260,
+      fetchRange: (runIds, minStep, maxStep, maxPoints) => fetchKey(key, runIds, { minStep, maxStep, maxPoints }) });
+    chart.setSeries(defs);
+    return chart;
+  });
   const summary = h("tbody");
-  main.append(card(null, chartControls(view, async (what) => {
-    if (what === "x") { chart.resetZoom(); await load(); } else chart.schedule();
-  }), chart.el), card("Runs", h("div", { class: "scroll-x" }, h("table", { class: "table compact", "data-testid": "compare-table" },
-    h("thead", {}, h("tr", {}, ["", "Run", "Status", "Algorithm", "Model", "Learning rate", "Progress", "Last", "Min", "Max"]
-      .map((t) => h("th", {}, t)))), summary))));
+  main.append(metricBox,
+    card(null, chartControls(view, async (what) => {
+      if (what === "x") { charts.forEach((c) => c.resetZoom()); await load(); } else charts.forEach((c) => c.schedule());
+    }), charts.length ? h("div", { class: "charts", "data-testid": "compare-charts" }, charts.map((c) => c.el))
+      : h("p", { class: "empty" }, "No metric chosen.")),
+    card("Runs", h("div", { class: "scroll-x" }, h("table", { class: "table compact", "data-testid": "compare-table" },
+      h("thead", {}, h("tr", {}, ["", "Run", "Status", "Algorithm", "Model", "Progress", ...keys.map((k) => `Last ${k}`)]
+        .map((t) => h("th", { scope: "col" }, t)))), summary))),
+    diffCard(runs, defs));
 
   async function load() {
-    const data = key ? await fetchKey(runs.map((r) => r.id), {}) : new Map();
+    const data = new Map(await Promise.all(runs.map(async (r) =>
+      [r.id, keys.length ? await fetchColumns(r.id, { keys, time: view.x === "time" }) : new Map()])));
     if (!ctx.alive) return;
-    chart.setData(data);
+    charts.forEach((c, i) => c.setData(new Map(runs.map((r) => [r.id, data.get(r.id).get(keys[i]) || new Cols()]))));
     fill(summary, ...defs.map((d, i) => {
       const r = runs[i];
-      const vals = (data.get(r.id) || NO_COLS).value.filter((v) => v !== null);
-      const hp = (r.spec && r.spec.hyperparameters) || {};
       return h("tr", { "data-run-id": r.id }, h("td", {}, swatch(d)),
         h("td", {}, h("a", { href: d.href }, runLabel(r))),
         h("td", { class: "nowrap" }, badge(r.status), " ", warningBadge(r.warnings)), h("td", {}, r.algorithm),
-        h("td", { class: "mono small" }, r.spec.model), h("td", { class: "num" }, fmtNum(hp.learning_rate)),
+        h("td", { class: "mono small" }, r.spec.model),
         h("td", { class: "num", "data-testid": "compare-progress" }, progressText(r.progress)),
-        h("td", { class: "num" }, vals.length ? fmtNum(vals[vals.length - 1]) : "–"),
-        h("td", { class: "num" }, vals.length ? fmtNum(Math.min(...vals)) : "–"),
-        h("td", { class: "num" }, vals.length ? fmtNum(Math.max(...vals)) : "–"));
+        keys.map((k) => h("td", { class: "num" }, fmtNum((data.get(r.id).get(k) || NO_COLS).last))));
     }));
   }
   await load();
@@ -1683,6 +2000,20 @@ async function comparePage(ctx, main, params) {
       await load();
     } catch (err) { showError(err); }
   });
+}
+
+/** The spec fields that differ between the runs, one column per run headed in its colour. */
+function diffCard(runs, defs) {
+  const rows = specDiff(runs);
+  return h("section", { class: "card", "data-testid": "config-diff-card" }, h("h2", {}, "Config differences"),
+    runs.length < 2 ? h("p", { class: "muted" }, "Add another run to see how their specs differ.")
+      : !rows.length ? h("p", { class: "muted", "data-testid": "config-same" }, "Their specs are the same.")
+        : h("div", { class: "scroll-x" }, h("table", { class: "table compact", "data-testid": "config-diff" },
+          h("thead", {}, h("tr", {}, h("th", { scope: "col" }, "Field"), defs.map((d) => h("th", { scope: "col",
+            "data-run-id": d.id, "data-color": d.color, class: "diff-head", style: `border-top: 3px solid ${d.color}` }, swatch(d), " ", h("span", { class: "diff-run" }, d.label))))),
+          h("tbody", {}, rows.map(([path, vals]) => h("tr", { "data-path": path, "data-testid": "diff-row" },
+            h("td", { class: "mono small" }, path),
+            vals.map((v) => h("td", { class: "mono small spec-value" }, specValue(v)))))))));
 }
 
 /* ---------- datasets ---------- */

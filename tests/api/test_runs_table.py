@@ -71,9 +71,14 @@ def test_sort_every_column_both_ways_across_pages(session: Session) -> None:
                 expected = sorted(runs, key=lambda r: (value(r), r.created_at, r.id.hex), reverse=desc)
                 assert got == [str(r.id) for r in expected], sort
         default = [r["id"] for r in all_pages(client, {"q": token})]
+        grpo = [r["id"] for r in all_pages(client, {"q": token, "algorithm": "grpo"})]
         bad = client.get("/v1/runs", params={"sort": "loss"})
+        bad_algorithm = client.get("/v1/runs", params={"algorithm": "nope"})
     assert default == [str(r.id) for r in sorted(runs, key=lambda r: r.created_at, reverse=True)]
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "sort"
+    newest_first = sorted(runs, key=lambda r: r.created_at, reverse=True)
+    assert grpo == [str(r.id) for r in newest_first if r.algorithm == "grpo"] and len(grpo) == 2
+    assert bad_algorithm.status_code == 422 and bad_algorithm.json()["error"]["field"] == "algorithm"
 
 
 def test_tags_and_note_by_patch_then_filter_and_search(session: Session) -> None:
@@ -161,10 +166,12 @@ def test_the_sdk_sorts_searches_tags_and_notes(session: Session) -> None:
         unnoted = sdk.runs.update(runs[4].id, note=None)
         by_name = [r.id for r in sdk.runs.iter(q=token, sort="name", page_size=4)]
         with_tag = sdk.runs.list(q=token, tags=["best", "keep"]).data
+        sft = [r.id for r in sdk.runs.iter(q=token, algorithm="sft")]
     assert tagged.tags == ["keep", "best"] and noted.tags == ["keep", "best"] and noted.note == "the one"
     assert unnoted.note is None
     assert by_name == [r.id for r in sorted(runs, key=lambda r: r.spec["name"])]
     assert [r.id for r in with_tag] == [runs[3].id]
+    assert sft == [r.id for r in runs if r.algorithm == "sft"]
 
 
 def test_samples_are_searched_across_steps(session: Session) -> None:

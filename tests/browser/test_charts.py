@@ -504,14 +504,16 @@ def test_phone_width_has_no_horizontal_scroll(seeded: Seeded, browser: WebDriver
     shot(browser, artifacts, "charts-phone")
 
     open_page(browser, seeded.client, f"/compare?runs={seeded.long},{seeded.live}&key=loss")
-    wait(browser, lambda: drawn(browser, "compare-chart") is not None, what="compare chart not drawn")
-    items = browser.find_elements(By.CSS_SELECTOR, "[data-chart='compare-chart'] .legend-item")
+    wait(browser, lambda: drawn(browser, "compare-chart-loss") is not None, what="compare chart not drawn")
+    items = browser.find_elements(By.CSS_SELECTOR, "[data-chart='compare-chart-loss'] .legend-item")
     assert [e.get_attribute("data-series") for e in items] == [seeded.long, seeded.live]
     no_horizontal_scroll(browser)
     set_control(browser, "chart-x", "time")  # the runs on one wall-clock axis
     times = [columns(seeded.client, r, "loss", time="true") for r in (seeded.long, seeded.live)]
-    wait(browser, lambda: chart(browser, "compare-chart", "c.u && !c.frame && c.u.scales.x.time") is True)
-    data = drawn(browser, "compare-chart")
+    wait(
+        browser, lambda: chart(browser, "compare-chart-loss", "c.u && !c.frame && c.u.scales.x.time") is True
+    )
+    data = drawn(browser, "compare-chart-loss")
     assert data[0] == pytest.approx(sorted({t for c in times for t in c["time"]}), abs=1e-6)
     no_horizontal_scroll(browser)
     browser.get("about:blank")  # the live run's compare page polls it

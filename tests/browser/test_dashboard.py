@@ -224,7 +224,8 @@ def test_finished_run_page_shows_its_charts(
     assert f"{SHORT_STEPS} / {SHORT_STEPS}" in text(browser, "progress")
     assert "loss" in text(browser, "final-metrics")  # final/* values as a table, not charts
     assert browser.find_elements(By.CSS_SELECTOR, '[data-testid="checkpoint-download"]')
-    assert '"algorithm": "dpo"' in text(browser, "spec")
+    algorithm = browser.find_element(By.CSS_SELECTOR, '[data-testid="spec"] tr[data-path="algorithm"]')
+    assert algorithm.text.split() == ["algorithm", "dpo"]  # the spec as a table of dotted paths
     assert "succeeded" in text(browser, "events")
     assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="cancel-button"]')
     screenshot(browser, artifacts, "run-page")
@@ -277,18 +278,20 @@ def test_compare_two_runs_from_the_runs_table(
     for run_id in (data["a"], data["b"]):
         wait(
             browser,
-            lambda r=run_id: points(browser, "compare-chart", r) == SHORT_STEPS,
+            lambda r=run_id: points(browser, "compare-chart-loss", r) == SHORT_STEPS,
             what="series missing",
         )
     curves = browser.execute_script(  # uPlot's data: [steps, raw a, smoothed a, raw b, smoothed b]
-        "const u = document.querySelector(`figure[data-chart='compare-chart']`)._chart.u; return u && u.data;"
+        "const u = document.querySelector(`figure[data-chart='compare-chart-loss']`)._chart.u;"
+        "return u && u.data;"
     )
     assert len(curves[0]) == SHORT_STEPS  # both runs logged the same steps
     assert curves[1] != curves[3]  # two different curves (seeds differ)
-    legend = browser.find_elements(By.CSS_SELECTOR, '[data-chart="compare-chart"] .legend-item')
+    legend = browser.find_elements(By.CSS_SELECTOR, '[data-chart="compare-chart-loss"] .legend-item')
     assert {e.get_attribute("data-series") for e in legend} == {data["a"], data["b"]}
     assert "dpo-seed0" in legend[0].text + legend[1].text
-    assert browser.find_element(By.ID, "compare-key").get_attribute("value") == "loss"
+    chosen = browser.find_elements(By.CSS_SELECTOR, '[data-testid="compare-metric"]:checked')
+    assert [c.get_attribute("value") for c in chosen] == ["loss"]  # the default metric
     screenshot(browser, artifacts, "compare")
     assert_no_console_errors(browser)
 
