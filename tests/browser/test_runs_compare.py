@@ -316,6 +316,17 @@ def test_runs_table_sorts_searches_and_shows_key_metric_and_warnings(
     browser.refresh()
     wait(browser, lambda: cell(seeded.beta) == "loss 20", what="key metric choice not remembered")
     browser.execute_script("localStorage.clear()")
+    # at phone width each run is one wrapped block: nothing scrolls sideways, not even inside the table's card
+    browser.set_window_size(WIDTHS["phone"], 1000)
+    click(browser, '[data-testid="sort-name"]')
+    want = api_ids(seeded.client, algorithm="dpo", sort="name")
+    wait(browser, lambda: row_ids(browser) == want, what="sort by name at phone width")
+    no_horizontal_scroll(browser)
+    inner = browser.execute_script(
+        "const t = document.getElementById('runs-table');"
+        "return [t.scrollWidth, t.parentElement.clientWidth];"
+    )
+    assert inner[0] <= inner[1], f"the runs table scrolls sideways in its card: {inner}"
     assert_no_console_errors(browser)
 
 
