@@ -197,7 +197,10 @@ def test_checkpoints_list_and_download_as_tar(session: Session, tmp_path: Path) 
     session.flush()
     with api_client(session) as client:
         listed = client.get(f"/v1/runs/{run.id}/checkpoints").json()
-        tar_resp = client.get(f"/v1/runs/{run.id}/checkpoints/4/download")
+        # a browser asks for gzip: the tar still comes whole, with its length (progress, cut downloads)
+        tar_resp = client.get(
+            f"/v1/runs/{run.id}/checkpoints/4/download", headers={"Accept-Encoding": "gzip"}
+        )
         missing = client.get(f"/v1/runs/{run.id}/checkpoints/9/download")
     assert listed == [
         {
@@ -209,6 +212,8 @@ def test_checkpoints_list_and_download_as_tar(session: Session, tmp_path: Path) 
         }
     ]
     assert tar_resp.status_code == 200 and tar_resp.headers["content-type"] == "application/x-tar"
+    assert int(tar_resp.headers["content-length"]) == len(tar_resp.content)
+    assert "content-encoding" not in tar_resp.headers
     with tarfile.open(fileobj=io.BytesIO(tar_resp.content)) as tar:
         names = sorted(tar.getnames())
         weights = tar.extractfile(f"{run.id}-step-4/sub/weights.bin").read()  # type: ignore[union-attr]
