@@ -128,3 +128,36 @@ def test_training_moves_desirable_answers_above_undesirable(tiny_cache: Path, tm
     assert result.final_metrics["final/rewards/margin"] > 0
     keys = {k for _, k, _ in reporter.metrics}
     assert {"loss", "kl", "grad_norm", "lr", "tokens/trained", "eval/loss", "eval/kl"} <= keys
+
+
+def test_each_example_is_scored_by_the_reference_once_per_run(
+    tiny_cache: Path, tmp_path: Path, reference: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three epochs over two examples: the frozen reference scores each training example once (its value
+    is kept), and the mismatched pairs of every step (they change with the batch)."""
+    import trainer.loops.kto as kto_loop
+
+    ref_model, _ = load_causal_lm(str(reference))
+    scored: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    real = kto_loop.no_grad_logps
+
+    def counting(model: Any, examples: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        first = next(model.parameters())
+        if not torch.equal(first, next(ref_model.parameters())):  # the policy's passes are not counted
+            return real(model, examples, *args, **kwargs)
+        scored.extend((tuple(e.prompt), tuple(e.completion)) for e in examples)
+        return real(model, examples, *args, **kwargs)
+
+    monkeypatch.setattr(kto_loop, "no_grad_logps", counting)
+    run = spec(batch_size=2, max_steps=3, eval_every=0)
+    ctx = loop_ctx(tiny_cache, tmp_path / "out", runs={REF_RUN: reference})
+    result = run_kto(run, RunData(train=TWO), MemoryReporter(), ctx)
+    assert result.status == "succeeded"
+    _, tokenizer = load_causal_lm(str(reference))
+    hp = run.hyperparameters
+    e0, e1 = [tokenize_example(r, tokenizer, max_length=hp.max_length) for r in TWO]
+    own = [(tuple(e.prompt), tuple(e.completion)) for e in (e0, e1)]
+    crossed = [(tuple(e0.prompt), tuple(e1.completion)), (tuple(e1.prompt), tuple(e0.completion))]
+    steps_and_final = 3 + 1  # the final metrics score the examples and their pairs once more
+    assert sorted(s for s in scored if s in own) == sorted(own * (1 + 1))  # training once, final once
+    assert sum(s in crossed for s in scored) == 2 * steps_and_final

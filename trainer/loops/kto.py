@@ -8,8 +8,9 @@ TRL's KTOTrainer builds them). The reference model (the starting policy, kept as
 mismatched pairs without gradient (z_0 is detached, as the paper says) and the examples with it. The loss
 is ``kto`` (trainer/algorithms/preference_losses.py) averaged over the batch's examples.
 
-Unlike DPO's pairs, the mismatched pairs change with every batch, so reference log-probs are computed
-per step rather than kept.
+The reference log-prob of each example is computed the first time a step uses it and kept for the rest of
+the run (a frozen model gives the same value every epoch); the mismatched pairs change with every batch, so
+theirs are computed per step.
 """
 
 from __future__ import annotations
@@ -129,10 +130,22 @@ def run_kto(spec: KtoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
     def reference_logps(rows: Sequence[TokenizedExample]) -> Tensor:
         return no_grad_logps(reference.get(), rows, pad_id, device, adapter=adapter_reference)
 
-    def losses(rows: Sequence[TokenizedExample], desirable: Tensor, z0: Tensor) -> tuple[Tensor, Tensor]:
-        """(B,) KTO losses of ``rows`` (with gradient) and their log-ratios (detached)."""
-        logratio = answer_logps(model, rows, pad_id, device) - reference_logps(rows)
-        return kto(logratio, desirable.to(device), z0, params), logratio.detach()
+    kept_reference = torch.zeros(len(examples))  # training examples' reference log-probs, once known
+    known = torch.zeros(len(examples), dtype=torch.bool)
+
+    def example_reference_logps(idx: Sequence[int]) -> Tensor:
+        """Reference log-probs of training examples ``idx``, computing only those not known yet."""
+        missing = [i for i in dict.fromkeys(idx) if not known[i]]
+        if missing:
+            kept_reference[missing] = reference_logps([examples[i] for i in missing]).float().cpu()
+            known[missing] = True
+        return kept_reference[list(idx)].to(device)
+
+    def losses(idx: Sequence[int], z0: Tensor) -> tuple[Tensor, Tensor]:
+        """(B,) KTO losses of training examples ``idx`` (with gradient) and their log-ratios (detached)."""
+        policy = answer_logps(model, [examples[i] for i in idx], pad_id, device)
+        logratio = policy - example_reference_logps(idx).to(policy.dtype)
+        return kto(logratio, labels[list(idx)].to(device), z0, params), logratio.detach()
 
     def reference_point(rows: Sequence[TokenizedExample], ranks: Ranks) -> Tensor:
         """``kto_reference_point`` over every rank's mismatched pairs (each rank pairs within its share)."""
@@ -159,12 +172,12 @@ def run_kto(spec: KtoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         return {f"{prefix}/{k}": v for k, v in to_floats(stats).items()}
 
     def micro_losses(
-        rows: list[TokenizedExample], desirable: Tensor, z0: Tensor, total: int, out: dict[str, list[Tensor]]
+        idx: list[int], z0: Tensor, total: int, out: dict[str, list[Tensor]]
     ) -> Iterator[Tensor]:
         """Each micro-batch's summed KTO loss over the whole batch's ``total`` examples (their sum is the
         batch's mean), one forward pass when asked; ``out`` collects the losses and log-ratios."""
-        for part in session.micro_batches(list(range(len(rows)))):
-            per_example, logratio = losses([rows[k] for k in part], desirable[list(part)], z0)
+        for part in session.micro_batches(list(range(len(idx)))):
+            per_example, logratio = losses([idx[k] for k in part], z0)
             out.setdefault("loss", []).append(per_example.detach().sum())
             out.setdefault("logratio", []).append(logratio)
             yield per_example.sum() / total
@@ -193,7 +206,7 @@ def run_kto(spec: KtoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         desirable = labels[mine]
         z0 = reference_point(rows, ranks)
         out: dict[str, list[Tensor]] = {}
-        grad_norm = session.update(micro_losses(rows, desirable, z0, len(idx), out))
+        grad_norm = session.update(micro_losses(list(mine), z0, len(idx), out))
         loss = sum_over_ranks(torch.stack(out["loss"]).sum(), ranks) / len(idx)
         n_tokens = int(
             sum_over_ranks(torch.tensor(sum(len(r.prompt) + len(r.completion) for r in rows)), ranks)
