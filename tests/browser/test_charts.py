@@ -37,10 +37,15 @@ from sqlalchemy.orm import Session
 
 from api.metric_store import write_points
 from api.models import Run
-from rlrun.demo import addition_pairs
 from tests.browser import test_dashboard as dashboard
-from tests.browser.test_dashboard import assert_no_console_errors, open_page, submit_dpo, wait, wait_run
-from tests.factories import jsonl
+from tests.browser.test_dashboard import (
+    assert_no_console_errors,
+    open_page,
+    submit_dpo,
+    upload_pairs,
+    wait,
+    wait_run,
+)
 from tests.integration.flow import FINISHED, embedded_server
 
 browser = dashboard.browser  # this module's own Chromium
@@ -99,13 +104,8 @@ def add_points(db: Engine, run_id: str, keys: dict[str, Any], steps: range, at: 
 def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
     home = tmp_path_factory.mktemp("browser-charts")
     with embedded_server(home) as client:
-        resp = client.post(
-            "/v1/datasets",
-            files={"file": ("pairs.jsonl", jsonl(addition_pairs(16)))},
-            data={"kind": "preference", "name": "pairs"},
-        )
-        assert resp.status_code == 201, resp.text
-        ids = [submit_dpo(client, resp.json()["id"], name, 20_000) for name in ("long", "live")]
+        dataset_id = upload_pairs(client, 16)
+        ids = [submit_dpo(client, dataset_id, name, 20_000) for name in ("long", "live")]
         for run_id in ids:
             assert client.post(f"/v1/runs/{run_id}/cancel").status_code == 200
         for run_id in ids:

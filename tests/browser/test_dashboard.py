@@ -55,6 +55,18 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
         yield client
 
 
+def upload_pairs(client: httpx.Client, n: int, name: str = "pairs") -> str:
+    """A preference dataset of ``n`` addition pairs, uploaded; its id."""
+    resp = client.post(
+        "/v1/datasets",
+        files={"file": ("pairs.jsonl", jsonl(addition_pairs(n)))},
+        data={"kind": "preference", "name": name},
+    )
+    assert resp.status_code == 201, resp.text
+    dataset_id: str = resp.json()["id"]
+    return dataset_id
+
+
 def submit_dpo(client: httpx.Client, dataset_id: str, name: str, steps: int, **hp: Any) -> str:
     spec = {
         "algorithm": "dpo",
@@ -82,13 +94,7 @@ def wait_run(
 @pytest.fixture(scope="module")
 def data(served: httpx.Client) -> Iterator[dict[str, str]]:
     """A preference dataset, two finished DPO runs (different seeds) and a long run queued behind them."""
-    resp = served.post(
-        "/v1/datasets",
-        files={"file": ("pairs.jsonl", jsonl(addition_pairs(64)))},
-        data={"kind": "preference", "name": "addition-pairs"},
-    )
-    assert resp.status_code == 201, resp.text
-    ds = resp.json()["id"]
+    ds = upload_pairs(served, 64, "addition-pairs")
     a = submit_dpo(served, ds, "dpo-seed0", SHORT_STEPS, seed=0)
     b = submit_dpo(served, ds, "dpo-seed1", SHORT_STEPS, seed=1)
     long = submit_dpo(served, ds, "dpo-long", 20_000, log_every=1)  # starts after a and b; cancelled

@@ -29,7 +29,6 @@ from selenium.webdriver.support.ui import Select
 from sqlalchemy import Engine, create_engine, insert, update
 
 from api.models import Event, Run
-from rlrun.demo import addition_pairs
 from tests.browser import test_dashboard as dashboard
 from tests.browser.test_dashboard import (
     assert_no_console_errors,
@@ -37,10 +36,10 @@ from tests.browser.test_dashboard import (
     screenshot,
     submit_dpo,
     text,
+    upload_pairs,
     wait,
     wait_run,
 )
-from tests.factories import jsonl
 from tests.integration.flow import FINISHED, embedded_server
 
 # test_dashboard's Chromium (this module gets its own) and screenshot folder
@@ -79,13 +78,8 @@ def add_event(db: Engine, run_id: str, kind: str, message: str, data: dict[str, 
 def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
     home = tmp_path_factory.mktemp("browser-health")
     with embedded_server(home) as client:
-        resp = client.post(
-            "/v1/datasets",
-            files={"file": ("pairs.jsonl", jsonl(addition_pairs(16)))},
-            data={"kind": "preference", "name": "pairs"},
-        )
-        assert resp.status_code == 201, resp.text
-        ids = [submit_dpo(client, resp.json()["id"], name, 20_000) for name in ("flagged", "clean", "phase")]
+        dataset_id = upload_pairs(client, 16)
+        ids = [submit_dpo(client, dataset_id, name, 20_000) for name in ("flagged", "clean", "phase")]
         for run_id in ids:  # queued: cancelled at once; already claimed: within a step
             assert client.post(f"/v1/runs/{run_id}/cancel").status_code == 200
         for run_id in ids:

@@ -33,7 +33,6 @@ from sqlalchemy.orm import Session
 
 from api.metric_store import write_points
 from api.models import Event, Run, RunSample
-from rlrun.demo import addition_pairs
 from tests.browser import test_dashboard as dashboard
 from tests.browser.test_dashboard import (
     assert_no_console_errors,
@@ -41,10 +40,10 @@ from tests.browser.test_dashboard import (
     open_page,
     submit_dpo,
     text,
+    upload_pairs,
     wait,
     wait_run,
 )
-from tests.factories import jsonl
 from tests.integration.flow import FINISHED, embedded_server
 
 browser = dashboard.browser  # this module's own Chromium
@@ -79,13 +78,7 @@ def set_run(db: Engine, run_id: str, **values: Any) -> None:
 def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
     home = tmp_path_factory.mktemp("browser-runs")
     with embedded_server(home) as client:
-        resp = client.post(
-            "/v1/datasets",
-            files={"file": ("pairs.jsonl", jsonl(addition_pairs(16)))},
-            data={"kind": "preference", "name": "pairs"},
-        )
-        assert resp.status_code == 201, resp.text
-        ds = resp.json()["id"]
+        ds = upload_pairs(client, 16)
         ids = [
             submit_dpo(client, ds, name, 20_000, learning_rate=lr, seed=seed)
             for name, lr, seed in (
@@ -323,8 +316,7 @@ def test_runs_table_sorts_searches_and_shows_key_metric_and_warnings(
     wait(browser, lambda: row_ids(browser) == want, what="sort by name at phone width")
     no_horizontal_scroll(browser)
     inner = browser.execute_script(
-        "const t = document.getElementById('runs-table');"
-        "return [t.scrollWidth, t.parentElement.clientWidth];"
+        "const t = document.getElementById('runs-table');return [t.scrollWidth, t.parentElement.clientWidth];"
     )
     assert inner[0] <= inner[1], f"the runs table scrolls sideways in its card: {inner}"
     assert_no_console_errors(browser)
