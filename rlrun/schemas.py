@@ -243,6 +243,11 @@ class MetricColumns(BaseModel):
     )
 
 
+class LastMetric(BaseModel):
+    step: int
+    value: float
+
+
 class EventRead(_Read):
     id: int
     kind: str

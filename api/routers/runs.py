@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query
@@ -20,6 +21,7 @@ from rlrun.schemas import (
     MAX_TAGS,
     ErrorBody,
     EventRead,
+    LastMetric,
     MetricColumns,
     MetricRead,
     Page,
@@ -118,6 +120,23 @@ def list_runs(
         algorithm=algorithm,
     )
     return found.as_page(to_read)
+
+
+@router.get("/last-metrics", response_model=dict[str, dict[str, LastMetric]], responses=_ERRORS)
+def last_metrics(
+    session: SessionDep,
+    project_id: ProjectDep,
+    run: Annotated[list[uuid.UUID], Query(min_length=1, max_length=200, description="Run ids (repeat)")],
+    key: Annotated[list[str], Query(min_length=1, max_length=50, description="Metric keys (repeat)")],
+) -> dict[str, dict[str, LastMetric]]:
+    """The last value of each key for each run, in one request (a runs table's key-metric column):
+    {run id: {key: {step, value}}}; a key a run never logged is left out, and so is a run of another
+    project or none."""
+    found = service.last_metrics(session=session, project_id=project_id, run_ids=run, keys=key)
+    return {
+        str(run_id): {k: LastMetric(step=step, value=value) for k, (step, value) in per_key.items()}
+        for run_id, per_key in found.items()
+    }
 
 
 @router.get("/{run_id}", response_model=RunRead, responses=_ERRORS)

@@ -292,6 +292,27 @@ def metric_keys(*, session: Session, run_id: uuid.UUID) -> list[str]:
     )
 
 
+def last_metrics(
+    *, session: Session, project_id: uuid.UUID, run_ids: Sequence[uuid.UUID], keys: Sequence[str]
+) -> dict[uuid.UUID, dict[str, tuple[int, float]]]:
+    """Per run of the project among ``run_ids`` (others left out), its last (step, value) of each of
+    ``keys`` it has logged: one primary-key lookup per run and key (a GROUP BY would read every point)."""
+    visible = session.scalars(select(Run.id).where(Run.id.in_(run_ids), Run.project_id == project_id)).all()
+    out: dict[uuid.UUID, dict[str, tuple[int, float]]] = {}
+    for run_id in visible:
+        found = out.setdefault(run_id, {})
+        for key in keys:
+            last = session.execute(
+                select(Metric.step, Metric.value)
+                .where(Metric.run_id == run_id, Metric.key == key)
+                .order_by(Metric.step.desc())
+                .limit(1)
+            ).first()
+            if last is not None:
+                found[key] = (last.step, last.value)
+    return out
+
+
 def chart_series(
     *,
     session: Session,

@@ -1207,14 +1207,24 @@ async function runsPage(ctx, main, params) {
       const km = keyMetric.get(r.id);
       return !km || !km.final || km.key !== defaultKeyMetric(r.algorithm, algoKeys.get(r.algorithm) || []);
     });
-    await pool(todo, 4, async (r) => {
+    const wanted = new Map(); // run id -> its key metric
+    for (const r of todo) {
       const key = defaultKeyMetric(r.algorithm, algoKeys.get(r.algorithm) || []);
-      if (!key) { keyMetric.set(r.id, { key: "", value: null, final: false }); return; }
-      try {
-        const cols = await fetchColumns(r.id, { keys: [key], maxPoints: 4 }); // the API's least; the last point is kept
-        keyMetric.set(r.id, { key, value: cols.has(key) ? cols.get(key).last : null, final: FINISHED.has(r.status) });
-      } catch { /* a run deleted meanwhile: leave it blank */ }
-    });
+      if (key) wanted.set(r.id, key); else keyMetric.set(r.id, { key: "", value: null, final: false });
+    }
+    const ids = [...wanted.keys()];
+    // one request per 200 runs (GET /v1/runs/last-metrics), not one per run
+    for (let i = 0; i < ids.length; i += 200) {
+      const part = ids.slice(i, i + 200);
+      const keys = [...new Set(part.map((id) => wanted.get(id)))];
+      let last;
+      try { last = await api(`/v1/runs/last-metrics${qs({ run: part, key: keys })}`); } catch { continue; }
+      for (const id of part) {
+        const r = runs.find((x) => x.id === id);
+        const got = (last[id] || {})[wanted.get(id)];
+        keyMetric.set(id, { key: wanted.get(id), value: got ? got.value : null, final: !!r && FINISHED.has(r.status) });
+      }
+    }
     if (ctx.alive) render();
   }
   async function refreshKeyMetrics(algorithm) {

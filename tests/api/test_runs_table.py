@@ -11,6 +11,7 @@ import httpx
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session
 
+from api.metric_store import write_points
 from api.models import Run, RunSample, utcnow
 from rlrun.client import Client
 from tests.factories import api_client, dpo_spec, make_dataset, make_run
@@ -208,3 +209,38 @@ def test_samples_are_searched_across_steps(session: Session) -> None:
         empty = client.get(f"/v1/runs/{run.id}/samples", params={"q": ""})
     assert what == [1, 5] and think == [5] and literal == [9] and wildcard == [9] and with_step == [5]
     assert empty.status_code == 422 and empty.json()["error"]["field"] == "q"
+
+
+def test_last_metrics_of_many_runs_in_one_request(session: Session) -> None:
+    ds = make_dataset(session)
+    a, b, empty = make_run(session, ds), make_run(session, ds), make_run(session, ds)
+    now = utcnow()
+    series = {a.id: {"loss": [3.0, 2.0, 1.5], "reward/mean": [0.1, 0.4]}, b.id: {"loss": [9.0]}}
+    write_points(
+        session,
+        [
+            {"run_id": run_id, "key": key, "step": 10 * (i + 1), "value": v, "logged_at": now}
+            for run_id, keys in series.items()
+            for key, values in keys.items()
+            for i, v in enumerate(values)
+        ],
+    )
+    other_project = uuid.uuid4()  # a run the caller's project cannot see
+    with api_client(session) as client:
+        got = client.get(
+            "/v1/runs/last-metrics",
+            params={
+                "run": [str(a.id), str(b.id), str(empty.id), str(other_project)],
+                "key": ["loss", "reward/mean"],
+            },
+        )
+        no_keys = client.get("/v1/runs/last-metrics", params={"run": str(a.id)})
+        bad_id = client.get("/v1/runs/last-metrics", params={"run": "nope", "key": "loss"})
+    assert got.status_code == 200, got.text
+    assert got.json() == {
+        str(a.id): {"loss": {"step": 30, "value": 1.5}, "reward/mean": {"step": 20, "value": 0.4}},
+        str(b.id): {"loss": {"step": 10, "value": 9.0}},
+        str(empty.id): {},
+    }
+    assert no_keys.status_code == 422 and no_keys.json()["error"]["field"] == "key"
+    assert bad_id.status_code == 422 and bad_id.json()["error"]["field"].startswith("run")
