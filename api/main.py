@@ -56,6 +56,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(datasets.router)
     app.include_router(runs.router)
+    app.include_router(runs.metrics_router)
     app.include_router(checkpoints.router)
     app.include_router(export.router)
     app.include_router(pipelines.router)

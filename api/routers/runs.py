@@ -32,6 +32,9 @@ from rlrun.schemas import (
 from trainer.specs import ALGORITHMS, MAX_STEP, RunSpec
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
+# Reads across runs live outside /v1/runs/, where a path segment is a run id (PATCH /v1/runs/<word> would
+# be a run update with a bad id, not 405).
+metrics_router = APIRouter(prefix="/v1/metrics", tags=["runs"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 422)}
 Status = Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
 
@@ -122,7 +125,7 @@ def list_runs(
     return found.as_page(to_read)
 
 
-@router.get("/last-metrics", response_model=dict[str, dict[str, LastMetric]], responses=_ERRORS)
+@metrics_router.get("/last", response_model=dict[str, dict[str, LastMetric]], responses=_ERRORS)
 def last_metrics(
     session: SessionDep,
     project_id: ProjectDep,

@@ -1213,12 +1213,12 @@ async function runsPage(ctx, main, params) {
       if (key) wanted.set(r.id, key); else keyMetric.set(r.id, { key: "", value: null, final: false });
     }
     const ids = [...wanted.keys()];
-    // one request per 200 runs (GET /v1/runs/last-metrics), not one per run
+    // one request per 200 runs (GET /v1/metrics/last), not one per run
     for (let i = 0; i < ids.length; i += 200) {
       const part = ids.slice(i, i + 200);
       const keys = [...new Set(part.map((id) => wanted.get(id)))];
       let last;
-      try { last = await api(`/v1/runs/last-metrics${qs({ run: part, key: keys })}`); } catch { continue; }
+      try { last = await api(`/v1/metrics/last${qs({ run: part, key: keys })}`); } catch { continue; }
       for (const id of part) {
         const r = runs.find((x) => x.id === id);
         const got = (last[id] || {})[wanted.get(id)];

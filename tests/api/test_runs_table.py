@@ -228,14 +228,14 @@ def test_last_metrics_of_many_runs_in_one_request(session: Session) -> None:
     other_project = uuid.uuid4()  # a run the caller's project cannot see
     with api_client(session) as client:
         got = client.get(
-            "/v1/runs/last-metrics",
+            "/v1/metrics/last",
             params={
                 "run": [str(a.id), str(b.id), str(empty.id), str(other_project)],
                 "key": ["loss", "reward/mean"],
             },
         )
-        no_keys = client.get("/v1/runs/last-metrics", params={"run": str(a.id)})
-        bad_id = client.get("/v1/runs/last-metrics", params={"run": "nope", "key": "loss"})
+        no_keys = client.get("/v1/metrics/last", params={"run": str(a.id)})
+        bad_id = client.get("/v1/metrics/last", params={"run": "nope", "key": "loss"})
     assert got.status_code == 200, got.text
     assert got.json() == {
         str(a.id): {"loss": {"step": 30, "value": 1.5}, "reward/mean": {"step": 20, "value": 0.4}},
