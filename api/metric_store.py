@@ -53,7 +53,8 @@ IN_CHUNK = 900  # parameters per IN list (SQLite allows 999 in old builds)
 
 POINT_COLUMNS = ("run_id", "key", "step", "value", "logged_at")
 TIER_COLUMNS = ("run_id", "key", "width", "bucket", "min_step", "min_value", "max_step", "max_value")
-UPSERTS = {  # table: (columns, conflict target, updated columns, PostgreSQL types of the columns)
+# table: (columns, conflict target, updated columns, PostgreSQL types of the columns)
+UPSERTS = {
     "metrics": (
         POINT_COLUMNS,
         ("run_id", "key", "step"),
@@ -83,15 +84,17 @@ def _upsert_rows(session: Session, table: str, rows: Sequence[tuple[Any, ...]]) 
     )
     conn = session.connection()
     if conn.dialect.name == "postgresql":
-        # New rows (the usual case: a run logs steps it has not logged before) are COPied straight in;
-        # if any is stored already (a retried attempt), that COPY is rolled back to its savepoint and
-        # the rows go through the upsert below.
-        try:
-            with conn.begin_nested():
-                _copy(conn, table, names, rows)
-            return
-        except IntegrityError:
-            pass
+        # New points (the usual case: a run logs steps it has not logged before) are COPied straight in;
+        # if any is stored already (a retried attempt), that COPY is rolled back to its savepoint and the
+        # rows go through the upsert below. Not tiers: nearly every flush updates the bucket the last one
+        # ended in, so a straight COPY of them would fail and be sent twice.
+        if table == "metrics":
+            try:
+                with conn.begin_nested():
+                    _copy(conn, table, names, rows)
+                return
+            except IntegrityError:
+                pass
         # COPY into a temporary table (one per connection, emptied at commit), then one upsert from it
         # (rows are unique by their conflict target: one INSERT ... ON CONFLICT may not touch a row twice).
         incoming = f"{table}_incoming"
@@ -244,16 +247,6 @@ def _read_tiers(
             if ranges[key][0] <= b <= ranges[key][1]:
                 out[key, b] = Extremes(min_step, min_value, max_step, max_value)
     return out
-
-
-def backfill_tiers(session: Session, run_id: uuid.UUID) -> None:
-    """Tiers of every stored point of the run (for points written before tiers existed)."""
-    points: dict[str, dict[int, float]] = defaultdict(dict)
-    for key, step, value in session.execute(
-        select(Metric.key, Metric.step, Metric.value).where(Metric.run_id == run_id)
-    ):
-        points[key][step] = value
-    update_tiers(session, run_id, points)
 
 
 # ---------- reading ----------

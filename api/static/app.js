@@ -1212,13 +1212,14 @@ async function runsPage(ctx, main, params) {
       const key = defaultKeyMetric(r.algorithm, algoKeys.get(r.algorithm) || []);
       if (key) wanted.set(r.id, key); else keyMetric.set(r.id, { key: "", value: null, final: false });
     }
-    const ids = [...wanted.keys()];
-    // one request per 200 runs (GET /v1/metrics/last), not one per run
-    for (let i = 0; i < ids.length; i += 200) {
+    // GET /v1/metrics/last per key metric with the runs that show it (at most 200 a request): the API
+    // looks up every key for every run named, so mixing the keys would multiply its lookups
+    const byKey = new Map();
+    for (const [id, key] of wanted) byKey.set(key, [...(byKey.get(key) || []), id]);
+    for (const [key, ids] of byKey) for (let i = 0; i < ids.length; i += 200) {
       const part = ids.slice(i, i + 200);
-      const keys = [...new Set(part.map((id) => wanted.get(id)))];
       let last;
-      try { last = await api(`/v1/metrics/last${qs({ run: part, key: keys })}`); } catch { continue; }
+      try { last = await api(`/v1/metrics/last${qs({ run: part, key })}`); } catch { continue; }
       for (const id of part) {
         const r = runs.find((x) => x.id === id);
         const got = (last[id] || {})[wanted.get(id)];
