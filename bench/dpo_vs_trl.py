@@ -63,28 +63,27 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import os
 import shlex
 import sys
 import tempfile
 import time
 import uuid
-import warnings
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 from unittest import mock
 
+import common  # sibling modules (common, clock): python puts bench/ first on sys.path
 import torch
+from clock import StepTimes, TimedReporter, stamp, trl_step_clock
 
 from rlrun.demo import addition_pairs
 from rlrun.formats import normalize_preference
 from trainer.data.preference import tokenize_pair
 from trainer.loops import dpo as dpo_loop
 from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
-from trainer.reporting import LoopContext, MemoryReporter, RunData
+from trainer.reporting import LoopContext, RunData
 from trainer.specs import parse_spec
 
 PRESET = "llama-10m"
@@ -93,7 +92,6 @@ BATCH = 8
 LR = 1e-3
 BETA = 0.1
 SEED = 0
-WARMUP_STEPS = 5  # left out of the steady-state s/step
 LOG_WINDOW = 10  # TRL averages its logged metrics over this many steps; ours are averaged the same way
 
 
@@ -151,72 +149,14 @@ def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
     return 2 * n**3 / best
 
 
-class Stamp(NamedTuple):
-    wall: float  # time.perf_counter()
-    cpu: float  # time.process_time(): this process's CPU time, all threads; less hurt by other load
-
-
-def stamp() -> Stamp:
-    return Stamp(time.perf_counter(), time.process_time())
-
-
 @dataclass
-class Timing:
+class Timing(StepTimes):
     """Clock readings of one training run and its last-window metrics."""
 
-    name: str
-    start: Stamp
-    setup_end: Stamp
-    step_ends: list[Stamp]
     loss: float
     accuracy: float
     case: str = ""
     mode: str = ""
-
-    @property
-    def steps(self) -> int:
-        return len(self.step_ends)
-
-    @property
-    def setup_s(self) -> float:
-        return self.setup_end.wall - self.start.wall
-
-    @property
-    def total_s(self) -> float:
-        return self.step_ends[-1].wall - self.start.wall
-
-    @property
-    def per_step_s(self) -> float:
-        return self.total_s / self.steps
-
-    @property
-    def cpu_per_step_s(self) -> float:
-        return (self.step_ends[-1].cpu - self.start.cpu) / self.steps
-
-    @property
-    def steady_s(self) -> float:
-        warm = min(WARMUP_STEPS, self.steps - 1)
-        if warm == 0:
-            return self.per_step_s
-        return (self.step_ends[-1].wall - self.step_ends[warm - 1].wall) / (self.steps - warm)
-
-
-@dataclass
-class TimedReporter(MemoryReporter):
-    """A MemoryReporter that also notes when setup ended and when each training step ended."""
-
-    setup_end: Stamp | None = None
-    step_ends: dict[int, Stamp] = field(default_factory=dict)
-
-    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        if "loss" in metrics and step not in self.step_ends:  # a training step, not the final eval
-            self.step_ends[step] = stamp()
-        super().log_metrics(step, metrics)
-
-    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-        if self.setup_end is None and message.startswith("training on"):  # after the reference pass
-            self.setup_end = stamp()
-        super().event(kind, message, data)
 
 
 def window_mean(values: list[float], steps: int) -> float:
@@ -265,7 +205,8 @@ def run_rlrun(model_dir: Path, case: Case, mode: str, steps: int, work: Path) ->
         resolve_model=lambda ref: resolve_model(ref, cache_dir=cache, run_output=lambda _ref: work),
     )
     loaded = load_causal_lm(str(model_dir))  # loading is outside the clock, as for TRL
-    reporter = TimedReporter()
+    # a training step logs "loss" (the final eval does not); setup ends after the reference pass
+    reporter = TimedReporter(step_key="loss", setup_ends=lambda message: message.startswith("training on"))
     with mock.patch.object(dpo_loop, "load_causal_lm", lambda _path: loaded):
         start = stamp()
         result = dpo_loop.run_dpo(spec, RunData(train=rows), reporter, ctx)
@@ -318,26 +259,14 @@ def trl_config(steps: int, work: Path, case: Case, mode: str) -> Any:
 
 def run_trl(model_dir: Path, case: Case, mode: str, steps: int, work: Path) -> Timing:
     import datasets
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback
     from trl import DPOTrainer
-
-    class StepClock(TrainerCallback):
-        def __init__(self) -> None:
-            self.first_begin: Stamp | None = None
-            self.ends: list[Stamp] = []
-
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if self.first_begin is None:
-                self.first_begin = stamp()
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.ends.append(stamp())
 
     args = trl_config(steps, work, case, mode)
     model, tokenizer = load_causal_lm(str(model_dir))
     ref_model, _ = load_causal_lm(str(model_dir))  # passed in, so TRL does not reload it inside the clock
     dataset = datasets.Dataset.from_list(case.rows)
-    clock = StepClock()
+    clock = trl_step_clock()
     start = stamp()
     trainer = DPOTrainer(
         model=model,
@@ -366,15 +295,7 @@ def run_trl(model_dir: Path, case: Case, mode: str, steps: int, work: Path) -> T
 
 def quiet() -> None:
     os.environ["TQDM_DISABLE"] = "1"  # TRL's reference pass draws a progress bar whatever disable_tqdm says
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    logging.getLogger("accelerate").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+    common.quiet()
 
 
 def print_table(results: list[Timing], mfu: dict[str, float]) -> None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import random
 import shlex
@@ -49,19 +48,19 @@ import sys
 import tempfile
 import time
 import uuid
-import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 from unittest import mock
 
 import torch
+from clock import StepTimes, TimedReporter, stamp, trl_step_clock  # sibling modules: python puts bench/
+from common import quiet  # first on sys.path (so does learning.py)
 
 from trainer.loops import group_rl as group_rl_loop
 from trainer.loops import session as session_module
 from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
-from trainer.reporting import LoopContext, MemoryReporter, RunData
+from trainer.reporting import LoopContext, RunData
 from trainer.rewards.verifiers import Sample, numeric
 from trainer.specs import GroupRlSpec, parse_spec
 
@@ -75,58 +74,17 @@ LR = 1e-4
 CLIP = 0.2
 TEMPERATURE = 1.0
 SEED = 0
-WARMUP_STEPS = 5  # left out of the steady-state s/step
-
-
-class Stamp(NamedTuple):
-    wall: float  # time.perf_counter()
-    cpu: float  # time.process_time(): this process's CPU time, all threads; less hurt by other load
-
-
-def stamp() -> Stamp:
-    return Stamp(time.perf_counter(), time.process_time())
 
 
 @dataclass
-class Timing:
+class Timing(StepTimes):
     """Clock readings of one training run, its generate time and its completion lengths and rewards."""
 
-    name: str
-    start: Stamp
-    setup_end: Stamp
-    step_ends: list[Stamp]
     generate_s: float  # wall seconds inside model.generate over the timed span
     completion_length: float  # mean tokens per completion over all steps
     reward: float  # mean reward over all steps
     new_tokens: int = 0
     load: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-minute load average at the end
-
-    @property
-    def steps(self) -> int:
-        return len(self.step_ends)
-
-    @property
-    def setup_s(self) -> float:
-        return self.setup_end.wall - self.start.wall
-
-    @property
-    def total_s(self) -> float:
-        return self.step_ends[-1].wall - self.start.wall
-
-    @property
-    def per_step_s(self) -> float:
-        return self.total_s / self.steps
-
-    @property
-    def cpu_per_step_s(self) -> float:
-        return (self.step_ends[-1].cpu - self.start.cpu) / self.steps
-
-    @property
-    def steady_s(self) -> float:
-        warm = min(WARMUP_STEPS, self.steps - 1)
-        if warm == 0:
-            return self.per_step_s
-        return (self.step_ends[-1].wall - self.step_ends[warm - 1].wall) / (self.steps - warm)
 
     @property
     def generate_per_step_s(self) -> float:
@@ -135,24 +93,6 @@ class Timing:
     @property
     def rest_per_step_s(self) -> float:
         return self.per_step_s - self.generate_per_step_s
-
-
-@dataclass
-class TimedReporter(MemoryReporter):
-    """A MemoryReporter that also notes when setup ended and when each training step ended."""
-
-    setup_end: Stamp | None = None
-    step_ends: dict[int, Stamp] = field(default_factory=dict)
-
-    def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
-        if "perf/train_s" in metrics and step not in self.step_ends:  # a step that made an update
-            self.step_ends[step] = stamp()
-        super().log_metrics(step, metrics)
-
-    def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
-        if self.setup_end is None and " steps on " in message:  # the last event before the step loop
-            self.setup_end = stamp()
-        super().event(kind, message, data)
 
 
 @dataclass
@@ -254,7 +194,8 @@ def run_rlrun(
     loaded = load_causal_lm(str(model_dir))  # loading is outside the clock, as for TRL
     clock = GenerateClock(new_tokens)
     clock.install(loaded[0])
-    reporter = TimedReporter()
+    # a step that made an update logs "perf/train_s"; " steps on " is the last event before the step loop
+    reporter = TimedReporter(step_key="perf/train_s", setup_ends=lambda message: " steps on " in message)
     # the loops load the policy through the session (load_trainable); the already loaded copy stands in
     with mock.patch.object(session_module, "load_causal_lm", lambda _path, *args, **kwargs: loaded):
         start = stamp()
@@ -341,20 +282,8 @@ def numeric_reward(new_tokens: int) -> Any:
 
 def run_trl(model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path, new_tokens: int) -> Timing:
     import datasets
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback
     from trl import GRPOTrainer
-
-    class StepClock(TrainerCallback):
-        def __init__(self) -> None:
-            self.first_begin: Stamp | None = None
-            self.ends: list[Stamp] = []
-
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if self.first_begin is None:
-                self.first_begin = stamp()
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self.ends.append(stamp())
 
     args = trl_config(steps, work, new_tokens)
     model, tokenizer = load_causal_lm(str(model_dir))
@@ -362,7 +291,7 @@ def run_trl(model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path,
     generate_clock.install(model)
     # An all-empty ``meta`` struct is not an Arrow type; TRL's reward function needs only prompt and answer.
     dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
-    clock = StepClock()
+    clock = trl_step_clock()
     start = stamp()
     trainer = GRPOTrainer(
         model=model,
@@ -387,18 +316,6 @@ def run_trl(model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path,
         reward=mean([float(e["reward"]) for e in logs]),
         new_tokens=new_tokens,
     )
-
-
-def quiet() -> None:
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    logging.getLogger("accelerate").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
 
 
 def mean_of(runs: list[Timing], value: Any) -> float:

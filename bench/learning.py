@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from grpo_vs_trl import quiet  # a sibling script: python puts bench/ first on sys.path
+from common import quiet  # a sibling module: python puts bench/ first on sys.path
 
 from rlrun.demo import addition_tasks
 from trainer.loops import LOOPS
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
         help="override a shared RL hyperparameter for every rlrun run (repeatable), e.g. --set kl_coef=0",
     )
     args = parser.parse_args(argv)
-    quiet()  # bench/grpo_vs_trl.py's: datasets, transformers and accelerate logging off
+    quiet()  # bench/common.py's: datasets, transformers and accelerate logging off
     os.environ["TQDM_DISABLE"] = "1"
     for item in args.set:
         key, _, value = item.partition("=")

@@ -57,8 +57,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from common import throwaway_postgres  # a sibling module: python puts bench/ first on sys.path
 from fastapi.testclient import TestClient
-from sqlalchemy import create_engine, func, select, text
+from sqlalchemy import func, select
 
 from api.db import make_engine, make_session_factory
 from api.main import create_app
@@ -127,21 +128,6 @@ def reachable(url: str, default_port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-@contextmanager
-def fresh_postgres() -> Iterator[str]:
-    """A new, empty database on the local server; dropped afterwards (the tests' pattern)."""
-    name = f"rlrun_bench_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def insert_running_run(session_factory: Any, total_steps: int) -> uuid.UUID:
@@ -384,7 +370,7 @@ def main(argv: list[str] | None = None) -> None:
         elif not reachable(PG_ADMIN_URL, 5432):
             print(f"note: PostgreSQL at {PG_ADMIN_URL} is not reachable: left out")
         else:
-            with fresh_postgres() as url:
+            with throwaway_postgres(PG_ADMIN_URL) as url:
                 results.append(bench_rlrun("PostgreSQL", url, keys, steps))
         if not args.skip_mlflow:
             results.append(bench_mlflow(keys, steps, args.mlflow_points, work))

@@ -43,7 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,28 +52,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import create_engine, text
+from common import throwaway_postgres  # a sibling module: python puts bench/ first on sys.path
 
 from rlrun.demo import addition_pairs, free_port, stop_process, wait_healthy
 
 GOAL_P95_MS = 200.0
 GOAL_STEPS_RATIO = 0.8
 PAUSE_S = 0.02
-
-
-@contextmanager
-def throwaway_postgres(server_url: str) -> Iterator[str]:
-    """A new, empty database on the server of ``server_url``; dropped afterwards (the tests' pattern)."""
-    name = f"rlrun_bench_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield server_url.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 @contextmanager
