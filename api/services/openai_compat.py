@@ -114,14 +114,20 @@ def job_filter() -> ColumnElement[bool]:
     )
 
 
+def _id_key(after: str | None, parse: Callable[[str], int | None], what: str) -> tuple[int] | None:
+    """The one-column sort key an OpenAI ``after`` id names (``parse`` reads it from the id), None for the
+    first page; 400 naming ``after`` when it is not ``what``."""
+    if after is None:
+        return None
+    value = parse(after)
+    if value is None:
+        raise ApiError(f"after: {after!r} is not {what}", field="after")
+    return (value,)
+
+
 def list_job_events(*, session: Session, run_id: uuid.UUID, after: str | None, limit: int) -> Slice[Event]:
     """A job's events, newest first, after the event ``after`` (``ftevent-...``)."""
-    key = None
-    if after is not None:
-        last = parse_event_id(after)
-        if last is None:
-            raise ApiError(f"after: {after!r} is not an event id (ftevent-...)", field="after")
-        key = (last,)
+    key = _id_key(after, parse_event_id, "an event id (ftevent-...)")
     stmt = select(Event).where(Event.run_id == run_id)
     return paginate(session, stmt, EVENTS_NEWEST_FIRST, limit=limit, after=key)
 
@@ -130,12 +136,7 @@ def list_job_checkpoints(
     *, session: Session, run_id: uuid.UUID, after: str | None, limit: int
 ) -> Slice[Checkpoint]:
     """A job's kept checkpoints, newest first, after the checkpoint ``after`` (``ftckpt-...``)."""
-    key = None
-    if after is not None:
-        step = parse_checkpoint_step(after)
-        if step is None:
-            raise ApiError(f"after: {after!r} is not a checkpoint id (ftckpt-...)", field="after")
-        key = (step,)
+    key = _id_key(after, parse_checkpoint_step, "a checkpoint id (ftckpt-...)")
     stmt = select(Checkpoint).where(Checkpoint.run_id == run_id)
     return paginate(session, stmt, CHECKPOINTS_NEWEST_FIRST, limit=limit, after=key)
 
