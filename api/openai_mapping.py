@@ -37,7 +37,7 @@ from api.schemas_openai import (
     SupervisedMethodHyperparameters,
     hyperparameter_number,
 )
-from rlrun.formats import LineError, is_rft_line, parse_json_line
+from rlrun.formats import PREFERENCE_KEYS, LineError, is_rft_line, parse_json_line
 from trainer.lr_defaults import default_learning_rate, preset_params_of
 from trainer.specs import DpoHyperparameters as DpoSpecHyperparameters
 from trainer.specs import DpoSpec, GroupRlSpec, SftSpec
@@ -146,13 +146,14 @@ def detect_kind(first_line: bytes) -> str:
     (and rlrun's other preference formats, with ``chosen``/``rejected``) -> ``preference``, chat
     ``messages`` ending before the assistant's turn (reinforcement lines) -> ``prompts``, anything else
     -> ``sft``. Ingest then validates every line against that kind, so a mixed or malformed file is refused
-    naming its first bad line."""
+    naming its first bad line. Not ``rlrun.formats.detect_upload_kind``: the Files API takes three kinds
+    and reads any other line as ``sft`` (its error then names the line); the preference keys are shared."""
     try:
         obj = parse_json_line(first_line.strip())
     except LineError:
         return "sft"
-    preference_keys = ("input", "preferred_output", "non_preferred_output", "chosen", "rejected")
-    if any(k in obj for k in preference_keys):
+    # `input` too: an OpenAI DPO line missing its outputs is refused as preference data, naming them
+    if any(k in obj for k in ("input", *PREFERENCE_KEYS)):
         return "preference"
     return "prompts" if is_rft_line(obj) else "sft"
 

@@ -364,10 +364,13 @@ NORMALIZERS: dict[str, Callable[[dict[str, Any]], tuple[dict[str, Any], str]]] =
 }
 
 
+# Keys only a preference line has (rlrun's pairs, OpenAI's DPO lines): the upload's and the Files API's
+# detectors both read a line holding one as preference data.
+PREFERENCE_KEYS = ("chosen", "rejected", "preferred_output", "non_preferred_output")
 # Keys that say which kind a line is, tried in this order: a preference or sft line may hold `prompt`
 # too, so the keys only one kind has come first.
 KIND_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("preference", ("chosen", "rejected", "preferred_output", "non_preferred_output")),
+    ("preference", PREFERENCE_KEYS),
     ("ranking", ("responses",)),
     ("sft", ("messages", "completion")),
     ("prompts", ("prompt", "question")),
