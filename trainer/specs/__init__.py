@@ -76,6 +76,7 @@ from trainer.specs.refs import (
     refuse_nul,
     set_at,
     spec_references,
+    without_nul,
 )
 
 __all__ = [
@@ -143,6 +144,7 @@ __all__ = [
     "refuse_nul",
     "set_at",
     "spec_references",
+    "without_nul",
 ]
 
 AnyRunSpec = (

@@ -1,5 +1,6 @@
 """What a spec may point at: model and dataset references, their forms, the marks that find them, and the
-NUL refusal every stored string goes through. Torch-free (the API imports it)."""
+two NUL rules for stored strings (``refuse_nul`` for what a user sends, ``without_nul`` for what a run
+writes). Torch-free (the API imports it)."""
 
 from __future__ import annotations
 
@@ -190,4 +191,20 @@ def refuse_nul(value: Any, where: str = "") -> Any:
     elif isinstance(value, list):
         for i, v in enumerate(value):
             refuse_nul(v, f"{where}[{i}]")
+    return value
+
+
+def without_nul(value: Any) -> Any:
+    """``value`` with U+0000 replaced by U+FFFD in every string in it (dict keys, list and tuple items,
+    nested; a tuple comes back a list).
+
+    The other side of ``refuse_nul``, for text the service did not receive but made (a run's sampled
+    completions and the data stored with them): it cannot be refused, and PostgreSQL text and JSONB cannot
+    store NUL, so it is stored with the replacement character, alike on both backends."""
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, dict):
+        return {without_nul(k): without_nul(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [without_nul(v) for v in value]
     return value
