@@ -54,20 +54,24 @@ def create_app(
     )
     app.state.enqueue = enqueue or CeleryEnqueue(settings)
     install_error_handlers(app)
-    app.include_router(datasets.router)
-    app.include_router(runs.router)
-    app.include_router(runs.metrics_router)
-    app.include_router(checkpoints.router)
-    app.include_router(export.router)
-    app.include_router(pipelines.router)
-    app.include_router(stream.router)
-    app.include_router(webhooks.router)
-    app.include_router(models.router)
-    # The OpenAI-compatible surface (/v1/files, /v1/fine_tuning/jobs), mapped onto datasets and runs.
-    app.include_router(openai_files.router)
-    app.include_router(openai_jobs.router)
-    app.include_router(graders.router)
-    app.include_router(inference.router)
+    routers = [
+        datasets.router,
+        runs.router,
+        runs.metrics_router,
+        checkpoints.router,
+        export.router,
+        pipelines.router,
+        stream.router,
+        webhooks.router,
+        models.router,
+        # The OpenAI-compatible surface (/v1/files, /v1/fine_tuning/jobs), mapped onto datasets and runs.
+        openai_files.router,
+        openai_jobs.router,
+        graders.router,
+        inference.router,
+    ]
+    for router in routers:  # in this order: it is the order of the OpenAPI document's paths
+        app.include_router(router)
 
     app.add_middleware(JsonGzipMiddleware)
 
