@@ -105,8 +105,8 @@ def test_checkpointing_recomputes_the_blocks_in_the_backward(
 def test_completion_logits_are_the_full_logits_without_the_prompt_positions(tiny_cache: Path) -> None:
     import torch
 
+    from trainer.completion_logps import completion_logits
     from trainer.data.preference import collate_pairs, tokenize_pair
-    from trainer.loops.common import completion_logits
     from trainer.models import load_causal_lm, tiny_model_dir
 
     model, tok = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))

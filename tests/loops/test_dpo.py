@@ -177,7 +177,7 @@ def test_validation_eval_and_retention_keep_last_and_best(tiny_cache: Path, tmp_
 
 
 def test_nan_loss_fails_the_step_without_touching_the_weights(tiny_cache: Path, tmp_path: Path) -> None:
-    from trainer.loops.common import NonFiniteError, backward_and_step
+    from trainer.loops.session import NonFiniteError, backward_and_step
 
     model, _ = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
     before = [p.detach().clone() for p in model.parameters()]

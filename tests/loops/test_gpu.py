@@ -13,10 +13,10 @@ import torch
 from trainer.algorithms.advantages import ADVANTAGES, OutcomeBatch
 from trainer.data.prompts import tokenize_prompts
 from trainer.data.sampling import EpochSampler
-from trainer.loops.common import make_optimizer
 from trainer.loops.group_rl import policy_update
 from trainer.loops.rl_common import frozen_logps, to_token_batch
 from trainer.loops.rollouts import build_reward, collect_rollouts
+from trainer.loops.session import make_optimizer
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.rollout.hf_engine import HFEngine
 from trainer.specs import parse_spec

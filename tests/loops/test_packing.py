@@ -15,9 +15,9 @@ import torch
 
 from rlrun.formats import normalize_preference
 from tests.loop_context import loop_ctx
+from trainer.completion_logps import packed_completion_logits
 from trainer.data.packing import first_fit_decreasing, pack_sequences
 from trainer.loops import LOOPS
-from trainer.loops.common import packed_completion_logits
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec
@@ -134,7 +134,7 @@ def test_a_model_that_mixes_packed_sequences_is_refused(
     attention is) would train on sequences that see each other: the run refuses packing before step 1."""
     from transformers import masking_utils
 
-    from trainer.loops.common import PackingUnsupported, check_packing
+    from trainer.completion_logps import PackingUnsupported, check_packing
 
     model, _ = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
     check_packing(model, torch.device("cpu"))  # standard attention: accepted

@@ -13,10 +13,10 @@ import torch
 
 from tests.loop_context import loop_ctx
 from trainer.checkpoints import STATE_FILE
-from trainer.loops.common import seed_everything
 from trainer.loops.ppo import run_ppo, token_advantages, token_values
 from trainer.loops.reward_model import run_reward_model
 from trainer.loops.rl_common import to_token_batch
+from trainer.loops.session import seed_everything
 from trainer.models import load_causal_lm, load_reward_model, tiny_model_dir
 from trainer.reporting import MemoryReporter, RunData
 from trainer.rollout.base import Completion

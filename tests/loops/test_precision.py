@@ -15,8 +15,7 @@ import torch
 from tests.loop_context import loop_ctx
 from tests.loops.addition_rows import SFT
 from trainer.loops import LOOPS
-from trainer.loops.common import accumulate_and_step, make_optimizer
-from trainer.loops.session import begin, load_trainable
+from trainer.loops.session import accumulate_and_step, begin, load_trainable, make_optimizer
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.precision import PrecisionUnsupported, loss_scaler
 from trainer.reporting import MemoryReporter, RunData

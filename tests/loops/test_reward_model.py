@@ -15,7 +15,6 @@ import torch
 
 from tests.loop_context import loop_ctx
 from trainer.data.reward import collate_groups, tokenize_group, tokenize_groups
-from trainer.loops.common import seed_everything
 from trainer.loops.reward_model import (
     REWARD_LOSSES,
     RewardLossParams,
@@ -24,6 +23,7 @@ from trainer.loops.reward_model import (
     run_reward_model,
     score_groups,
 )
+from trainer.loops.session import seed_everything
 from trainer.models import REWARD_STATS_FILE, load_reward_model, read_reward_stats, tiny_model_dir
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec

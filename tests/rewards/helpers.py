@@ -33,7 +33,7 @@ def reward_model_dir(tiny_cache: Path, out: Path) -> Path:
     """A reward-model folder in ``out``: the tiny LM with a seeded score head, spread so scores differ."""
     import torch
 
-    from trainer.loops.common import seed_everything
+    from trainer.loops.session import seed_everything
     from trainer.models import load_reward_model, tiny_model_dir
 
     seed_everything(0)

@@ -1,9 +1,11 @@
-"""Which rows a step trains on: epoch-wise shuffled batches, and the deterministic hold-out split."""
+"""Which rows a step trains on: epoch-wise shuffled batches, their micro-batches, and the deterministic
+hold-out split."""
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from typing import TypeVar
 
 import torch
@@ -49,3 +51,10 @@ def split_validation(rows: list[T], fraction: float, seed: int) -> tuple[list[T]
     train = [r for i, r in enumerate(rows) if i not in val_idx]
     val = [r for i, r in enumerate(rows) if i in val_idx]
     return train, val
+
+
+def micro_batches(rows: Sequence[T], size: int | None) -> list[Sequence[T]]:
+    """``rows`` cut into consecutive micro-batches of ``size`` (the last may be smaller); one when None."""
+    if size is None or size >= len(rows):
+        return [rows]
+    return [rows[i : i + size] for i in range(0, len(rows), size)]

@@ -30,6 +30,7 @@ from trainer.algorithms.preference_losses import (
     chosen_nll,
     orpo_odds_ratio,
 )
+from trainer.completion_logps import check_packing, completion_logp_sums, packed_completion_logits
 from trainer.data.length_groups import (
     CPU_PASS_OVERHEAD,
     GPU_PASS_OVERHEAD,
@@ -39,6 +40,7 @@ from trainer.data.length_groups import (
 )
 from trainer.data.packing import PackedBatch, pack_sequences
 from trainer.data.preference import PairBatch, TokenizedPair, collate_pairs, tokenize_pair
+from trainer.data.sampling import micro_batches
 from trainer.data.shared_prompt import SharedPromptBatch, collate_shared, shared_attention
 from trainer.distributed import (
     Ranks,
@@ -49,14 +51,7 @@ from trainer.distributed import (
     sum_over_ranks,
     unwrap,
 )
-from trainer.loops.common import (
-    check_packing,
-    completion_logp_sums,
-    micro_batches,
-    packed_completion_logits,
-    to_floats,
-)
-from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy
+from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy, to_floats
 from trainer.models import load_causal_lm
 from trainer.phases import Phase
 from trainer.precision import frozen_dtype

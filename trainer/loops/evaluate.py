@@ -16,9 +16,8 @@ from typing import Any
 from trainer.adapter_folders import root_base
 from trainer.algorithms.pass_at_k import pass_at_k
 from trainer.data.prompts import PromptSet, tokenize_prompts
-from trainer.loops.common import seed_everything
 from trainer.loops.rollouts import build_reward, sampling_params, score
-from trainer.loops.session import eval_rows
+from trainer.loops.session import eval_rows, seed_everything
 from trainer.models import load_causal_lm, pick_device
 from trainer.precision import frozen_dtype
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData

@@ -18,7 +18,6 @@ from torch import Tensor
 
 from trainer.algorithms.advantages import ADVANTAGES, OutcomeBatch
 from trainer.algorithms.kl import KL_ESTIMATORS
-from trainer.loops.common import to_floats
 from trainer.loops.rl_common import (
     ActorBatch,
     StatMeans,
@@ -39,7 +38,7 @@ from trainer.loops.rl_common import (
     to_token_batch,
 )
 from trainer.loops.rollouts import rollout_metrics
-from trainer.loops.session import TrainingSession, begin, load_policy
+from trainer.loops.session import TrainingSession, begin, load_policy, to_floats
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import GroupRlSpec, OnlineRlHyperparameters
 

@@ -25,11 +25,11 @@ from torch import Tensor
 
 from trainer.adapters import adapter_off, has_adapter
 from trainer.algorithms.preference_losses import KtoParams, kto, kto_reference_point
+from trainer.completion_logps import completion_logp_sums
 from trainer.data.sft import TokenizedExample, collate_examples, tokenize_example
 from trainer.distributed import ONE, Ranks, is_sharded, share, sum_over_ranks, unwrap
-from trainer.loops.common import completion_logp_sums, to_floats
 from trainer.loops.dpo import Reference
-from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy
+from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy, to_floats
 from trainer.phases import Phase
 from trainer.precision import frozen_dtype
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData

@@ -32,7 +32,6 @@ from trainer.algorithms.advantages import gae, length_adaptive_lam
 from trainer.algorithms.aggregation import aggregate, batch_normaliser, masked_whiten
 from trainer.algorithms.kl import KL_ESTIMATORS, kl_penalized_rewards
 from trainer.algorithms.value_losses import value_loss
-from trainer.loops.common import accumulate_and_step, make_optimizer, set_lr, to_floats, warmup_constant_lr
 from trainer.loops.rl_common import (
     ActorBatch,
     StatMeans,
@@ -57,7 +56,18 @@ from trainer.loops.rl_common import (
     to_token_batch,
 )
 from trainer.loops.rollouts import rollout_metrics
-from trainer.loops.session import Start, TrainingSession, begin, enable_checkpointing, load_policy
+from trainer.loops.session import (
+    Start,
+    TrainingSession,
+    accumulate_and_step,
+    begin,
+    enable_checkpointing,
+    load_policy,
+    make_optimizer,
+    set_lr,
+    to_floats,
+    warmup_constant_lr,
+)
 from trainer.models import load_reward_model
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.rollout.base import Completion

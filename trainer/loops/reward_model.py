@@ -36,8 +36,7 @@ from trainer.data.reward import (
     to_groups,
     tokenize_groups,
 )
-from trainer.loops.common import to_floats
-from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_trainable
+from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_trainable, to_floats
 from trainer.models import REWARD_STATS_FILE, sequence_scores
 from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData

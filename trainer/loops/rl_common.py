@@ -22,8 +22,8 @@ from trainer.algorithms.kl_control import KL_CONTROLLERS, KLController
 from trainer.algorithms.logprobs import entropy_from_logits, token_logprobs
 from trainer.algorithms.policy_losses import POLICY_LOSSES, ClipParams
 from trainer.data.prompts import PromptSet, tokenize_prompts
+from trainer.data.sampling import micro_batches
 from trainer.distributed import Ranks, current, gather_rows, is_sharded, padded_share, sum_over_ranks, unwrap
-from trainer.loops.common import accumulate_and_step, is_due, micro_batches
 from trainer.loops.rollouts import (
     StepRollouts,
     build_reward,
@@ -31,7 +31,7 @@ from trainer.loops.rollouts import (
     evaluate_greedy,
     sample_records,
 )
-from trainer.loops.session import Start, TrainingSession, eval_rows
+from trainer.loops.session import Start, TrainingSession, accumulate_and_step, eval_rows, is_due
 from trainer.models import load_causal_lm
 from trainer.precision import frozen_dtype
 from trainer.reporting import LoopContext, RunData

@@ -15,13 +15,17 @@ A loop file keeps only what is its own (its data, its step body, its final metri
     return session.result
 
 A new run phase that every loop goes through (before the first step, between steps, at the end) is one
-change here; a phase of one run kind is one change in that loop's file.
+change here; a phase of one run kind is one change in that loop's file. Everything the skeleton calls for
+seeding, the learning-rate schedule, the stop checks and the optimizer step (gradient accumulation,
+non-finite guards, fp16 loss scaling) is in this file too; a loop that steps its own optimizer (PPO's
+critic) uses the same functions.
 """
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,34 +41,201 @@ from trainer.adapters import (
     quantization_config,
 )
 from trainer.checkpoints import Checkpointer, load_trainer_state
-from trainer.data.sampling import EpochSampler
+from trainer.data.sampling import EpochSampler, micro_batches
 from trainer.distributed import (
+    Ranks,
+    all_true,
+    current,
+    from_main,
     full_model_state,
     full_optimizer_state,
+    grad_sum_factor,
     load_optimizer_state,
+    local_norm,
     unwrap,
     wrap,
 )
-from trainer.loops.common import (
-    is_due,
-    make_optimizer,
-    micro_batches,
-    seed_everything,
-    set_lr,
-    stop_requested,
-    to_floats,
-    update_or_skip,
-    warmup_constant_lr,
-)
 from trainer.models import load_causal_lm, load_reward_model, pick_device
 from trainer.phases import Phase
-from trainer.precision import frozen_dtype
+from trainer.precision import enable_loss_scaling, frozen_dtype, loss_scaler
 from trainer.reporting import LoopContext, LoopResult, Reporter
 from trainer.run_health import RunHealth
 from trainer.specs import AdapterSpec, TrainingHyperparameters
 
 T = TypeVar("T")
 TRAINED_TOKENS = "tokens/trained"  # metric: non-padding tokens of the rows trained on so far (cumulative)
+
+
+# Seeding, the learning-rate schedule, cadence and stop checks, the optimizer and its step.
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed Python and torch; return a generator for data order so sampling never shifts init RNG."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+def warmup_constant_lr(step: int, *, base_lr: float, warmup_steps: int) -> float:
+    """Linear warmup from 0 to ``base_lr`` over ``warmup_steps`` (1-based step), then constant."""
+    if warmup_steps <= 0 or step > warmup_steps:
+        return base_lr
+    return base_lr * step / warmup_steps
+
+
+def is_due(step: int, every: int, last_step: int) -> bool:
+    """True at every ``every``-th step (``every`` > 0) and always at the last step."""
+    return step == last_step or (every > 0 and step % every == 0)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf reached the loss or the gradients: the update is refused and the run stops."""
+
+
+def backward_and_step(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    max_grad_norm: float,
+    *,
+    step: int | None = None,
+    skip_nonfinite: bool = False,
+) -> Any:
+    """zero_grad -> backward -> clip -> step on one loss; ``accumulate_and_step`` with one micro-batch."""
+    return accumulate_and_step(
+        model, optimizer, [loss], max_grad_norm, step=step, skip_nonfinite=skip_nonfinite
+    )
+
+
+def accumulate_and_step(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    losses: Iterable[torch.Tensor],
+    max_grad_norm: float,
+    *,
+    step: int | None = None,
+    skip_nonfinite: bool = False,
+) -> Any:
+    """zero_grad -> backward of each micro-batch loss as it comes -> clip -> step; returns the pre-clip
+    gradient norm. Gradients add up over backward calls, so when each micro-batch loss is already scaled
+    for the whole batch (their sum is the batch loss) the step is the whole batch's (gradient
+    accumulation); ``losses`` may be a generator that runs each micro-batch's forward pass when asked,
+    so only one micro-batch's activations are alive at a time.
+
+    Never trains on NaN: a non-finite micro-batch loss or gradient norm raises NonFiniteError naming the
+    step and the tensor, before the optimizer touches the weights; with ``skip_nonfinite`` it returns None
+    instead (the batch is skipped, the weights unchanged). The check is one host sync per micro-batch.
+    An fp16 run's optimizer has a loss scaler (trainer/precision.py): each loss is scaled before its
+    backward and the gradients unscaled before clipping; a gradient that overflows skips the step and
+    lowers the scale (the norm returned is then inf), as dynamic loss scaling means to.
+    """
+    where = f" at step {step}" if step is not None else ""
+    scaler = loss_scaler(optimizer)  # fp16: losses scaled up for the backward, gradients unscaled below
+    ranks, factor = current(), grad_sum_factor()  # DDP/FSDP average the ranks' gradients: undo it
+    optimizer.zero_grad(set_to_none=True)
+    micro = iter(losses)
+    for loss in micro:
+        if not all_true(bool(torch.isfinite(loss.detach()).all()), ranks):  # every rank skips, or none
+            optimizer.zero_grad(set_to_none=True)
+            if skip_nonfinite:
+                for _ in micro:  # the rest still run (no backward), so the step's statistics are whole
+                    pass
+                return None
+            raise NonFiniteError(f"loss is {float(loss.detach().float().sum())}{where}; no update applied")
+        if factor != 1:
+            loss = loss * factor
+        with torch.autocast(loss.device.type, enabled=False):  # backward outside autocast, as torch asks
+            (loss if scaler is None else scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    grad_norm = local_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    if scaler is not None:
+        # An overflow at this scale is expected now and then: the scaler skips the step and lowers the
+        # scale (the returned norm is inf, counted as a skipped update), it is not a diverging run.
+        scaler.step(optimizer)
+        scaler.update()
+        return grad_norm
+    if not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        if skip_nonfinite:
+            return None
+        raise NonFiniteError(f"gradient norm is {float(grad_norm)}{where}; no update applied")
+    optimizer.step()
+    return grad_norm
+
+
+def to_floats(stats: dict[str, Any]) -> dict[str, float]:
+    """Tensors -> floats, at log interval only: each ``.item()`` is a device sync point."""
+    return {k: float(v.item()) if isinstance(v, torch.Tensor) else float(v) for k, v in stats.items()}
+
+
+def make_optimizer(
+    model: Any, lr: float, weight_decay: float, precision: str = "fp32"
+) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, fused (one kernel for all tensors) where torch supports it
+    for the parameters' device: it is the same update, computed with fewer passes over memory. With
+    ``precision`` fp16 it gets a dynamic loss scaler (trainer/precision.py)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    except (RuntimeError, ValueError):
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    enable_loss_scaling(optimizer, precision, params[0].device if params else torch.device("cpu"))
+    return optimizer
+
+
+def stop_requested(
+    reporter: Any,
+    step: int,
+    start: int,
+    saved_steps: Container[int],
+    save: Callable[[int], object],
+    ranks: Ranks | None = None,
+) -> bool:
+    """True if a cancel or pause asks the loop to stop before ``step``. The work done is kept first:
+    ``save(step - 1)`` writes a checkpoint unless nothing new was trained or it exists already. In a
+    multi-rank run rank 0's answer is every rank's (``from_main``), so all stop at the same step."""
+    if not from_main(reporter.should_stop(), ranks or Ranks()):
+        return False
+    reporter.event("info", f"stopping before step {step}: cancel or pause requested")
+    if step - 1 > start and step - 1 not in saved_steps:
+        save(step - 1)
+    return True
+
+
+def update_or_skip(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor | Iterable[torch.Tensor],
+    *,
+    max_grad_norm: float,
+    step: int,
+    on_nonfinite: str,
+    reporter: Any,
+) -> Any:
+    """``accumulate_and_step`` over ``loss`` (one tensor, or the micro-batch losses of one step) honouring
+    the spec's ``on_nonfinite``: "skip" reports the skipped batch as an event and returns a NaN norm (the
+    reporter drops non-finite values); "fail" raises NonFiniteError."""
+    losses = [loss] if isinstance(loss, torch.Tensor) else loss
+    grad_norm = accumulate_and_step(
+        model, optimizer, losses, max_grad_norm, step=step, skip_nonfinite=on_nonfinite == "skip"
+    )
+    if grad_norm is None:
+        reporter.event(
+            "warning", f"step {step}: non-finite loss or gradient; batch skipped, weights unchanged"
+        )
+        return torch.tensor(float("nan"))
+    return grad_norm
+
+
+# Where a run starts, and the session that carries it to its last step.
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,11 @@ import torch
 from torch import Tensor
 
 from trainer.algorithms.logprobs import token_logprobs
+from trainer.completion_logps import check_packing, completion_logits, packed_completion_logits
 from trainer.data.packing import PackedBatch, pack_sequences
 from trainer.data.sft import SftBatch, TokenizedExample, collate_examples, tokenize_example
 from trainer.distributed import share, sum_over_ranks
-from trainer.loops.common import (
-    check_packing,
-    completion_logits,
-    packed_completion_logits,
-    to_floats,
-)
-from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy
+from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy, to_floats
 from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import SftSpec

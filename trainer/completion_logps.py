@@ -1,0 +1,102 @@
+"""What a model gives the completion tokens of a token batch: the logits that predict them and their
+log-probs, for each layout a batch comes in (padded rows, packed rows, one shared prompt per pair), and the
+checks that refuse a layout a model cannot run.
+
+Beside trainer/models.py because every function here runs a model's forward pass: trainer/data lays the
+tokens out (and knows nothing of models), trainer/algorithms turns log-probs into losses (pure tensor math);
+this module is the one step between them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainer.algorithms.logprobs import token_logprobs
+from trainer.data.packing import PackedBatch, pack_sequences
+
+
+def completion_logits(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits that predict completion tokens, with those tokens and their mask: ``logits[:, k]``
+    predicts ``targets[:, k]``, counted where ``mask[:, k]`` is 1.
+
+    The LM head runs only from the position before the batch's earliest completion token to the end
+    (transformers' ``logits_to_keep``), not over every prompt position: a (B, T, V) tensor shrinks to
+    (B, K, V), K the longest completion span, which for a 150k vocabulary and long prompts is most of a
+    step's activation memory. Same values as slicing the full logits.
+    """
+    length = input_ids.shape[1]
+    scored = completion_mask[:, 1:].bool().any(0)  # label positions 1..T-1 that any row scores
+    first = int(scored.nonzero()[0]) + 1 if bool(scored.any()) else length  # earliest scored label
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=length - first + 1
+    ).logits
+    return logits[:, :-1], input_ids[:, first:], completion_mask[:, first:]
+
+
+def completion_logp_sums(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+) -> torch.Tensor:
+    """(B,) ``sum_t log p(x_t | x_<t)`` over each row's completion tokens (``completion_logits``), the
+    per-token log-probs in the logits' dtype and summed in float32."""
+    logits, targets, mask = completion_logits(model, input_ids, attention_mask, completion_mask)
+    logp = token_logprobs(logits, targets).float()
+    return (logp * mask.to(logp.dtype)).sum(-1)
+
+
+def packed_completion_logits(
+    model: Any, batch: PackedBatch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``completion_logits`` of a packed batch (trainer/data/packing.py), and the sequence of each kept
+    token: ``logits[:, k]`` predicts ``targets[:, k]``, scored where ``mask[:, k]``, which belongs to input
+    sequence ``sequence[:, k]``.
+
+    No attention mask and no cache, so transformers reads the sequence boundaries from the position ids
+    (a block-diagonal causal mask); the LM head runs only at positions whose next token some row scores
+    (``logits_to_keep`` as an index tensor).
+    """
+    input_ids, scored = batch.input_ids.to(device), batch.scored.to(device)
+    keep = scored[:, 1:].any(0).nonzero().flatten()  # position p predicts token p + 1
+    if keep.numel() == 0:
+        keep = torch.zeros(1, dtype=torch.long, device=device)
+    logits = model(
+        input_ids=input_ids,
+        position_ids=batch.position_ids.to(device),
+        use_cache=False,
+        logits_to_keep=keep,
+    ).logits
+    at = keep + 1
+    return logits, input_ids[:, at], scored[:, at], batch.sequence.to(device)[:, at]
+
+
+class PackingUnsupported(ValueError):
+    """The model mixes packed sequences (its attention or other layers ignore the boundaries)."""
+
+
+@torch.no_grad()
+def check_packing(model: Any, device: torch.device) -> None:
+    """Refuse packing for a model that lets packed sequences see each other: two short sequences, packed
+    in one row and run alone, must give the same logits. Boundaries read from position ids hold for
+    standard attention; linear-attention and convolution layers (Qwen3-Next, Mamba hybrids) ignore them
+    (transformers' padding-free guide), and a custom model may too. Three forwards of a few tokens."""
+    was_training = model.training
+    model.eval()
+    a, b = [1, 2, 3, 4], [5, 6, 7]
+    batch = pack_sequences([(a, 1), (b, 1)], len(a) + len(b), 0)
+    packed = (
+        model(
+            input_ids=batch.input_ids.to(device), position_ids=batch.position_ids.to(device), use_cache=False
+        )
+        .logits[0]
+        .float()
+    )
+    alone = [model(input_ids=torch.tensor([s], device=device)).logits[0].float() for s in (a, b)]
+    model.train(was_training)
+    if not torch.allclose(packed, torch.cat(alone), atol=1e-2, rtol=1e-2):
+        raise PackingUnsupported(
+            "packing: this model lets packed sequences attend to each other (layers that ignore the "
+            "sequence boundaries in the position ids, such as linear attention); run it without packing"
+        )
