@@ -1,18 +1,20 @@
 """One clock for both sides of the rlrun-vs-TRL benches (bench/dpo_vs_trl.py, bench/grpo_vs_trl.py), so
 "setup", "s/step", "cpu s/step" and "steady s/step" mean the same in every table: ``stamp`` readings,
 ``StepTimes`` (what a run's readings say), ``TimedReporter`` (rlrun's side) and ``trl_step_clock`` (TRL's
-side). A sibling module (``python bench/x.py`` puts bench/ first on sys.path); running it does nothing
-(``make bench`` runs every file in bench/). It imports torch (through trainer.reporting): bench/common.py
-holds what the torch-free benches share."""
+side); and ``loop_context``, where both run rlrun's loop. A sibling module (``python bench/x.py`` puts
+bench/ first on sys.path); running it does nothing (``make bench`` runs every file in bench/). It imports
+torch (through trainer.reporting): bench/common.py holds what the torch-free benches share."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
-from trainer.reporting import MemoryReporter
+from trainer.models import resolve_model
+from trainer.reporting import LoopContext, MemoryReporter
 
 WARMUP_STEPS = 5  # left out of the steady-state s/step
 
@@ -88,6 +90,17 @@ class TimedReporter(MemoryReporter):
         if self.setup_end is None and self.setup_ends(message):
             self.setup_end = stamp()
         super().event(kind, message, data)
+
+
+def loop_context(model_dir: Path, work: Path) -> LoopContext:
+    """The context an rlrun loop runs in on the bench: models resolved from the tiny-model cache that
+    ``model_dir`` sits in, checkpoints under ``work`` (only the final model is saved: checkpoint_every=0)."""
+    cache = model_dir.parent.parent
+    return LoopContext(
+        cache_dir=cache,
+        checkpoint_dir=work / "rlrun-checkpoints",
+        resolve_model=lambda ref: resolve_model(ref, cache_dir=cache, run_output=lambda _ref: work),
+    )
 
 
 def trl_step_clock() -> Any:

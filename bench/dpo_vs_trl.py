@@ -76,14 +76,14 @@ from unittest import mock
 
 import common  # sibling modules (common, clock): python puts bench/ first on sys.path
 import torch
-from clock import StepTimes, TimedReporter, stamp, trl_step_clock
+from clock import StepTimes, TimedReporter, loop_context, stamp, trl_step_clock
 
 from rlrun.demo import addition_pairs
 from rlrun.formats import normalize_preference
 from trainer.data.preference import tokenize_pair
 from trainer.loops import dpo as dpo_loop
-from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
-from trainer.reporting import LoopContext, RunData
+from trainer.models import load_causal_lm, tiny_model_dir
+from trainer.reporting import RunData
 from trainer.specs import parse_spec
 
 PRESET = "llama-10m"
@@ -198,12 +198,7 @@ def run_rlrun(model_dir: Path, case: Case, mode: str, steps: int, work: Path) ->
             },
         }
     )
-    cache = model_dir.parent.parent
-    ctx = LoopContext(
-        cache_dir=cache,
-        checkpoint_dir=work / "rlrun-checkpoints",  # only the final model is saved (checkpoint_every=0)
-        resolve_model=lambda ref: resolve_model(ref, cache_dir=cache, run_output=lambda _ref: work),
-    )
+    ctx = loop_context(model_dir, work)
     loaded = load_causal_lm(str(model_dir))  # loading is outside the clock, as for TRL
     # a training step logs "loss" (the final eval does not); setup ends after the reference pass
     reporter = TimedReporter(step_key="loss", setup_ends=lambda message: message.startswith("training on"))

@@ -54,13 +54,19 @@ from typing import Any
 from unittest import mock
 
 import torch
-from clock import StepTimes, TimedReporter, stamp, trl_step_clock  # sibling modules: python puts bench/
+from clock import (  # sibling modules: python puts bench/
+    StepTimes,
+    TimedReporter,
+    loop_context,
+    stamp,
+    trl_step_clock,
+)
 from common import quiet  # first on sys.path (so does learning.py)
 
 from trainer.loops import group_rl as group_rl_loop
 from trainer.loops import session as session_module
-from trainer.models import load_causal_lm, resolve_model, tiny_model_dir
-from trainer.reporting import LoopContext, RunData
+from trainer.models import load_causal_lm, tiny_model_dir
+from trainer.reporting import RunData
 from trainer.rewards.verifiers import Sample, numeric
 from trainer.specs import GroupRlSpec, parse_spec
 
@@ -185,12 +191,7 @@ def run_rlrun(
         }
     )
     assert isinstance(spec, GroupRlSpec)
-    cache = model_dir.parent.parent
-    ctx = LoopContext(
-        cache_dir=cache,
-        checkpoint_dir=work / "rlrun-checkpoints",  # only the final model is saved (checkpoint_every=0)
-        resolve_model=lambda ref: resolve_model(ref, cache_dir=cache, run_output=lambda _ref: work),
-    )
+    ctx = loop_context(model_dir, work)
     loaded = load_causal_lm(str(model_dir))  # loading is outside the clock, as for TRL
     clock = GenerateClock(new_tokens)
     clock.install(loaded[0])
