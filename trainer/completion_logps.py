@@ -9,12 +9,19 @@ this module is the one step between them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from trainer.algorithms.logprobs import token_logprobs
 from trainer.data.packing import PackedBatch, pack_sequences
+from trainer.data.pair_layout import UNGROUPED, AnyPairBatch, PairCollate, PairGrouping
+from trainer.data.preference import TokenizedPair, collate_pairs
+from trainer.data.shared_prompt import SharedPromptBatch, collate_shared, shared_attention
+from trainer.distributed import unwrap
+from trainer.phases import Phase
 
 
 def completion_logits(
@@ -100,3 +107,101 @@ def check_packing(model: Any, device: torch.device) -> None:
             "packing: this model lets packed sequences attend to each other (layers that ignore the "
             "sequence boundaries in the position ids, such as linear attention); run it without packing"
         )
+
+
+# Preference pairs: (2B,) log-probs of chosen then rejected answers, in any layout.
+
+
+def attention_mask_for(model: Any, allowed: Tensor) -> Tensor:
+    """A 4D mask in the form the model's attention takes it: boolean for SDPA (True: attend), additive
+    float for eager attention (0, or the dtype's minimum where masked)."""
+    if getattr(unwrap(model).config, "_attn_implementation", "sdpa") == "eager":
+        return torch.zeros(allowed.shape, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(torch.float32).min
+        )
+    return allowed
+
+
+def shared_prompt_logps(model: Any, batch: SharedPromptBatch, device: torch.device) -> Tensor:
+    """``sequence_logps`` of a shared-prompt batch: one forward with the 4D mask and position ids of
+    trainer/data/shared_prompt.py, logits only at ``batch.keep``; (2B,) chosen then rejected."""
+    allowed = shared_attention(batch.segment.to(device))
+    logits = model(
+        input_ids=batch.input_ids.to(device),
+        attention_mask=attention_mask_for(model, allowed),
+        position_ids=batch.position_ids.to(device),
+        use_cache=False,
+        logits_to_keep=batch.keep.to(device),
+    ).logits
+    sums = []
+    for targets, mask in (
+        (batch.chosen_targets, batch.chosen_mask),
+        (batch.rejected_targets, batch.rejected_mask),
+    ):
+        logp = token_logprobs(logits, targets.to(device)).float()
+        sums.append((logp * mask.to(device)).sum(-1))
+    return torch.cat(sums)
+
+
+class SharedPromptUnsupported(ValueError):
+    """The model's attention does not follow a custom 4D mask (e.g. flash attention)."""
+
+
+@torch.no_grad()
+def check_shared_prompt(model: Any, device: torch.device) -> None:
+    """Refuse the shared-prompt layout for a model whose attention ignores a custom 4D mask: a probe pair's
+    log-probs must match the padded layout's (two forwards of a few tokens)."""
+    was_training = model.training
+    model.eval()
+    pair = [TokenizedPair(prompt=[1, 2, 3], chosen=[4, 5, 6], rejected=[7, 8])]
+    shared = shared_prompt_logps(model, collate_shared(pair, 0), device)
+    padded = sequence_logps(model, collate_pairs(pair, 0), device)
+    model.train(was_training)
+    if not torch.allclose(shared, padded, atol=1e-2, rtol=1e-3):
+        raise SharedPromptUnsupported(
+            "shared_prompt: this model's attention does not follow a custom 4D mask (the rejected answer "
+            f"would see the chosen one; log-probs {shared.tolist()} vs {padded.tolist()} padded)"
+        )
+
+
+def sequence_logps(model: Any, batch: AnyPairBatch, device: torch.device) -> Tensor:
+    """(2B,) sum over completion tokens of log pi(y_t | x, y_<t); one forward pass for chosen and rejected,
+    logits only where they predict a completion token (``completion_logits``), in the model's dtype (the
+    per-token log-probs are summed in float32). A packed batch sums each token into its sequence; a
+    shared-prompt batch runs each prompt once (``shared_prompt_logps``)."""
+    if isinstance(batch, SharedPromptBatch):
+        return shared_prompt_logps(model, batch, device)
+    if isinstance(batch, PackedBatch):
+        logits, targets, scored, sequence = packed_completion_logits(model, batch, device)
+        logp = token_logprobs(logits, targets).float() * scored
+        sums = torch.zeros(batch.n_sequences, device=logp.device, dtype=logp.dtype)
+        return sums.index_add(0, sequence.clamp(min=0).flatten(), logp.flatten())  # padding adds 0
+    return completion_logp_sums(
+        model, batch.input_ids.to(device), batch.attention_mask.to(device), batch.completion_mask.to(device)
+    )
+
+
+@torch.no_grad()
+def all_pair_logps(
+    model: Any,
+    pairs: Sequence[TokenizedPair],
+    collate: PairCollate,
+    batch_size: int,
+    device: torch.device,
+    progress: Phase | None = None,
+    grouping: PairGrouping = UNGROUPED,
+    equal_passes: bool = False,
+) -> Tensor:
+    """(N, 2) [chosen, rejected] sequence log-probs of every pair, in eval mode; ``progress`` counts pairs.
+    Passes of at most ``batch_size`` pairs grouped by ``grouping`` (``equal_passes``: as many as any
+    rank with as many pairs runs, for a sharded model); the rows come back in ``pairs``' order."""
+    was_training = model.training
+    model.eval()
+    out = torch.zeros(len(pairs), 2)
+    for group in grouping.groups(pairs, batch_size, equal_passes):
+        logps = sequence_logps(model, collate([pairs[i] for i in group]), device)
+        out[group] = torch.stack([logps[: len(group)], logps[len(group) :]], dim=1).cpu().float()
+        if progress is not None:
+            progress.advance(len(group))
+    model.train(was_training)
+    return out

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from tests.loop_context import loop_ctx
+from trainer.completion_logps import sequence_logps
 from trainer.data.preference import collate_pairs, tokenize_pair
-from trainer.loops.dpo import run_dpo, sequence_logps
+from trainer.loops.dpo import run_dpo
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec

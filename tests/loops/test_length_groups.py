@@ -17,20 +17,12 @@ import torch
 
 from rlrun.formats import normalize_preference
 from tests.loop_context import loop_ctx
-from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PreferenceParams
+from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PairObjective, PreferenceParams
 from trainer.data.length_groups import PaddingCost, attention_span_of, group_by_length
+from trainer.data.pair_layout import PairGrouping, pair_collate, pair_tokens
 from trainer.data.preference import tokenize_pair
 from trainer.loops import dpo as dpo_loop
-from trainer.loops.dpo import (
-    PairGrouping,
-    PairObjective,
-    in_row_order,
-    micro_losses,
-    pair_collate,
-    pair_grouping,
-    pair_tokens,
-    run_dpo,
-)
+from trainer.loops.dpo import in_row_order, micro_losses, pair_grouping, run_dpo
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec

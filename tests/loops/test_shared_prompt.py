@@ -16,10 +16,11 @@ import torch
 from rlrun.formats import normalize_preference
 from tests.loop_context import loop_ctx
 from tests.loops.addition_rows import PAIRS
+from trainer import completion_logps as dpo_loop
+from trainer.completion_logps import sequence_logps
 from trainer.data.preference import TokenizedPair, collate_pairs, tokenize_pair
 from trainer.data.shared_prompt import CHOSEN, PAD, PROMPT, REJECTED, collate_shared, shared_attention
-from trainer.loops import dpo as dpo_loop
-from trainer.loops.dpo import run_dpo, sequence_logps
+from trainer.loops.dpo import run_dpo
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec

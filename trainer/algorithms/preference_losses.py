@@ -375,3 +375,61 @@ PREFERENCE_LOSSES: Mapping[str, PreferenceLossFn] = MappingProxyType(
 # token log-prob instead of a log-ratio, and loads no reference. ORPO's odds-ratio term
 # (``orpo_odds_ratio``) is one too; it is the `orpo` run type's, not a DPO `loss_type`.
 REFERENCE_FREE_LOSSES = frozenset({"simpo"})
+
+
+@dataclass(frozen=True)
+class PairObjective:
+    """What a pair costs: the preference loss ``loss_fn`` of its two answers' scores, plus ``rpo_alpha``
+    times its chosen answer's per-token NLL (``chosen_nll``; RPO, and ORPO's SFT term) when > 0.
+
+    The scores are log-ratios to the reference (``log pi - log pi_ref``, summed over tokens), or with
+    ``length_normalized`` (SimPO, ORPO: no reference) each answer's mean token log-prob."""
+
+    loss_fn: PreferenceLossFn
+    params: PreferenceParams
+    rpo_alpha: float = 0.0
+    length_normalized: bool = False
+
+    def scores(self, chosen: Tensor, rejected: Tensor, ref: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """What ``loss_fn`` reads for pairs with policy log-probs ``chosen``/``rejected`` (B,), reference
+        ``ref`` (B, 2) and ``tokens`` (B, 2) scored tokens."""
+        if self.length_normalized:
+            counts = tokens.to(chosen.device).clamp(min=1.0)
+            return chosen / counts[:, 0], rejected / counts[:, 1]
+        return chosen - ref[:, 0], rejected - ref[:, 1]
+
+    def per_pair(
+        self, chosen: Tensor, rejected: Tensor, ref: Tensor, tokens: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        """(B,) losses of the pairs (see ``scores``), and (B,) their chosen NLL per token (None without
+        an NLL term)."""
+        loss = self.loss_fn(*self.scores(chosen, rejected, ref, tokens), self.params)
+        if self.rpo_alpha == 0:
+            return loss, None
+        nll = chosen_nll(chosen, tokens[:, 0].to(chosen.device))
+        return loss + self.rpo_alpha * nll, nll
+
+
+def pair_stats(chosen_logratio: Tensor, rejected_logratio: Tensor, beta: float) -> dict[str, Tensor]:
+    """Implicit rewards r = beta * log(pi/pi_ref) of chosen and rejected, their accuracy and margin.
+
+    Args:
+        chosen_logratio: (B,) the chosen answers' scores (``PairObjective.scores``), detached here.
+        rejected_logratio: (B,) the rejected answers' scores.
+        beta: the scale of the implicit reward.
+
+    Returns:
+        ``rewards/chosen``, ``rewards/rejected`` (means of r), ``rewards/accuracy`` (share of pairs whose
+        chosen reward is higher) and ``rewards/margin`` (mean of r_chosen - r_rejected), 0-dim tensors.
+
+    Source: Rafailov et al. 2023, "Direct Preference Optimization", section 5 (the implicit reward); the
+    same four statistics TRL's DPOTrainer logs.
+    Degenerate: ties count as wrong in the accuracy; no gradient flows (every input is detached).
+    """
+    chosen, rejected = beta * chosen_logratio.detach(), beta * rejected_logratio.detach()
+    return {
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+        "rewards/accuracy": (chosen > rejected).float().mean(),
+        "rewards/margin": (chosen - rejected).mean(),
+    }

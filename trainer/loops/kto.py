@@ -28,7 +28,7 @@ from trainer.algorithms.preference_losses import KtoParams, kto, kto_reference_p
 from trainer.completion_logps import completion_logp_sums
 from trainer.data.sft import TokenizedExample, collate_examples, tokenize_example
 from trainer.distributed import ONE, Ranks, is_sharded, share, sum_over_ranks, unwrap
-from trainer.loops.dpo import Reference
+from trainer.loops.reference import Reference
 from trainer.loops.session import Final, TrainingSession, begin, eval_rows, load_policy, to_floats
 from trainer.phases import Phase
 from trainer.precision import frozen_dtype
