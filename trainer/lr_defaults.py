@@ -71,7 +71,7 @@ def default_learning_rate(algorithm: str, n_params: int | None) -> float:
 
 def preset_params_of(model: str) -> int | None:
     """The size of a ``tiny:`` model reference from its name alone (None for any other reference)."""
-    from trainer.specs import TINY_PRESETS  # here: specs imports this module
+    from trainer.specs.refs import TINY_PRESETS  # here, from its own module: trainer.specs imports this one
 
     dims = TINY_PRESETS.get(model.removeprefix("tiny:")) if model.startswith("tiny:") else None
     return preset_params(dims) if dims is not None else None

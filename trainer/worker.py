@@ -8,6 +8,7 @@ across training steps.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -39,7 +40,7 @@ from trainer.data.sampling import split_validation
 from trainer.models import resolve_model
 from trainer.phases import Phase, RunStopped
 from trainer.rank_launch import RankFailed
-from trainer.reporting import LoopContext, LoopResult, RunData
+from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import AnyRunSpec, EvalSpec, MergeSpec, parse_run_ref, parse_run_ref_step, parse_spec
 from trainer.stop_watch import StopWatch
 from trainer.worker_ranks import run_on_ranks
@@ -379,6 +380,16 @@ class LeaseKeeper(threading.Thread):
         self.stopped.set()
 
 
+def rank_zero_reporter(database_url: str, run_id: str, worker_id: str, lease_seconds: int) -> Reporter:
+    """Rank 0's reporter: the run's database reporter, its phases shown but never interrupted inside the
+    rank (every rank must stop at the same point: step boundaries, or the worker ends them all)."""
+    factory = make_session_factory(make_engine(database_url))
+    reporter = DbReporter(factory, uuid.UUID(run_id), worker_id, lease_seconds)
+    reporter.watch = StopWatch(lambda: False, reporter.write_progress)
+    reporter.watch.start()
+    return reporter
+
+
 def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
@@ -514,10 +525,15 @@ def _execute_claimed(
                 spec,
                 data,
                 ctx,
-                settings=settings,
+                reporter=functools.partial(
+                    rank_zero_reporter,
+                    settings.resolved_database_url,
+                    str(run_id),
+                    worker_id,
+                    settings.lease_seconds,
+                ),
                 session_factory=session_factory,
                 run_id=run_id,
-                worker_id=worker_id,
             )
         else:
             result = loops[spec.algorithm](spec, data, reporter, ctx)

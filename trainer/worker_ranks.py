@@ -20,21 +20,19 @@ import functools
 import os
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from sqlalchemy import select
 
-from api.db import make_engine, make_session_factory
 from api.models import Run
-from api.settings import Settings
 from trainer.distributed import Ranks
 from trainer.phases import RunStopped
 from trainer.rank_launch import RankJob, RanksStopped, launch
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import AnyRunSpec
-from trainer.stop_watch import StopWatch
 
 STOP_GRACE_SECONDS = 60.0
 
@@ -71,18 +69,6 @@ def rank_context(
         resume_from=Path(resume_from) if resume_from else None,
         ranks=ranks,
     )
-
-
-def rank_zero_reporter(database_url: str, run_id: str, worker_id: str, lease_seconds: int) -> Reporter:
-    """Rank 0's reporter: the run's database reporter, its phases shown but never interrupted inside the
-    rank (every rank must stop at the same point: step boundaries, or the worker ends them all)."""
-    from trainer.worker import DbReporter
-
-    factory = make_session_factory(make_engine(database_url))
-    reporter = DbReporter(factory, uuid.UUID(run_id), worker_id, lease_seconds)
-    reporter.watch = StopWatch(lambda: False, reporter.write_progress)
-    reporter.watch.start()
-    return reporter
 
 
 def rank_zero_result(reporter: Reporter, result: LoopResult) -> dict[str, Any]:
@@ -126,13 +112,14 @@ def run_on_ranks(
     data: RunData,
     ctx: LoopContext,
     *,
-    settings: Settings,
+    reporter: Callable[[], Reporter],
     session_factory: Any,
     run_id: uuid.UUID,
-    worker_id: str,
 ) -> LoopResult:
-    """Train ``spec`` on ``spec.resources.devices`` ranks; the loop's result as rank 0 saw it. A stop the
-    ranks did not honour in time raises ``RunStopped``; a lost rank raises ``RankFailed``."""
+    """Train ``spec`` on ``spec.resources.devices`` ranks; the loop's result as rank 0 saw it. Rank 0 builds
+    its reporter with ``reporter`` (picklable: it travels to the rank's process; the worker's database
+    reporter, ``trainer.worker.rank_zero_reporter``). A stop the ranks did not honour in time raises
+    ``RunStopped``; a lost rank raises ``RankFailed``."""
     devices = spec.resources.devices
     check_devices(devices)
     # Every model reference of the spec (``model_refs`` holds reference_model and reward models too).
@@ -147,9 +134,7 @@ def run_on_ranks(
             str(ctx.checkpoint_dir),
             str(ctx.resume_from) if ctx.resume_from else None,
         ),
-        reporter=functools.partial(
-            rank_zero_reporter, settings.resolved_database_url, str(run_id), worker_id, settings.lease_seconds
-        ),
+        reporter=reporter,
         collect=rank_zero_result,
         sharding=spec.resources.sharding,
     )
