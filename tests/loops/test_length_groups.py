@@ -21,8 +21,9 @@ from trainer.algorithms.preference_losses import PREFERENCE_LOSSES, PairObjectiv
 from trainer.data.length_groups import PaddingCost, attention_span_of, group_by_length
 from trainer.data.pair_layout import PairGrouping, pair_collate, pair_tokens
 from trainer.data.preference import tokenize_pair
-from trainer.loops import dpo as dpo_loop
-from trainer.loops.dpo import in_row_order, micro_losses, pair_grouping, run_dpo
+from trainer.loops import pair_plan
+from trainer.loops.dpo import in_row_order, micro_losses, run_dpo
+from trainer.loops.pair_plan import pair_grouping
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import parse_spec
@@ -116,7 +117,7 @@ def test_a_dpo_run_in_length_groups_is_the_one_pass_run(
     assert len(grouping.groups(pairs, 8)) > 1  # these pairs do travel in several groups
 
     grouped = dpo(tiny_cache, tmp_path / "grouped", rows, mode)
-    monkeypatch.setattr(dpo_loop, "pair_grouping", lambda *args: PairGrouping(None))
+    monkeypatch.setattr(pair_plan, "pair_grouping", lambda *args: PairGrouping(None))
     one_pass = dpo(tiny_cache, tmp_path / "one-pass", rows, mode)
     # Step 1 runs on the same weights: the grouped passes give the one pass's values to float rounding.
     # Later steps start from weights one Adam step apart by that rounding, which Adam amplifies on

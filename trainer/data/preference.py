@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 from torch import Tensor
 
 from trainer.data.prompts import render_prompt
+from trainer.phases import Phase
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,23 @@ def tokenize_pair(
     return TokenizedPair(
         prompt=prompt, chosen=completion(row["chosen"]), rejected=completion(row["rejected"])
     )
+
+
+def tokenize_pairs(
+    rows: Sequence[dict[str, Any]],
+    tokenizer: Any,
+    *,
+    max_length: int,
+    max_prompt_length: int,
+    progress: Phase | None = None,
+) -> list[TokenizedPair]:
+    """``tokenize_pair`` of each row, in order; ``progress`` counts the rows."""
+    out = []
+    for row in rows:
+        out.append(tokenize_pair(row, tokenizer, max_length=max_length, max_prompt_length=max_prompt_length))
+        if progress is not None:
+            progress.advance()
+    return out
 
 
 def collate_pairs(pairs: list[TokenizedPair], pad_id: int) -> PairBatch:

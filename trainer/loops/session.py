@@ -308,6 +308,20 @@ def load_policy(start: Start, hp: TrainingHyperparameters) -> tuple[Any, Any]:
     return load_trainable(start, "causal", checkpointing=hp.gradient_checkpointing, precision=hp.precision)
 
 
+def begin_policy(
+    ctx: LoopContext,
+    reporter: Reporter,
+    model: str,
+    hp: TrainingHyperparameters,
+    adapter: AdapterSpec | None = None,
+) -> tuple[Start, Any, Any]:
+    """``begin`` (resolve ``model``, then seed with ``hp.seed``) and ``load_policy``: the run's start, the
+    causal LM to train and its tokenizer."""
+    start = begin(ctx, reporter, model, hp.seed, adapter)
+    policy, tokenizer = load_policy(start, hp)
+    return start, policy, tokenizer
+
+
 def eval_rows(n: int, max_rows: int, seed: int) -> list[int]:
     """Which of ``n`` rows an evaluation reads: all of them, or ``max_rows`` drawn without replacement
     with ``seed`` (the same rows at every evaluation of a run), in their original order."""
