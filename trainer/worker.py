@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api import lifecycle
 from api.db import make_engine, make_session_factory
 from api.metric_store import write_points
-from api.models import Checkpoint, Event, Run, RunSample, utcnow
+from api.models import Checkpoint, Run, RunSample, utcnow
 from api.queue import TASK_NAME, CeleryEnqueue, make_celery
 from api.services.datasets import load_rows
 from api.services.pipelines import advance
@@ -41,7 +41,15 @@ from trainer.models import resolve_model
 from trainer.phases import Phase, RunStopped
 from trainer.rank_launch import RankFailed
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
-from trainer.specs import AnyRunSpec, EvalSpec, MergeSpec, parse_run_ref, parse_run_ref_step, parse_spec
+from trainer.specs import (
+    AnyRunSpec,
+    EvalSpec,
+    MergeSpec,
+    parse_run_ref,
+    parse_run_ref_step,
+    parse_spec,
+    without_nul,
+)
 from trainer.stop_watch import StopWatch
 from trainer.worker_ranks import run_on_ranks
 
@@ -169,13 +177,12 @@ class DbReporter:
                 )
                 if _updated(session, stmt) and name is not None and event_due:
                     of = f"/{total}" if total is not None else ""
-                    session.add(
-                        Event(
-                            run_id=self.run_id,
-                            kind="progress",
-                            message=f"{name} {done}{of}",
-                            data={"phase": name, "done": done, "total": total},
-                        )
+                    lifecycle.add_event(
+                        session,
+                        self.run_id,
+                        "progress",
+                        f"{name} {done}{of}",
+                        {"phase": name, "done": done, "total": total},
                     )
 
         now = time.monotonic()
@@ -196,14 +203,7 @@ class DbReporter:
                     return
                 run.warnings = [*(run.warnings or []), {"code": code, "step": step, "message": message}]
                 run.warning_count = len(run.warnings)
-                session.add(
-                    Event(
-                        run_id=self.run_id,
-                        kind="warning",
-                        message=message,
-                        data={"code": code, "step": step},
-                    )
-                )
+                lifecycle.add_event(session, self.run_id, "warning", message, {"code": code, "step": step})
 
         retry_busy(f"run {self.run_id}: warning", write)
 
@@ -242,7 +242,7 @@ class DbReporter:
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         def write() -> None:
             with self.sf.begin() as session:
-                session.add(Event(run_id=self.run_id, kind=kind, message=message, data=data))
+                lifecycle.add_event(session, self.run_id, kind, message, data)
 
         retry_busy(f"run {self.run_id}: event", write)
 
@@ -264,13 +264,12 @@ class DbReporter:
                         metrics=dict(metrics),
                     )
                 )
-                session.add(
-                    Event(
-                        run_id=self.run_id,
-                        kind="checkpoint",
-                        message=f"checkpoint at step {step}",
-                        data={"step": step, "size_bytes": size_bytes},
-                    )
+                lifecycle.add_event(
+                    session,
+                    self.run_id,
+                    "checkpoint",
+                    f"checkpoint at step {step}",
+                    {"step": step, "size_bytes": size_bytes},
                 )
 
         retry_busy(f"run {self.run_id}: checkpoint", write)
@@ -327,17 +326,6 @@ class DbReporter:
                 raise
             log.warning("run %s: stop check skipped, database still locked", self.run_id)
             return False
-
-
-def without_nul(value: Any) -> Any:
-    """``value`` with U+0000 replaced by U+FFFD in every string in it (dict keys, list items, nested)."""
-    if isinstance(value, str):
-        return value.replace("\x00", "\ufffd")
-    if isinstance(value, dict):
-        return {without_nul(k): without_nul(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [without_nul(v) for v in value]
-    return value
 
 
 class LeaseKeeper(threading.Thread):
