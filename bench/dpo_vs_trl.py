@@ -82,6 +82,7 @@ from rlrun.demo import addition_pairs
 from rlrun.formats import normalize_preference
 from trainer.data.preference import tokenize_pair
 from trainer.loops import dpo as dpo_loop
+from trainer.loops import session as session_module
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.reporting import RunData
 from trainer.specs import parse_spec
@@ -202,7 +203,9 @@ def run_rlrun(model_dir: Path, case: Case, mode: str, steps: int, work: Path) ->
     loaded = load_causal_lm(str(model_dir))  # loading is outside the clock, as for TRL
     # a training step logs "loss" (the final eval does not); setup ends after the reference pass
     reporter = TimedReporter(step_key="loss", setup_ends=lambda message: message.startswith("training on"))
-    with mock.patch.object(dpo_loop, "load_causal_lm", lambda _path: loaded):
+    # the loop loads the policy through the session (load_trainable); the already loaded copy stands in (the
+    # reference is a copy of it: the same model, not loaded again)
+    with mock.patch.object(session_module, "load_causal_lm", lambda _path, *args, **kwargs: loaded):
         start = stamp()
         result = dpo_loop.run_dpo(spec, RunData(train=rows), reporter, ctx)
     assert result.status == "succeeded" and reporter.setup_end is not None

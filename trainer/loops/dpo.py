@@ -41,7 +41,6 @@ from trainer.distributed import gather_rows, share, sum_over_ranks
 from trainer.loops.pair_plan import REFERENCE_BATCH, pair_plan
 from trainer.loops.reference import pair_references
 from trainer.loops.session import Final, TrainingSession, begin_policy, to_floats
-from trainer.models import load_causal_lm  # noqa: F401 - bench/dpo_vs_trl.py patches this name here
 from trainer.phases import Phase
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import DpoHyperparameters, DpoSpec, OrpoSpec
