@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo serve test lint bench clean
+.PHONY: demo serve test test-quick lint bench clean
 
 # torch is installed first and pinned: 2.13.0 is a local CPU wheel here; anything looser pulls CUDA builds.
 $(STAMP): pyproject.toml
@@ -24,8 +24,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy api rlrun trainer
 
+# The suite runs on every core (pytest-xdist): a test file at a time per worker, so a module's servers start
+# once; heaviest files first (tests/conftest.py). TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= auto
+PYTEST_PARALLEL = $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: lint
-	$(VENV)/bin/pytest -q
+	$(PYTEST_PARALLEL) --durations=25
+
+# The inner loop: every test but those that start worker processes, servers or browsers, or train for long.
+test-quick: $(STAMP)
+	$(PYTEST_PARALLEL) -m "not slow and not integration" --ignore=tests/browser
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[dev,bench]'

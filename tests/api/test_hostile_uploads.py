@@ -26,21 +26,23 @@ def post(client, data: bytes, name: str = "x.jsonl"):  # type: ignore[no-untyped
 GOOD = jsonl(pair_rows(2))
 
 
-@pytest.mark.parametrize(
-    ("label", "data", "message"),
-    [
-        ("deeply nested JSON", b"[" * 20_000 + b"]" * 20_000 + b"\n", "nested too deeply"),
-        ("raw NUL byte", GOOD + b'{"prompt": "a\x00", "chosen": "b", "rejected": "c"}\n', "NUL"),
-        ("escaped NUL", GOOD + b'{"prompt": "a\\u0000", "chosen": "b", "rejected": "c"}\n', "NUL"),
-        ("invalid UTF-8", GOOD + b'{"prompt": "\xc3\x28", "chosen": "b", "rejected": "c"}\n', "UTF-8"),
-        ("gzip bomb named .jsonl", gzip.compress(b"0" * 5_000_000), "line"),
-        (
-            "a line over the line limit",
-            GOOD + b'{"prompt": "' + b"x" * 300_000 + b'"}\n' + GOOD,
-            "longer than",
-        ),
-    ],
-)
+# Named by their labels: the bytes would make ids of megabytes, and a gzip header's mtime made them differ
+# between xdist workers (mtime=0 keeps the bomb's bytes the same on every run too).
+HOSTILE = [
+    ("deeply nested JSON", b"[" * 20_000 + b"]" * 20_000 + b"\n", "nested too deeply"),
+    ("raw NUL byte", GOOD + b'{"prompt": "a\x00", "chosen": "b", "rejected": "c"}\n', "NUL"),
+    ("escaped NUL", GOOD + b'{"prompt": "a\\u0000", "chosen": "b", "rejected": "c"}\n', "NUL"),
+    ("invalid UTF-8", GOOD + b'{"prompt": "\xc3\x28", "chosen": "b", "rejected": "c"}\n', "UTF-8"),
+    ("gzip bomb named .jsonl", gzip.compress(b"0" * 5_000_000, mtime=0), "line"),
+    (
+        "a line over the line limit",
+        GOOD + b'{"prompt": "' + b"x" * 300_000 + b'"}\n' + GOOD,
+        "longer than",
+    ),
+]
+
+
+@pytest.mark.parametrize(("label", "data", "message"), HOSTILE, ids=[case[0] for case in HOSTILE])
 def test_hostile_upload_is_refused_and_stores_nothing(
     session: Session,
     tmp_path,
