@@ -21,32 +21,16 @@ silent one. Decisions every rank must share (stop or go, a non-finite loss) are 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from trainer.ranks import Ranks as Ranks  # re-exported: the loops name it with the rest of this module
+from trainer.ranks import Sharding as Sharding
+
 T = TypeVar("T")
-Sharding = Literal["ddp", "fsdp"]
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in the run: its rank, how many ranks, how the model is spread over them."""
-
-    rank: int = 0
-    world: int = 1
-    sharding: Sharding = "ddp"
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def active(self) -> bool:
-        return self.world > 1
 
 
 ONE = Ranks()  # a run on one process

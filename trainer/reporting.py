@@ -10,8 +10,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
-from trainer.distributed import Ranks
 from trainer.phases import Counter, Phase, RunStopped
+from trainer.ranks import Ranks
 
 
 class Reporter(Protocol):
@@ -59,9 +59,7 @@ class LoopContext:
     checkpoint_dir: Path  # checkpoints go to <checkpoint_dir>/step-<N>/; the last one is the final model
     resolve_model: Callable[[str], str]  # model reference -> a path or hub id for from_pretrained
     resume_from: Path | None = None  # a checkpoint folder of this run to continue from
-    ranks: Ranks = field(
-        default_factory=Ranks
-    )  # this process's rank in a multi-rank run (trainer/distributed.py)
+    ranks: Ranks = field(default_factory=Ranks)  # this process's rank in a multi-rank run (trainer/ranks.py)
 
 
 @dataclass

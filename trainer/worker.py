@@ -36,10 +36,7 @@ from api.queue import TASK_NAME, CeleryEnqueue, make_celery
 from api.services.datasets import load_rows
 from api.services.pipelines import advance
 from api.settings import Settings, get_settings
-from trainer.data.sampling import split_validation
-from trainer.models import resolve_model
 from trainer.phases import Phase, RunStopped
-from trainer.rank_launch import RankFailed
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import (
     AnyRunSpec,
@@ -51,7 +48,6 @@ from trainer.specs import (
     without_nul,
 )
 from trainer.stop_watch import StopWatch
-from trainer.worker_ranks import run_on_ranks
 
 log = logging.getLogger("rlrun.worker")
 SessionFactory = sessionmaker[Session]
@@ -436,6 +432,8 @@ def load_run_data(session: Session, spec: AnyRunSpec) -> RunData:
         return RunData(
             train=rows, validation=load_rows(session=session, dataset_id=spec.validation_dataset_id)
         )
+    from trainer.data.sampling import split_validation  # torch: loaded with the first run (_execute_claimed)
+
     seed: int = spec.hyperparameters.seed
     train, validation = split_validation(rows, spec.validation_fraction, seed)
     return RunData(train=train, validation=validation)
@@ -489,6 +487,12 @@ def _execute_claimed(
     worker_id: str,
     reporter: DbReporter,
 ) -> str | None:
+    # torch and transformers load with the first run, not when the worker starts: an idle worker is up in
+    # about a second instead of five (a restart after a crash, or a `rlrun serve` with nothing to train)
+    from trainer.models import resolve_model
+    from trainer.rank_launch import RankFailed
+    from trainer.worker_ranks import run_on_ranks
+
     try:
         with session_factory() as session:
             run = session.get(Run, run_id)
