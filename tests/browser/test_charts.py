@@ -162,6 +162,13 @@ def drawn(browser: WebDriver, testid: str) -> Any:
     return chart(browser, testid, "c.u && !c.frame ? c.u.data : null")
 
 
+def drawn_steps(browser: WebDriver, testid: str) -> list[Any]:
+    """The drawn x values, or [] while a frame is pending: a wait's predicate must not index null (a
+    reset or an appended point can leave a frame pending at the moment the wait polls)."""
+    data = drawn(browser, testid)
+    return [] if data is None else list(data[0])
+
+
 def columns(client: httpx.Client, run_id: str, key: str, max_points: int = 500, **params: Any) -> Any:
     resp = client.get(
         f"/v1/runs/{run_id}/metrics",
@@ -285,7 +292,7 @@ def test_zoom_fetches_the_range_at_full_resolution_and_resets(
     assert n == min(2000, plot_width)
     part = columns(seeded.client, seeded.long, "loss", max_points=n, min_step=s0, max_step=s1)
     assert part["step"] == list(range(s0, s1 + 1))  # every step of the range: at full resolution
-    wait(browser, lambda: drawn(browser, "chart-loss")[0] == part["step"], what="zoomed range not drawn")
+    wait(browser, lambda: drawn_steps(browser, "chart-loss") == part["step"], what="zoomed range not drawn")
     assert drawn(browser, "chart-loss")[1] == pytest.approx([loss(s) for s in part["step"]], rel=1e-12)
     before = sum(s0 <= s <= s1 for s in whole["step"])
     assert len(part["step"]) > 2 * before  # more points in range than the whole-run series had
@@ -295,7 +302,11 @@ def test_zoom_fetches_the_range_at_full_resolution_and_resets(
     assert points.get_attribute("data-points") == str(len(part["step"]))
 
     browser.find_element(By.CSS_SELECTOR, "[data-chart='chart-loss'] [data-testid='reset-zoom']").click()
-    wait(browser, lambda: drawn(browser, "chart-loss")[0] == whole["step"], what="reset: whole run not drawn")
+    wait(
+        browser,
+        lambda: drawn_steps(browser, "chart-loss") == whole["step"],
+        what="reset: whole run not drawn",
+    )
     assert x_range(browser, "chart-loss") == full
     assert chart(browser, "chart-loss", "c.resetBtn.hidden") is True
     assert points.get_attribute("data-points") == str(len(whole["step"]))
@@ -305,7 +316,7 @@ def test_zoom_fetches_the_range_at_full_resolution_and_resets(
     over = browser.find_element(By.CSS_SELECTOR, "[data-testid='chart-loss'] .u-over")
     ActionChains(browser).double_click(over).perform()
     wait(browser, lambda: x_range(browser, "chart-loss") == full, what="double-click: x not reset")
-    wait(browser, lambda: drawn(browser, "chart-loss")[0] == whole["step"], what="double-click: not reset")
+    wait(browser, lambda: drawn_steps(browser, "chart-loss") == whole["step"], what="double-click: not reset")
     assert chart(browser, "chart-loss", "'zoom' in c.el.dataset") is False
     assert_no_console_errors(browser)
 
@@ -460,7 +471,11 @@ def test_live_points_are_appended_to_the_same_chart(seeded: Seeded, browser: Web
 
     now = datetime.now(UTC)
     add_points(seeded.db, seeded.live, {"loss": loss}, range(LIVE_STEPS, LIVE_STEPS + 20), lambda s: now)
-    wait(browser, lambda: len(drawn(browser, "chart-loss")[0]) == LIVE_STEPS + 20, what="points not appended")
+    wait(
+        browser,
+        lambda: len(drawn_steps(browser, "chart-loss")) == LIVE_STEPS + 20,
+        what="points not appended",
+    )
     data = drawn(browser, "chart-loss")
     assert data[0] == list(range(LIVE_STEPS + 20))
     assert data[1] == pytest.approx([loss(s) for s in range(LIVE_STEPS + 20)], rel=1e-12)
@@ -481,7 +496,9 @@ def test_live_points_are_appended_to_the_same_chart(seeded: Seeded, browser: Web
     assert x_range(browser, "chart-loss") == zoomed  # zoom kept
     assert chart(browser, "chart-loss", "c.u === window.__u") is True
     browser.find_element(By.CSS_SELECTOR, "[data-chart='chart-loss'] [data-testid='reset-zoom']").click()
-    wait(browser, lambda: drawn(browser, "chart-loss")[0] == list(range(LIVE_STEPS + 30)), what="not reset")
+    wait(
+        browser, lambda: drawn_steps(browser, "chart-loss") == list(range(LIVE_STEPS + 30)), what="not reset"
+    )
     browser.get("about:blank")  # closes the live stream
     assert_no_console_errors(browser)
 
