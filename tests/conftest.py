@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
@@ -110,8 +111,7 @@ def check_unique_node_ids(items: list[pytest.Item]) -> None:
     them and count one. (schemathesis' ``schema.parametrize()`` on pytest 9 gives all 49 API operations
     the same id; under ``-n`` one operation ran and "1 passed" was reported. pytest is pinned to 8.4 in
     pyproject.toml until that is mended.)"""
-    ids = [item.nodeid for item in items]
-    repeated = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) != len(ids) else []
+    repeated = sorted(i for i, n in Counter(item.nodeid for item in items).items() if n > 1)
     if repeated:
         raise pytest.UsageError(f"tests share a node id (xdist would run one of each): {repeated[:5]}")
 
