@@ -17,8 +17,11 @@ from api.services.datasets import get_dataset
 from api.services.runs import get_run
 from api.settings import Settings
 
+# The dependencies that only read app.state are coroutines: FastAPI runs a plain function dependency in a
+# worker thread, a hand-off per dependency per request. Those that touch the database stay plain functions.
 
-def get_settings_dep(request: Request) -> Settings:
+
+async def get_settings_dep(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
 
@@ -28,13 +31,13 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_session_factory(request: Request) -> Callable[[], AbstractContextManager[Session]]:
+async def get_session_factory(request: Request) -> Callable[[], AbstractContextManager[Session]]:
     """For the one route that opens a short session per poll (the SSE stream)."""
     factory: Callable[[], AbstractContextManager[Session]] = request.app.state.session_factory
     return factory
 
 
-def get_enqueue(request: Request) -> Enqueue:
+async def get_enqueue(request: Request) -> Enqueue:
     enqueue: Enqueue = request.app.state.enqueue
     return enqueue
 

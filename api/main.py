@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.orm import Session, sessionmaker
@@ -16,6 +14,7 @@ from api.compression import JsonGzipMiddleware
 from api.db import make_engine, make_session_factory
 from api.errors import install_error_handlers
 from api.queue import CeleryEnqueue, Enqueue
+from api.request_log import RequestLog
 from api.routers import (
     checkpoints,
     datasets,
@@ -75,13 +74,7 @@ def create_app(
 
     app.add_middleware(JsonGzipMiddleware)
 
-    @app.middleware("http")
-    async def log_requests(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        start = time.perf_counter()
-        response = await call_next(request)
-        ms = (time.perf_counter() - start) * 1000
-        log.info("%s %s %d %.1fms", request.method, request.url.path, response.status_code, ms)
-        return response
+    app.add_middleware(RequestLog)
 
     static = Path(__file__).resolve().parent / "static"
     app.mount("/static", StaticFiles(directory=static, check_dir=False), name="static")
