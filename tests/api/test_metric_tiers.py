@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from bisect import bisect_left
 from datetime import timedelta
 from typing import Any
 
@@ -117,8 +118,10 @@ def expected_chart(points: dict[int, float], lo: int, hi: int, max_points: int) 
         return minmax_downsample(inside, [v for _, v in inside], max_points)
     a, b = -(-first // width) * width, (last + 1) // width * width  # whole buckets: steps a..b-1
     cand = {s: v for s, v in inside if s < a or s >= b or s in (first, last)}
+    steps = [s for s, _ in inside]
     for start in range(a, b, width):
-        bucket = [(s, v) for s, v in inside if start <= s < start + width]
+        # inside is sorted by step: the bucket is the slice between its bounds
+        bucket = inside[bisect_left(steps, start) : bisect_left(steps, start + width)]
         if bucket:
             low = min(bucket, key=lambda p: (p[1], p[0]))
             high = min(bucket, key=lambda p: (-p[1], p[0]))
