@@ -64,6 +64,13 @@ class Settings(BaseSettings):
         "`resources.devices` asks for more is refused at submit (422). Unset: each worker checks when it "
         "starts the run and fails it, saying how many it sees.",
     )
+    engine_python: str | None = Field(
+        default=None,
+        description="Python of the generation engine's environment, for runs with `engine: vllm_server` "
+        "(`make engine` builds `.venv-engine`; unset: `.venv-engine/bin/python` beside the project). Such a "
+        "run is refused at submit (422) when the file does not exist where the API runs; workers start the "
+        "engine with it.",
+    )
     max_runs_in_flight: int = Field(
         default=1000, ge=1, description="Queued, running or paused runs one project may have (429 above)."
     )

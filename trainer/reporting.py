@@ -4,7 +4,7 @@ typed), plus what a loop is given: its data and its context."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -60,6 +60,9 @@ class LoopContext:
     resolve_model: Callable[[str], str]  # model reference -> a path or hub id for from_pretrained
     resume_from: Path | None = None  # a checkpoint folder of this run to continue from
     ranks: Ranks = field(default_factory=Ranks)  # this process's rank in a multi-rank run (trainer/ranks.py)
+    # What a loop starts and must stop whatever way it ends (an engine process): closed by the wrapper every
+    # loop in trainer.loops.LOOPS runs in, after the loop returns or raises.
+    cleanup: ExitStack = field(default_factory=ExitStack)
 
 
 @dataclass

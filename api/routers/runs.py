@@ -15,6 +15,7 @@ from api.errors import InvalidRequest
 from api.pagination import AfterCursor
 from api.services import runs as service
 from api.services.pipelines import cancel_run_and_its_pipeline
+from api.services.references import check_engine
 from api.services.runs import RunSort
 from api.services.runs import run_read as to_read
 from rlrun.schemas import (
@@ -55,6 +56,7 @@ def create_run(
         existing = service.find_by_idempotency_key(session=session, key=scoped_key, spec=spec)
         if existing is not None:
             return to_read(existing)
+    check_engine(spec, settings.engine_python)
     run = service.submit_run(
         session=session,
         spec=spec,

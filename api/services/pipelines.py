@@ -22,7 +22,13 @@ from api.errors import InvalidRequest, InvalidTransition, NotFound
 from api.lifecycle import add_cancelled_run, add_event, cancel_run
 from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Pipeline, Run, utcnow
 from api.schemas import PipelineCreate
-from api.services.references import check_devices, check_learnable, check_references, total_steps
+from api.services.references import (
+    check_devices,
+    check_engine,
+    check_learnable,
+    check_references,
+    total_steps,
+)
 from api.services.runs import submit_run
 from rlrun.schemas import PipelineRead, StageRead
 from trainer.specs import RunSpec, parse_spec, parse_stage_ref, set_at, spec_references
@@ -53,6 +59,7 @@ def create_pipeline(
     allow_hub: bool = False,
     project_id: uuid.UUID = DEFAULT_PROJECT_ID,
     worker_devices: int | None = None,
+    engine_python: str | None = None,
 ) -> Pipeline:
     """Check every stage now (names, references, datasets), store the pipeline, start what can start.
     A stage's ``stage:`` references name earlier stages, so the stages' order is a valid start order."""
@@ -72,6 +79,7 @@ def create_pipeline(
         )
         check_learnable(stage.spec, prefix=f"{where}.spec.")
         check_devices(stage.spec, worker_devices, prefix=f"{where}.spec.")
+        check_engine(stage.spec, engine_python, prefix=f"{where}.spec.")
         seen[stage.name] = stage.spec.algorithm
     pipeline = Pipeline(
         id=uuid.uuid4(),

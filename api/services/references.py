@@ -166,6 +166,21 @@ def check_devices(spec: AnyRunSpec, worker_devices: int | None, prefix: str = ""
         )
 
 
+def check_engine(spec: AnyRunSpec, engine_python_setting: str | None, prefix: str = "") -> None:
+    """422 when the run asks for the engine process (``engine: vllm_server``) and no engine environment
+    is configured or installed here, naming the setting and the install command."""
+    from trainer.rollout.engine_process import EngineUnavailable, engine_python
+
+    hp = getattr(spec, "hyperparameters", None)
+    if getattr(hp, "engine", "hf") != "vllm_server":
+        return
+    try:
+        engine_python(engine_python_setting)
+    except EngineUnavailable as exc:
+        field = f"{prefix}hyperparameters.engine"
+        raise InvalidRequest(f"{field}: {exc}", field=field) from None
+
+
 def check_references(
     *,
     session: Session,

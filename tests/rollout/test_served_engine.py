@@ -5,6 +5,7 @@ weights."""
 from __future__ import annotations
 
 import copy
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,10 @@ import pytest
 import torch
 
 from tests.conftest import IN_CI
+from tests.loop_context import loop_ctx
+from trainer.loops import LOOPS
 from trainer.models import tiny_model_dir
+from trainer.reporting import MemoryReporter, RunData
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.engine_process import (
     EngineOptions,
@@ -24,6 +28,7 @@ from trainer.rollout.engine_process import (
 )
 from trainer.rollout.hf_engine import HFEngine
 from trainer.rollout.served_engine import ServedEngine
+from trainer.specs import parse_spec
 
 pytestmark = pytest.mark.slow
 
@@ -126,3 +131,96 @@ def test_a_missing_engine_environment_names_the_setting_and_the_install(
     monkeypatch.setenv("RLRUN_ENGINE_PYTHON", str(tmp_path / "nowhere" / "python"))
     with pytest.raises(EngineUnavailable, match="RLRUN_ENGINE_PYTHON.*make engine"):
         engine_python()
+
+
+# ---------- through a run: the loops start, use and stop the engine ----------
+
+ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "meta": {}} for a in range(4) for b in range(4)]
+
+
+START = f"run:{uuid.uuid4()}"  # the EOS-prone copy, saved as a run's output: greedy lengths differ
+
+
+def grpo_spec(engine: str) -> Any:
+    return parse_spec(
+        {
+            "algorithm": "grpo",
+            "model": START,
+            "dataset_id": str(uuid.uuid4()),
+            # scored by length, so the held-out accuracy depends on every greedy completion's length
+            "rewards": [{"name": "length_penalty", "params": {"target_tokens": 3}}],
+            "hyperparameters": {
+                "engine": engine,
+                "max_steps": 2,
+                "prompts_per_step": 4,
+                "samples_per_prompt": 4,
+                "max_new_tokens": 6,
+                "max_prompt_length": 16,
+                "learning_rate": 1e-2,
+                "eval_every": 2,
+                "dynamic_sampling": False,
+            },
+        }
+    )
+
+
+def engine_servers() -> set[int]:
+    """Pids of running vLLM OpenAI servers (what the runs below must leave behind: none of their own)."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"vllm.entrypoints.openai.api_server" in cmdline:
+                found.add(int(proc.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def eos_prone_folder(eos_prone: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("eos-prone")
+    model, tokenizer = eos_prone
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_grpo_run_generates_through_the_engine_and_stops_it(
+    engine: ServedEngine, eos_prone_folder: Path, tiny_cache: Path, tmp_path: Path
+) -> None:
+    before = engine_servers()  # the module's own engine
+    data = RunData(train=ROWS, validation=ROWS)
+    runs = {}
+    for name in ("hf", "vllm_server"):
+        reporter = MemoryReporter()
+        ctx = loop_ctx(tiny_cache, tmp_path / name, runs={START: eos_prone_folder})
+        result = LOOPS["grpo"](grpo_spec(name), data, reporter, ctx)
+        assert result.status == "succeeded", reporter.events
+        runs[name] = {(step, key): value for step, key, value in reporter.metrics}
+    assert engine_servers() == before  # the run's engine was stopped when the loop returned
+    # step 0's held-out accuracy is greedy decoding of the same starting weights: both engines agree
+    eval_keys = [k for (step, k) in runs["hf"] if step == 0 and k.startswith("eval/")]
+    assert "eval/response_length" in eval_keys
+    assert {k: runs["vllm_server"][(0, k)] for k in eval_keys} == {k: runs["hf"][(0, k)] for k in eval_keys}
+    assert 1 < runs["hf"][(0, "eval/response_length")] < 6  # some stop on EOS, some run to the limit
+    assert "reward/mean" in {k for _, k in runs["vllm_server"]}
+
+
+def test_a_run_whose_engine_cannot_start_fails_saying_why(tiny_cache: Path, tmp_path: Path) -> None:
+    engine_python_or_skip()
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'engine: cannot import vllm (a broken environment)' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLRUN_ENGINE_PYTHON", str(broken))
+        with pytest.raises(EngineStartError, match="cannot import vllm"):
+            LOOPS["grpo"](
+                grpo_spec("vllm_server"),
+                RunData(train=ROWS, validation=ROWS[:6]),
+                MemoryReporter(),
+                loop_ctx(
+                    tiny_cache, tmp_path / "out", runs={START: tiny_model_dir("llama-0.4m", tiny_cache)}
+                ),
+            )

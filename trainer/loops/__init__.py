@@ -27,14 +27,14 @@ Loop = Callable[[Any, RunData, Reporter, LoopContext], LoopResult]
 def in_precision(loop: Loop) -> Loop:
     """``loop`` refused before it loads anything when this worker cannot give the spec's
     ``hyperparameters.precision``, else run with every forward pass under its autocast
-    (trainer/precision.py)."""
+    (trainer/precision.py); what the loop registered in ``ctx.cleanup`` is closed when it ends."""
 
     @functools.wraps(loop)
     def run(spec: Any, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
         precision = getattr(spec.hyperparameters, "precision", "fp32")  # a merge keeps its own dtype
         device = pick_device()
         check_precision(precision, device)
-        with autocast(precision, device):
+        with ctx.cleanup, autocast(precision, device):
             return loop(spec, data, reporter, ctx)
 
     return run

@@ -110,13 +110,18 @@ def run_eval(spec: EvalSpec, data: RunData, reporter: Reporter, ctx: LoopContext
         model.to(device).eval().requires_grad_(False)
         # vLLM loads a folder itself: the full model under any adapters, then takes the merged weights
         # (sync_weights).
-        engine = make_engine(hp.engine, model=model, tokenizer=tokenizer, model_path=root_base(path))
+        engine = make_engine(
+            hp.engine,
+            model=model,
+            tokenizer=tokenizer,
+            model_path=root_base(path),
+            max_model_len=hp.max_prompt_length + hp.max_new_tokens,
+        )
+        ctx.cleanup.callback(engine.close)
         reward = build_reward(spec.rewards, ctx.resolve_model, device)
     rows = [data.train[i] for i in eval_rows(len(data.train), hp.max_rows or len(data.train), hp.seed)]
     ks = ", ".join(f"pass@{k}" for k in hp.ks)
-    reporter.event(
-        "info", f"eval: {len(rows)} prompts x {n} samples ({ks}) of {spec.model} on {device.type}"
-    )
+    reporter.event("info", f"eval: {len(rows)} prompts x {n} samples ({ks}) of {spec.model} on {device.type}")
     tally, stored = EvalTally(n=n, ks=hp.ks, threshold=hp.pass_threshold), 0
     for first in range(0, len(rows), hp.prompts_per_batch):
         if reporter.should_stop():

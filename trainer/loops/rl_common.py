@@ -87,7 +87,9 @@ def prepare_rl(
             tokenizer=tokenizer,
             model_path=start.model_path,
             synced_gpus=ctx.ranks.active and is_sharded(policy),
+            max_model_len=hp.max_prompt_length + hp.max_new_tokens,
         )
+        ctx.cleanup.callback(engine.close)
         reward = build_reward(spec.rewards, ctx.resolve_model, start.device)
         eval_reward = (
             build_reward(spec.eval_rewards, ctx.resolve_model, start.device) if spec.eval_rewards else reward

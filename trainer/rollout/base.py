@@ -75,6 +75,10 @@ class RolloutEngine(Protocol):
         """Make the engine generate with the policy's current weights."""
         ...
 
+    def close(self) -> None:
+        """Release what the engine holds outside this process (an engine process); idempotent."""
+        ...
+
 
 def check_generate_args(prompts: Sequence[list[int]], n: int) -> None:
     """The argument checks every engine shares: ``n >= 1`` and no empty prompt (nothing to condition on)."""

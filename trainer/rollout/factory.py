@@ -2,28 +2,37 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 from trainer.rollout.base import RolloutEngine
-
-EngineName = Literal["hf", "vllm"]
+from trainer.specs.base import EngineName
 
 
 def make_engine(
-    name: EngineName, *, model: Any, tokenizer: Any, model_path: str, synced_gpus: bool = False
+    name: EngineName,
+    *,
+    model: Any,
+    tokenizer: Any,
+    model_path: str,
+    synced_gpus: bool = False,
+    max_model_len: int = 512,
 ) -> RolloutEngine:
     """A rollout engine that generates with ``model``'s current weights; the one place that reads ``name``.
 
     Args:
-        name: ``"hf"`` (``model.generate`` in place, any device) or ``"vllm"`` (GPU, needs the vllm extra).
+        name: ``"hf"`` (``model.generate`` in place, any device), ``"vllm"`` (GPU, needs the vllm extra)
+            or ``"vllm_server"`` (vLLM's server started from the engine environment, any machine).
         model: the policy being trained.
         tokenizer: its tokenizer (HF engine; vLLM loads its own from ``model_path``).
         model_path: folder or hub id the policy was loaded from (vLLM builds its copy from it).
         synced_gpus: the model is sharded over ranks that generate together (HF: ``HFEngine``'s).
+        max_model_len: the longest prompt + completion the engine process must hold (``vllm_server``).
 
     Raises:
         ValueError: unknown ``name``, listing the valid ones.
         ImportError: ``"vllm"`` without vLLM installed, naming the extra.
+        EngineUnavailable: ``"vllm_server"`` without an engine environment, naming the setting and install.
+        EngineStartError: the engine process would not start (with its own last lines).
     """
     if name == "hf":
         from trainer.rollout.hf_engine import HFEngine
@@ -37,4 +46,14 @@ def make_engine(
         # checkpoint), so the engine starts from the policy's weights rather than trusting the folder.
         engine.sync_weights(model)
         return engine
+    if name == "vllm_server":
+        from trainer.rollout.served_engine import start_served_engine
+
+        served = start_served_engine(model_path, model, max_model_len=max_model_len)
+        try:
+            served.sync_weights(model)  # as for vllm: the policy may already differ from its folder
+        except BaseException:
+            served.close()
+            raise
+        return served
     raise ValueError(f"unknown rollout engine {name!r}; known: {', '.join(get_args(EngineName))}")

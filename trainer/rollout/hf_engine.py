@@ -194,6 +194,9 @@ class HFEngine:
         if model is not self.model:
             self.model = model
 
+    def close(self) -> None:
+        """Nothing to release: the policy is the caller's."""
+
 
 def generate_kwargs(params: SamplingParams, *, eos_id: int, pad_id: int) -> dict[str, Any]:
     """Keyword arguments for ``generate`` that decode greedily from exactly the policy's distribution; a

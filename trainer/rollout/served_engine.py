@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from trainer.rollout.base import Completion, SamplingParams, check_generate_args
-from trainer.rollout.engine_process import SERVED_NAME
+from trainer.rollout.engine_process import SERVED_NAME, EngineOptions, EngineProcess
 from trainer.rollout.vllm_engine import completions_from_vllm
 
 
@@ -111,8 +111,15 @@ class ServedEngine:
     """
 
     def __init__(
-        self, base_url: str, *, max_model_len: int, weights_dir: Path | None = None, timeout: float = 600
+        self,
+        base_url: str,
+        *,
+        max_model_len: int,
+        weights_dir: Path | None = None,
+        timeout: float = 600,
+        process: EngineProcess | None = None,
     ) -> None:
+        self.process = process  # stopped by close(), when this engine started it
         self.base_url = base_url.rstrip("/")
         self.max_model_len = max_model_len
         self._own_weights_dir = weights_dir is None
@@ -179,5 +186,32 @@ class ServedEngine:
 
     def close(self) -> None:
         self._http.close()
+        if self.process is not None:
+            self.process.stop()
         if self._own_weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+
+def start_served_engine(model_path: str, model: Any, *, max_model_len: int) -> ServedEngine:
+    """An engine process for the policy ``model`` loaded from the folder ``model_path`` (same dtype, as many
+    threads as this process: generation and training take turns), and a ``ServedEngine`` that stops it on
+    ``close()``. Its log is kept in a temporary folder; a failed start carries its last lines.
+
+    Raises:
+        ValueError: ``model_path`` is not a local folder (the engine loads it itself).
+        EngineUnavailable: no engine environment (the setting and the install are named).
+        EngineStartError: the engine would not start.
+    """
+    import torch
+
+    folder = Path(model_path)
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"engine 'vllm_server' loads the model from a local folder; {model_path} is not one")
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    options = EngineOptions(
+        model_dir=folder, dtype=dtype, max_model_len=max_model_len, threads=torch.get_num_threads()
+    )
+    log = Path(tempfile.mkdtemp(prefix="rlrun-engine-log-")) / "engine.log"
+    process = EngineProcess(options, log_path=log)
+    base_url = process.start()
+    return ServedEngine(base_url, max_model_len=max_model_len, process=process)

@@ -175,6 +175,9 @@ class VllmEngine:
         runner_model.load_weights(weights=((name, t.detach()) for name, t in model.state_dict().items()))
         self.llm.reset_prefix_cache()
 
+    def close(self) -> None:
+        """The in-process engine goes with this process."""
+
 
 def _ensure_single_process_group_env() -> None:
     """``external_launcher`` joins a torch.distributed group from the usual env vars; a worker that is not

@@ -27,6 +27,9 @@ AggregationName = Literal[
     "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
 ]
 KlControllerName = Literal["fixed", "adaptive"]
+# hf: transformers generate; vllm: in-process vLLM (GPU); vllm_server: vLLM's server in its own process
+# (trainer/rollout/engine_process.py)
+EngineName = Literal["hf", "vllm", "vllm_server"]
 
 LR_DOC = (
     "AdamW learning rate (after warmup). Default: by the run family and the model's size "
@@ -235,11 +238,7 @@ class _SpecCore(_Frozen):
                 f"of the batch ({size // n} = batch_size / resources.devices)"
             )
         adapter: AdapterSpec | None = getattr(self, "adapter", None)
-        if (
-            adapter is not None
-            and adapter.quantize is not None
-            and self.resources.sharding == "fsdp"
-        ):
+        if adapter is not None and adapter.quantize is not None and self.resources.sharding == "fsdp":
             raise ValueError("resources.sharding 'fsdp' does not shard a quantized (QLoRA) base: use 'ddp'")
         return self
 

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from trainer.specs.base import _Frozen, _SpecCore
+from trainer.specs.base import EngineName, _Frozen, _SpecCore
 from trainer.specs.online import RewardSpec
 from trainer.specs.refs import DATASET_REFERENCE, MODEL_REF_DOC, MODEL_REFERENCE
 
@@ -82,8 +82,10 @@ class EvalHyperparameters(_Frozen):
         "order), readable at /v1/runs/{id}/samples.",
     )
     seed: int = Field(default=0, description="Seed of the row draw and of sampling.")
-    engine: Literal["hf", "vllm"] = Field(
-        default="hf", description="Generation engine: hf (transformers generate) or vllm (GPU extra)."
+    engine: EngineName = Field(
+        default="hf",
+        description="Generation engine: hf (transformers generate), vllm (in-process, GPU extra) or "
+        "vllm_server (vLLM's server as a separate process from the engine environment; any machine).",
     )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         default="fp32",

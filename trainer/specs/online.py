@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from trainer.specs.base import (
     AdvantageName,
     AggregationName,
+    EngineName,
     KlControllerName,
     KlEstimatorName,
     PolicyLossName,
@@ -157,8 +158,10 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
     temperature: float = Field(default=1.0, ge=0, le=10, description="Sampling temperature (0: greedy).")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling.")
     top_k: int = Field(default=0, ge=0, description="Top-k sampling (0: off).")
-    engine: Literal["hf", "vllm"] = Field(
-        default="hf", description="Rollout engine: hf (transformers generate) or vllm (GPU extra)."
+    engine: EngineName = Field(
+        default="hf",
+        description="Rollout engine: hf (transformers generate), vllm (in-process, GPU extra) or vllm_server "
+        "(vLLM's server as a separate process from the engine environment, `make engine`; any machine).",
     )
     policy_loss: PolicyLossName = preset_field(
         "ppo_clip",
@@ -401,15 +404,15 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
     @model_validator(mode="after")
     def _engine_takes_the_adapter(self) -> _OnlineRlSpecBase:
         hp: OnlineRlHyperparameters = self.hyperparameters  # type: ignore[attr-defined]
-        if self.adapter is not None and hp.engine == "vllm":
+        if self.adapter is not None and hp.engine != "hf":
             raise ValueError(
-                "adapter with engine 'vllm' is not supported yet (the engine would need the adapter's "
-                "weights at every step): use engine 'hf', or train the whole model"
+                f"adapter with engine '{hp.engine}' is not supported yet (the engine would need the "
+                "adapter's weights at every step): use engine 'hf', or train the whole model"
             )
-        if self.resources.devices > 1 and hp.engine == "vllm":
+        if self.resources.devices > 1 and hp.engine != "hf":
             raise ValueError(
-                "engine 'vllm' on several devices is not supported yet (each rank would need its own vLLM "
-                "with row-keyed seeds): use engine 'hf' with resources.devices > 1"
+                f"engine '{hp.engine}' on several devices is not supported yet (the ranks would share one "
+                "engine with row-keyed seeds): use engine 'hf' with resources.devices > 1"
             )
         return self
 
