@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 from trainer.distributed import Ranks, Sharding, current, from_main
 from trainer.phases import NoPhase, Phase
+from trainer.ports import free_port
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 
 POLL_SECONDS = 0.2
@@ -136,13 +136,6 @@ def _run_rank(job: RankJob) -> Any:
         return job.collect(inner, result) if inner is not None else None
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -31,6 +30,8 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
+
+from trainer.ports import free_port
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_ENGINE_PYTHON = PROJECT_ROOT / ".venv-engine" / "bin" / "python"
@@ -115,13 +116,6 @@ class EngineOptions:
         for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
             env.pop(key, None)
         return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class EngineProcess:
