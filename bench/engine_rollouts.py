@@ -1,0 +1,104 @@
+"""Rollout generation: the engine process (``engine: vllm_server``, vLLM from ``.venv-engine``) against the
+transformers engine (``engine: hf``), same weights, same prompts, side by side.
+
+Both are rlrun's own ``RolloutEngine`` objects, called as the online-RL loops call them: ``ServedEngine``
+over an ``EngineProcess`` on the ``tiny:llama-10m`` preset (fp32, the policy's dtype) and ``HFEngine`` on
+the same model loaded in this process. Per shape (prompts x samples x new tokens), each engine generates
+``--rounds`` times after one warm-up call; sampling at temperature 1 with EOS left on, so completion
+lengths differ between calls: throughput counts the tokens actually generated.
+
+Printed per shape: tokens/s of each, ``ratio = engine / hf`` (above 1: the engine is faster) and the
+engine's weight sync (``sync_weights``: write safetensors to /dev/shm + ``reload_weights`` + prefix-cache
+reset), which a run pays once per step on top of generating. The engine's start-up (``make engine`` built
+once; about 30 s to answer here) is printed but not in the ratios: a run pays it once.
+
+vLLM's CPU backend pins its OpenMP threads and by default keeps one core for its front end
+(``reserve_cpu_num=1`` in the engine log): on a 2-core machine that leaves the model one core.
+``VLLM_CPU_OMP_THREADS_BIND=0-1`` (passed through to the engine) gives it both.
+
+Needs the engine environment: ``make engine``. Run: ``.venv/bin/python bench/engine_rollouts.py
+[--shapes 8x4x16,16x8x64,32x1x128] [--rounds 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from trainer.models import load_causal_lm, tiny_model_dir
+from trainer.rollout.base import SamplingParams
+from trainer.rollout.engine_process import EngineOptions, EngineProcess, EngineUnavailable, engine_python
+from trainer.rollout.hf_engine import HFEngine
+from trainer.rollout.served_engine import ServedEngine
+
+PRESET = "llama-10m"
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    prompts, samples, tokens = (int(x) for x in text.split("x"))
+    return prompts, samples, tokens
+
+
+def tokens_per_s(engine: object, prompts: list[list[int]], n: int, new_tokens: int, rounds: int) -> float:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
+    engine.generate(prompts, n, params)  # type: ignore[attr-defined]  # warm-up
+    rates = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        out = engine.generate(prompts, n, params)  # type: ignore[attr-defined]
+        rates.append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="8x4x16,16x8x64,32x1x128", help="prompts x samples x new tokens")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    try:
+        python = engine_python()
+    except EngineUnavailable as exc:
+        print(f"skipped: {exc}")
+        return
+    shapes = [parse_shape(s) for s in args.shapes.split(",")]
+    longest = max(tokens for _, _, tokens in shapes)
+    print(f"command: {' '.join([sys.executable, *sys.argv])}")
+    print(
+        f"tiny:{PRESET}, fp32, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus"
+    )
+    with tempfile.TemporaryDirectory(prefix="rlrun-bench-engine-") as tmp:
+        folder = tiny_model_dir(PRESET, Path(tmp) / "cache")
+        model, tokenizer = load_causal_lm(str(folder))
+        model.eval()
+        hf = HFEngine(model, tokenizer)
+        options = EngineOptions(model_dir=folder, max_model_len=64 + longest, threads=torch.get_num_threads())
+        started = time.perf_counter()
+        with EngineProcess(options, log_path=Path(tmp) / "engine.log", python=python) as process:
+            print(f"engine answering after {time.perf_counter() - started:.1f} s")
+            served = ServedEngine(process.base_url, max_model_len=options.max_model_len)
+            syncs = []
+            for _ in range(5):
+                start = time.perf_counter()
+                served.sync_weights(model)
+                syncs.append(time.perf_counter() - start)
+            print(f"sync_weights: median {statistics.median(syncs) * 1000:.0f} ms over 5")
+            print(f"{'shape (P x G x T)':<18} {'engine tok/s':>12} {'hf tok/s':>10} {'ratio':>7}")
+            for p, g, t in shapes:
+                prompts = [tokenizer(f"{a}+{a * 7 % 50}=")["input_ids"] for a in range(p)]
+                engine_rate = tokens_per_s(served, prompts, g, t, args.rounds)
+                hf_rate = tokens_per_s(hf, prompts, g, t, args.rounds)
+                shape, ratio = f"{p} x {g} x {t}", engine_rate / hf_rate
+                print(f"{shape:<18} {engine_rate:>12.0f} {hf_rate:>10.0f} {ratio:>7.2f}")
+            served.close()
+
+
+if __name__ == "__main__":
+    main()
