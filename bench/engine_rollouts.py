@@ -13,8 +13,9 @@ reset), which a run pays once per step on top of generating. The engine's start-
 once; about 30 s to answer here) is printed but not in the ratios: a run pays it once.
 
 vLLM's CPU backend pins its OpenMP threads and by default keeps one core for its front end
-(``reserve_cpu_num=1`` in the engine log): on a 2-core machine that leaves the model one core.
-``VLLM_CPU_OMP_THREADS_BIND=0-1`` (passed through to the engine) gives it both.
+(``reserve_cpu_num=1`` in the engine log): on a 2-core machine that leaves the model one core. The engine
+here gets this process's thread count, the whole machine, so ``EngineOptions`` binds it to every core
+(``VLLM_CPU_OMP_THREADS_BIND``, which also passes through from the environment to compare).
 
 Needs the engine environment: ``make engine``. Run: ``.venv/bin/python bench/engine_rollouts.py
 [--shapes 8x4x16,16x8x64,32x1x128] [--rounds 3]``.
