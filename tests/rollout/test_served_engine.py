@@ -5,6 +5,9 @@ weights."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +20,7 @@ from tests.conftest import IN_CI
 from tests.loop_context import loop_ctx
 from trainer.loops import LOOPS
 from trainer.models import tiny_model_dir
+from trainer.phases import RunStopped
 from trainer.reporting import MemoryReporter, RunData
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.engine_process import (
@@ -29,6 +33,7 @@ from trainer.rollout.engine_process import (
 from trainer.rollout.hf_engine import HFEngine
 from trainer.rollout.served_engine import ServedEngine
 from trainer.specs import parse_spec
+from trainer.stop_watch import _raise_in
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +65,7 @@ def engine(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             served.close()
 
 
-def greedy(n: int = 1) -> SamplingParams:
+def greedy() -> SamplingParams:
     return SamplingParams(max_new_tokens=10, greedy=True)
 
 
@@ -224,3 +229,62 @@ def test_a_run_whose_engine_cannot_start_fails_saying_why(tiny_cache: Path, tmp_
                     tiny_cache, tmp_path / "out", runs={START: tiny_model_dir("llama-0.4m", tiny_cache)}
                 ),
             )
+
+
+# ---------- a start that does not finish leaves nothing behind ----------
+
+
+def never_ready(tmp_path: Path) -> Path:
+    """A stand-in for the engine's python that starts and never answers (only the waiting is tested)."""
+    script = tmp_path / "python"
+    script.write_text("#!/bin/sh\nexec sleep 600\n")
+    script.chmod(0o755)
+    return script
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture
+def started_pids(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Pids of the processes started from here on (the engine server's own)."""
+    pids: list[int] = []
+    original = subprocess.Popen
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        proc = original(*args, **kwargs)
+        pids.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", recording)
+    return pids
+
+
+def test_a_start_cancelled_by_the_runs_stop_watch_stops_the_engine(
+    tmp_path: Path, started_pids: list[int]
+) -> None:
+    process = EngineProcess(EngineOptions(model_dir=tmp_path), python=never_ready(tmp_path))
+    log_dir = process.log_path.parent
+    main = threading.get_ident()
+    # what trainer/stop_watch.py does when a cancel lands in the model_load phase
+    timer = threading.Timer(1.0, lambda: _raise_in(main, RunStopped))
+    timer.start()
+    with pytest.raises(RunStopped):
+        process.start()
+    timer.join()
+    assert started_pids and all(gone(pid) for pid in started_pids)
+    assert process.proc is None and not log_dir.exists()  # its own log folder goes with it
+
+
+def test_a_start_that_times_out_stops_the_engine(tmp_path: Path, started_pids: list[int]) -> None:
+    process = EngineProcess(
+        EngineOptions(model_dir=tmp_path), python=never_ready(tmp_path), startup_timeout=1
+    )
+    with pytest.raises(EngineStartError, match="did not answer /health within 1 s"):
+        process.start()
+    assert started_pids and all(gone(pid) for pid in started_pids)

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,7 +135,8 @@ class EngineProcess:
 
     Args:
         options: what to load and how.
-        log_path: the engine's stdout and stderr (its last lines go into a start error).
+        log_path: the engine's stdout and stderr (its last lines go into a start error); default: a
+            temporary folder of its own, removed by ``stop()``.
         python: the engine environment's python (default: :func:`engine_python`).
         startup_timeout: seconds to wait for ``/health`` before giving up.
     """
@@ -142,11 +145,15 @@ class EngineProcess:
         self,
         options: EngineOptions,
         *,
-        log_path: Path,
+        log_path: Path | None = None,
         python: Path | None = None,
         startup_timeout: float = 300,
     ) -> None:
         self.options = options
+        self._own_log_dir: Path | None = None
+        if log_path is None:
+            self._own_log_dir = Path(tempfile.mkdtemp(prefix="rlrun-engine-"))
+            log_path = self._own_log_dir / "engine.log"
         self.log_path = log_path
         self.python = python or engine_python()
         self.startup_timeout = startup_timeout
@@ -154,6 +161,16 @@ class EngineProcess:
         self.base_url = ""
 
     def start(self) -> str:
+        """Start the engine and wait until it answers; however that wait ends other than ready (the engine
+        exits, the timeout, a cancel raised into this thread by the run's stop watch), the engine is
+        stopped before the exception goes on: a run stopped during the ~30 s start leaves no engine."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> str:
         port = free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
@@ -180,7 +197,6 @@ class EngineProcess:
                 except httpx.TransportError:
                     pass
                 if time.monotonic() > deadline:
-                    self.stop()
                     raise EngineStartError(
                         f"the engine did not answer /health within {self.startup_timeout:.0f} s:\n"
                         f"{self.log_tail()}"
@@ -195,10 +211,16 @@ class EngineProcess:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, timeout: float = 20) -> None:
-        """SIGTERM to the engine's process group, SIGKILL after ``timeout`` seconds."""
+        """SIGTERM to the engine's process group, SIGKILL after ``timeout`` seconds; its own log folder
+        removed."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
+        if proc is not None:
+            self._end(proc, timeout)
+        if self._own_log_dir is not None:
+            shutil.rmtree(self._own_log_dir, ignore_errors=True)
+
+    @staticmethod
+    def _end(proc: subprocess.Popen[bytes], timeout: float) -> None:
         if proc.poll() is not None:  # the server is gone; its engine core may not be
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -195,7 +195,7 @@ class ServedEngine:
 def start_served_engine(model_path: str, model: Any, *, max_model_len: int) -> ServedEngine:
     """An engine process for the policy ``model`` loaded from the folder ``model_path`` (same dtype, as many
     threads as this process: generation and training take turns), and a ``ServedEngine`` that stops it on
-    ``close()``. Its log is kept in a temporary folder; a failed start carries its last lines.
+    ``close()``. A failed or interrupted start stops the engine; a failed one carries its last lines.
 
     Raises:
         ValueError: ``model_path`` is not a local folder (the engine loads it itself).
@@ -211,7 +211,6 @@ def start_served_engine(model_path: str, model: Any, *, max_model_len: int) -> S
     options = EngineOptions(
         model_dir=folder, dtype=dtype, max_model_len=max_model_len, threads=torch.get_num_threads()
     )
-    log = Path(tempfile.mkdtemp(prefix="rlrun-engine-log-")) / "engine.log"
-    process = EngineProcess(options, log_path=log)
+    process = EngineProcess(options)
     base_url = process.start()
     return ServedEngine(base_url, max_model_len=max_model_len, process=process)
