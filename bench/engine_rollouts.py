@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from trainer.models import load_causal_lm, tiny_model_dir
-from trainer.rollout.base import SamplingParams
+from trainer.rollout.base import RolloutEngine, SamplingParams
 from trainer.rollout.engine_process import EngineOptions, EngineProcess, EngineUnavailable, engine_python
 from trainer.rollout.hf_engine import HFEngine
 from trainer.rollout.served_engine import ServedEngine
@@ -47,13 +47,15 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return prompts, samples, tokens
 
 
-def tokens_per_s(engine: object, prompts: list[list[int]], n: int, new_tokens: int, rounds: int) -> float:
+def tokens_per_s(
+    engine: RolloutEngine, prompts: list[list[int]], n: int, new_tokens: int, rounds: int
+) -> float:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0)
-    engine.generate(prompts, n, params)  # type: ignore[attr-defined]  # warm-up
+    engine.generate(prompts, n, params)  # warm-up
     rates = []
     for _ in range(rounds):
         start = time.perf_counter()
-        out = engine.generate(prompts, n, params)  # type: ignore[attr-defined]
+        out = engine.generate(prompts, n, params)
         rates.append(sum(len(c.token_ids) for c in out) / (time.perf_counter() - start))
     return statistics.median(rates)
 
