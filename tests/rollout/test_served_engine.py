@@ -161,6 +161,7 @@ def grpo_spec(engine: str) -> Any:
                 "samples_per_prompt": 4,
                 "max_new_tokens": 6,
                 "max_prompt_length": 16,
+                "temperature": 0.8,  # the trainer's log-probs are of the tempered distribution too
                 "learning_rate": 1e-2,
                 "eval_every": 2,
                 "dynamic_sampling": False,
@@ -211,6 +212,16 @@ def test_a_grpo_run_generates_through_the_engine_and_stops_it(
     assert {k: runs["vllm_server"][(0, k)] for k in eval_keys} == {k: runs["hf"][(0, k)] for k in eval_keys}
     assert 1 < runs["hf"][(0, "eval/response_length")] < 6  # some stop on EOS, some run to the limit
     assert "reward/mean" in {k for _, k in runs["vllm_server"]}
+    # the engine's log-probs of its samples against the trainer's, every step (fp32 on both sides)
+    served = {k: v for (step, k), v in runs["vllm_server"].items() if step == 2}
+    assert served["mismatch/logp_abs_diff"] < LOGPROB_TOLERANCE
+    assert (
+        1 - LOGPROB_TOLERANCE
+        < served["mismatch/ratio_min"]
+        <= served["mismatch/ratio_max"]
+        < 1 + LOGPROB_TOLERANCE
+    )
+    assert not any(k.startswith("mismatch/") for _, k in runs["hf"])  # same kernels: nothing to compare
 
 
 def test_a_run_whose_engine_cannot_start_fails_saying_why(tiny_cache: Path, tmp_path: Path) -> None:

@@ -28,12 +28,15 @@ from trainer.loops.rl_common import (
     frozen_logps,
     kl_controller,
     minibatches,
+    needs_old_logps,
     perf_metrics,
     prepare_rl,
     reference_logps,
     reference_path,
     response_mask,
     sample_step,
+    sampler_correction,
+    sampler_logps,
     skip_step,
     to_token_batch,
 )
@@ -54,18 +57,13 @@ def policy_update(
     hp: OnlineRlHyperparameters,
     kl_coef: float,
     gen: torch.Generator,
+    is_weight: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """``ppo_epochs`` passes over shuffled minibatches of ``actor_step``; the mean of each stat."""
+    full = ActorBatch(batch, mask, adv, old_logp, ref_logp, is_weight=is_weight)
     means = StatMeans()
     for idx in minibatches(len(adv), hp, gen):
-        mb = idx.to(batch.input_ids.device)
-        old = None if old_logp is None else old_logp[mb]
-        ref = None if ref_logp is None else ref_logp[mb]
-        means.add(
-            actor_step(
-                policy, optimizer, ActorBatch(batch.select(mb), mask[mb], adv[mb], old, ref), hp, kl_coef
-            )
-        )
+        means.add(actor_step(policy, optimizer, full.select(idx.to(batch.input_ids.device)), hp, kl_coef))
     return means.means()
 
 
@@ -105,12 +103,15 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
         t1 = time.perf_counter()  # ---- log-probs, advantages, policy update
         batch = to_token_batch(ro.completions, tokenizer.pad_token_id, device)
         mask = response_mask(batch, ro.completions, hp.mask_truncated)
-        ref_logp = reference_logps(parts, batch)
+        ref_logp = reference_logps(parts, batch, hp.temperature)
+        sampler = sampler_logps(ro.completions, batch)
         # One epoch over one minibatch is on-policy: the old log-probs are the update's own forward pass
-        # (detached), so the separate no-grad pass is skipped (as TRL does), unless KL-in-reward needs them.
-        on_policy = hp.on_policy(len(ro.completions))
+        # (detached), so the separate no-grad pass is skipped (as TRL does), unless KL-in-reward or the
+        # engine's log-probs (mismatch, truncated IS) need them.
         kl_in_reward = ref_logp is not None and hp.kl_placement == "reward"
-        old_logp = frozen_logps(policy, batch) if not on_policy or kl_in_reward else None
+        needed = needs_old_logps(sampler, hp, len(ro.completions), kl_in_reward)
+        old_logp = frozen_logps(policy, batch, hp.temperature) if needed else None
+        is_weight, mismatch = sampler_correction(old_logp, sampler, mask, hp)
         scores = torch.tensor(ro.total, dtype=torch.float32, device=device)
         if kl_in_reward:  # sequence KL folded into the reward
             assert old_logp is not None and ref_logp is not None
@@ -130,7 +131,9 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
             hp,
             kl_ctl.value,
             session.generator,
+            is_weight,
         )
+        stats |= mismatch
         if "kl/seq" in stats:  # the controller's target (Ziegler et al. 2019) is a per-sequence KL
             kl_ctl.update(float(stats["kl/seq"]), len(ro.completions))
         t_train = time.perf_counter() - t1

@@ -52,6 +52,8 @@ from trainer.loops.rl_common import (
     reference_path,
     response_mask,
     sample_step,
+    sampler_correction,
+    sampler_logps,
     skip_step,
     to_token_batch,
 )
@@ -163,6 +165,7 @@ class PpoBatch:
     old_values: Tensor
     adv: Tensor
     returns: Tensor
+    is_weight: Tensor | None = None  # truncated IS weights of the policy term (sampler correction)
 
     def select(self, idx: Tensor) -> PpoBatch:
         return PpoBatch(
@@ -173,6 +176,7 @@ class PpoBatch:
             self.old_values[idx],
             self.adv[idx],
             self.returns[idx],
+            None if self.is_weight is None else self.is_weight[idx],
         )
 
 
@@ -252,7 +256,7 @@ def ppo_update(
             actor = actor_step(
                 session.model,
                 session.optimizer,
-                ActorBatch(mb.tokens, mb.mask, mb.adv, mb.old_logp, mb.ref_logp),
+                ActorBatch(mb.tokens, mb.mask, mb.adv, mb.old_logp, mb.ref_logp, is_weight=mb.is_weight),
                 hp,
                 kl_coef,
             )
@@ -391,15 +395,17 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         t1 = time.perf_counter()  # ---- log-probs, values, advantages, updates
         tokens = to_token_batch(ro.completions, tokenizer.pad_token_id, start.device)
         mask = response_mask(tokens, ro.completions, hp.mask_truncated)
-        old_logp = frozen_logps(policy, tokens)
-        ref_logp = reference_logps(parts, tokens)
+        old_logp = frozen_logps(policy, tokens, hp.temperature)
+        ref_logp = reference_logps(parts, tokens, hp.temperature)
+        is_weight, mismatch = sampler_correction(old_logp, sampler_logps(ro.completions, tokens), mask, hp)
         old_values = frozen_values(critic, tokens)
         scores = torch.tensor(ro.total, dtype=torch.float32, device=start.device)
         adv, returns, actor_lam = token_advantages(
             scores, old_logp, ref_logp, old_values, mask, tokens.response_mask.sum(-1), hp, kl_ctl.value
         )
-        batch = PpoBatch(tokens, mask, old_logp, ref_logp, old_values, adv, returns)
+        batch = PpoBatch(tokens, mask, old_logp, ref_logp, old_values, adv, returns, is_weight)
         stats = ppo_update(session, critic, critic_opt, batch, hp, kl_ctl.value, train_actor=train_actor)
+        stats |= mismatch
         if ref_logp is not None:  # KL of this step's rollouts to the reference (what the reward penalises)
             stats |= rollout_kl(old_logp, ref_logp, mask, hp.kl_estimator)
             if train_actor:  # while the actor is frozen its KL says nothing about the coefficient

@@ -21,6 +21,7 @@ from trainer.algorithms.kl import KL_ESTIMATORS
 from trainer.algorithms.kl_control import KL_CONTROLLERS, KLController
 from trainer.algorithms.logprobs import entropy_from_logits, token_logprobs
 from trainer.algorithms.policy_losses import POLICY_LOSSES, ClipParams
+from trainer.algorithms.sampler_correction import mismatch_stats, truncated_is_weights
 from trainer.data.prompts import PromptSet, tokenize_prompts
 from trainer.data.sampling import micro_batches
 from trainer.distributed import Ranks, current, gather_rows, is_sharded, padded_share, sum_over_ranks, unwrap
@@ -234,43 +235,84 @@ def to_token_batch(completions: Sequence[Completion], pad_id: int, device: torch
     return TokenBatch(ids.to(device), attn.to(device), resp[:, offset + 1 :].to(device), offset)
 
 
-def forward_logps(model: Any, batch: TokenBatch) -> tuple[Tensor, Tensor]:
+def forward_logps(model: Any, batch: TokenBatch, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """(logits, per-token log-probs of the next token) over the completion window, (N, W, V) and (N, W).
 
-    The LM head runs only over the window (transformers' ``logits_to_keep``) and the logits stay in the
-    model's dtype (no full-size float32 copy; ``token_logprobs`` and ``entropy_from_logits`` work a row at
-    a time). Same values as slicing the full logits."""
+    The log-probs are those of the distribution the rollouts were sampled from: ``log softmax(z / T)`` at
+    sampling temperature ``T > 0`` (TRL and verl divide the logits likewise; ``T = 0``, greedy, keeps
+    them as they are), and the logits returned are the scaled ones (the entropy bonus is the sampling
+    distribution's). The LM head runs only over the window (transformers' ``logits_to_keep``) and the
+    logits stay in the model's dtype (no full-size float32 copy; ``token_logprobs`` and
+    ``entropy_from_logits`` work a row at a time). Same values as slicing the full logits."""
     window = batch.response_mask.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=window + 1)
     logits = out.logits[:, :-1]
+    if temperature > 0 and temperature != 1:
+        logits = logits / temperature
     return logits, token_logprobs(logits, batch.targets).float()
 
 
 @torch.no_grad()
-def frozen_logps(model: Any, batch: TokenBatch, chunk: int = 64, ranks: Ranks | None = None) -> Tensor:
-    """Per-token log-probs without grad, in chunks (old policy, reference). On several ranks (``ranks``,
-    default: the process group's) each computes its ``padded_share`` of the rows and the parts are
-    gathered: every rank gets all rows' log-probs."""
+def frozen_logps(
+    model: Any, batch: TokenBatch, temperature: float = 1.0, chunk: int = 64, ranks: Ranks | None = None
+) -> Tensor:
+    """Per-token log-probs without grad at sampling ``temperature`` (``forward_logps``), in chunks (old
+    policy, reference). On several ranks (``ranks``, default: the process group's) each computes its
+    ``padded_share`` of the rows and the parts are gathered: every rank gets all rows' log-probs."""
     ranks = current() if ranks is None else ranks
     rows = torch.tensor(padded_share(len(batch.input_ids), ranks), dtype=torch.long)
     mine = batch.select(rows.to(batch.input_ids.device))
     was_training = model.training
     model.eval()
     out = [
-        forward_logps(model, mine.select(torch.arange(i, min(i + chunk, len(rows)))))[1]
+        forward_logps(model, mine.select(torch.arange(i, min(i + chunk, len(rows)))), temperature)[1]
         for i in range(0, len(rows), chunk)
     ]
     model.train(was_training)
     return gather_rows(torch.cat(out), ranks)[: len(batch.input_ids)]
 
 
-def reference_logps(parts: RlParts, batch: TokenBatch) -> Tensor | None:
-    """Per-token log-probs of the frozen reference (None without one); for an adapter run the policy
-    with its adapter off. Split over the ranks (``frozen_logps``)."""
+def reference_logps(parts: RlParts, batch: TokenBatch, temperature: float = 1.0) -> Tensor | None:
+    """Per-token log-probs of the frozen reference at the sampling ``temperature`` (None without one);
+    for an adapter run the policy with its adapter off. Split over the ranks (``frozen_logps``)."""
     if parts.reference is None:
         return None
     with adapter_off(parts.reference):
-        return frozen_logps(parts.reference, batch)
+        return frozen_logps(parts.reference, batch, temperature)
+
+
+def sampler_logps(completions: Sequence[Completion], batch: TokenBatch) -> Tensor | None:
+    """(N, W) the engine's log-probs of the sampled tokens, placed on ``batch``'s completion window (0
+    elsewhere); None when the engine reported none (the transformers engine samples with the trainer's
+    own model)."""
+    if not completions or any(c.logprobs is None for c in completions):
+        return None
+    out = torch.zeros_like(batch.response_mask, device="cpu")
+    for i, c in enumerate(completions):
+        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+        first = len(c.prompt_ids) - 1 - batch.offset  # the column predicting the first generated token
+        out[i, first : first + len(c.token_ids)] = torch.tensor(c.logprobs, dtype=out.dtype)
+    return out.to(batch.response_mask.device)
+
+
+def needs_old_logps(sampler: Tensor | None, hp: OnlineRlHyperparameters, n: int, kl_in_reward: bool) -> bool:
+    """Whether a step computes the old policy's log-probs in a separate no-grad pass: off-policy updates,
+    KL folded into the reward, or an engine whose log-probs are compared with them (the mismatch metrics
+    and truncated IS need them before any update, as TRL computes them)."""
+    return not hp.on_policy(n) or kl_in_reward or sampler is not None
+
+
+def sampler_correction(
+    old_logp: Tensor | None, sampler: Tensor | None, mask: Tensor, hp: OnlineRlHyperparameters
+) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """The truncated-IS weights for the policy term (None: no correction) and the mismatch stats of this
+    step's rollouts (empty without sampler log-probs). See trainer/algorithms/sampler_correction.py."""
+    if sampler is None or old_logp is None:
+        return None, {}
+    cap = hp.importance_sampling_cap
+    stats = mismatch_stats(old_logp, sampler, mask, cap)
+    weights = None if cap is None else truncated_is_weights(old_logp, sampler, cap) * mask
+    return weights, stats
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -350,8 +392,9 @@ class WeightedMeans:
 @dataclass(frozen=True)
 class ActorBatch:
     """A minibatch for the actor: tokens, the mask of tokens that count, advantages, old and reference
-    log-probs (None: on-policy, the update's own detached log-probs; no reference), and which rows are
-    real (``real``: 1, or 0 for a rank's filler row, whose mask is all zero; None: all)."""
+    log-probs (None: on-policy, the update's own detached log-probs; no reference), which rows are real
+    (``real``: 1, or 0 for a rank's filler row, whose mask is all zero; None: all), and the truncated
+    importance-sampling weights of the policy term (``is_weight``, None: no sampler correction)."""
 
     tokens: TokenBatch
     mask: Tensor
@@ -359,6 +402,7 @@ class ActorBatch:
     old_logp: Tensor | None
     ref_logp: Tensor | None
     real: Tensor | None = None
+    is_weight: Tensor | None = None
 
     def select(self, idx: Tensor) -> ActorBatch:
         return ActorBatch(
@@ -368,6 +412,7 @@ class ActorBatch:
             None if self.old_logp is None else self.old_logp[idx],
             None if self.ref_logp is None else self.ref_logp[idx],
             None if self.real is None else self.real[idx],
+            None if self.is_weight is None else self.is_weight[idx],
         )
 
     @property
@@ -405,13 +450,15 @@ def actor_loss(
     Loss per token: the policy loss (``POLICY_LOSSES[hp.policy_loss]``: PPO's clipped surrogate, Schulman
     et al. 2017 eq. 7, or vanilla policy gradient), ``+ kl_coef * KL_t(pi || pi_ref)`` when the KL sits in
     the loss (GRPO, Shao et al. 2024 eq. 3), ``- entropy_coef * H_t``; aggregated over tokens and
-    sequences by ``hp.loss_aggregation``. The KL stats are logged whenever there is a reference.
+    sequences by ``hp.loss_aggregation``. With sampler correction the policy term is first weighted by
+    the truncated IS weight ``min(pi_old / pi_sampler, C)`` (Yao et al. 2025; the KL and entropy terms
+    are not). The KL stats are logged whenever there is a reference.
     """
     clip = ClipParams(low=hp.clip_low, high=hp.clip_high, dual_c=hp.dual_clip)
-    logits, logp = forward_logps(policy, mb.tokens)
+    logits, logp = forward_logps(policy, mb.tokens, hp.temperature)
     old = logp.detach() if mb.old_logp is None else mb.old_logp  # on-policy: ratio 1
     out = POLICY_LOSSES[hp.policy_loss](logp, old, mb.adv, mb.mask, clip=clip)
-    per_token = out.per_token
+    per_token = out.per_token if mb.is_weight is None else out.per_token * mb.is_weight
     stats = {f"policy/{k}": v for k, v in out.stats.items()}
     mode, max_len = hp.loss_aggregation, hp.max_new_tokens
     stats["loss/policy"] = aggregate(

@@ -163,6 +163,16 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
         description="Rollout engine: hf (transformers generate), vllm (in-process, GPU extra) or vllm_server "
         "(vLLM's server as a separate process from the engine environment, `make engine`; any machine).",
     )
+    importance_sampling_cap: float | None = Field(
+        default=None,
+        ge=1,
+        le=100,
+        description="Truncated importance sampling (Yao et al. 2025): each token's policy-gradient term is "
+        "weighted by min(pi_trainer / pi_sampler, cap), correcting for the engine's kernels sampling a "
+        "slightly different distribution than the trainer's (docs/algorithms.md). Needs an engine that "
+        "reports log-probs (vllm, vllm_server); TRL and verl use 2. Default: off (the mismatch is logged "
+        "either way).",
+    )
     policy_loss: PolicyLossName = preset_field(
         "ppo_clip",
         "Policy loss: ppo_clip, vanilla, gspo (sequence-level ratio) or cispo (clipped IS weight).",
@@ -218,6 +228,12 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
 
     @model_validator(mode="after")
     def _fits(self) -> OnlineRlHyperparameters:
+        if self.importance_sampling_cap is not None and self.engine == "hf":
+            raise ValueError(
+                "importance_sampling_cap needs an engine that reports its sampler's log-probs (vllm, "
+                "vllm_server); engine 'hf' samples with the trainer's own model, so there is no mismatch "
+                "to correct"
+            )
         if self.max_prompt_length + self.max_new_tokens > self.max_length:
             raise ValueError("max_prompt_length + max_new_tokens must not exceed max_length")
         # A group baseline with one sample is refused at submit with the root cause (every advantage is 0:
