@@ -90,11 +90,19 @@ class Settings(BaseSettings):
     inference_max_models: int = Field(
         default=2, ge=1, le=64, description="Models `rlrun inference` keeps loaded (least recently used go)."
     )
-    inference_backend: Literal["hf", "vllm"] = Field(
+    inference_backend: Literal["hf", "vllm", "vllm_server"] = Field(
         default="hf",
-        description="How `rlrun inference` decodes: `hf` (transformers, CPU or GPU; one request at a time) "
-        "or `vllm` (GPU; concurrent requests batched continuously; run it from an environment with vLLM "
-        "installed, docs/settings.md).",
+        description="How `rlrun inference` decodes: `hf` (transformers, CPU or GPU; one request at a time), "
+        "`vllm_server` (a vLLM engine process per model from the engine environment, `make engine`, any "
+        "machine; concurrent requests batched continuously) or `vllm` (vLLM in the inference process, GPU; "
+        "run it from an environment with vLLM installed). docs/settings.md.",
+    )
+    inference_max_context: int = Field(
+        default=4096,
+        ge=16,
+        le=1_048_576,
+        description="vllm_server backend: the longest prompt + completion an engine holds (its "
+        "max_model_len; the model's own limit when lower). Longer requests get a 400 naming the limit.",
     )
     inference_gpu_memory_utilization: float = Field(
         default=0.85,
@@ -104,7 +112,9 @@ class Settings(BaseSettings):
         "split evenly between RLRUN_INFERENCE_MAX_MODELS engines.",
     )
     inference_max_lora_rank: int = Field(
-        default=64, ge=1, description="vllm backend: the largest LoRA rank an adapter run it serves may have."
+        default=64,
+        ge=1,
+        description="vllm and vllm_server backends: the largest LoRA rank of an adapter run they serve.",
     )
     queue: str = Field(default="rlrun", description="Celery queue that runs are sent to.")
     port: int = Field(default=8000, description="Port of `rlrun serve`.")

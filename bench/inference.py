@@ -15,12 +15,19 @@ Printed per concurrency 1, 8 and 32: tokens/s for both, ``ratio = rlrun tokens/s
 tokens/s`` (above 1: rlrun serves faster) and mean/p50/max TTFT. Completion lengths differ (a random model
 stops at EOS at random places); tokens/s accounts for that.
 
-``--backends hf,vllm`` runs the rlrun rounds once per inference backend (``RLRUN_INFERENCE_BACKEND``; vllm
-needs a GPU environment with vLLM: scripts/gpu_vllm_inference.sh); ``--device cuda`` puts the transformers
-peer on the GPU.
+``--backends hf,vllm_server`` (the default) runs the rlrun rounds once per inference backend
+(``RLRUN_INFERENCE_BACKEND``: vllm_server starts a vLLM engine process from the engine environment, `make
+engine`; vllm needs a GPU environment with vLLM: scripts/gpu_vllm_inference.sh); ``--device cuda`` puts the
+transformers peer on the GPU.
 
-Run: ``.venv/bin/python bench/inference.py [--concurrency 1,8,32] [--max-tokens 64] [--backends hf]
-[--device cpu]``.
+Second peer, with vllm_server: vLLM's own OpenAI server alone (what ``vllm serve`` runs, started the way the
+backend starts it, minus LoRA: trainer/rollout/engine_process.py), sent the same prompts rendered the same
+way to its ``/v1/completions`` (the tiny model has no chat template for its chat route), streamed, same
+``max_tokens`` and temperature. ``vs vllm = rlrun tokens/s / vLLM's tokens/s``: what the API and the
+inference process in front of the engine cost (1: nothing).
+
+Run: ``.venv/bin/python bench/inference.py [--concurrency 1,8,32] [--max-tokens 64]
+[--backends hf,vllm_server] [--device cpu]``.
 """
 
 from __future__ import annotations
@@ -101,6 +108,73 @@ def one_request(url: str, i: int, max_tokens: int, start: float, out: list[dict[
     out.append({"ttft": first if first is not None else end, "end": end, "tokens": tokens})
 
 
+def one_engine_request(
+    url: str, prompt: str, max_tokens: int, start: float, out: list[dict[str, float]]
+) -> None:
+    """The same request sent to vLLM's own server (its ``/v1/completions``, the prompt already rendered)."""
+    body = {
+        "model": "policy",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    first = None
+    tokens = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as answer:
+        answer.raise_for_status()
+        for line in answer.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if first is None and chunk["choices"] and chunk["choices"][0].get("text"):
+                first = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter() - start
+    out.append({"ttft": first if first is not None else end, "end": end, "tokens": tokens})
+
+
+def engine_round(url: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
+    out: list[dict[str, float]] = []
+    start = time.perf_counter()
+    threads = [
+        threading.Thread(target=one_engine_request, args=(url, p, max_tokens, start, out)) for p in prompts
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return summary(out, max(r["end"] for r in out))
+
+
+def vllm_rounds(folder: str, levels: list[int], max_tokens: int) -> dict[int, dict[str, Any]]:
+    """vLLM's own server on ``folder``, alone: one round per concurrency level."""
+    from transformers import AutoTokenizer
+
+    from trainer.data.prompts import render_prompt
+    from trainer.inference.engine_served import dtype_of, max_context_of
+    from trainer.rollout.engine_process import EngineOptions, EngineProcess
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = [
+        render_prompt([{"role": "user", "content": PROMPT.format(a=i, b=2 * i)}], tokenizer)
+        for i in range(max(levels))
+    ]
+    options = EngineOptions(  # as the backend starts its engines, minus LoRA
+        model_dir=Path(folder),
+        dtype=dtype_of(folder),
+        max_model_len=max_context_of(folder, 4096),
+        logprobs_mode="raw_logprobs",
+        threads=os.cpu_count() or 1,
+    )
+    with EngineProcess(options) as engine:
+        for c in levels:  # warm-up, as rlrun's rounds
+            engine_round(engine.base_url, prompts[:c], max_tokens)
+        return {c: engine_round(engine.base_url, prompts[:c], max_tokens) for c in levels}
+
+
 def rlrun_round(url: str, concurrency: int, max_tokens: int) -> dict[str, Any]:
     out: list[dict[str, float]] = []
     start = time.perf_counter()
@@ -164,7 +238,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
-        "--backends", default="hf", help="rlrun inference backends, comma-separated (hf, vllm)"
+        "--backends",
+        default="hf,vllm_server",
+        help="rlrun inference backends, comma-separated (hf, vllm_server, vllm)",
     )
     parser.add_argument("--device", default="cpu", help="the transformers peer's device")
     args = parser.parse_args()
@@ -182,6 +258,8 @@ def main() -> None:
             proc, url = serve(home, backend)
             try:
                 rlrun_round(url, 1, 4)  # warm-up: the inference process loads the model
+                for c in levels:  # and one unmeasured round per level (vLLM's CPU kernels warm per shape)
+                    rlrun_round(url, c, args.max_tokens)
                 ours[backend] = {c: rlrun_round(url, c, args.max_tokens) for c in levels}
             finally:
                 proc.terminate()
@@ -189,18 +267,23 @@ def main() -> None:
         folder = str(next((home / "cache" / "tiny").glob(MODEL.removeprefix("tiny:"))))
         transformers_round(folder, 1, 4, args.device)  # warm-up
         peer = {c: transformers_round(folder, c, args.max_tokens, args.device) for c in levels}
+        engine = vllm_rounds(folder, levels, args.max_tokens) if "vllm_server" in backends else {}
     print(
-        f"{'backend':>7} | {'concurrent':>10} | {'rlrun tok/s':>11} | {'transformers tok/s':>18} | "
-        f"{'ratio':>5} | {'rlrun TTFT mean/p50/max s':>26} | {'transformers TTFT mean/p50/max s':>33}"
+        f"{'backend':>11} | {'concurrent':>10} | {'rlrun tok/s':>11} | {'transformers tok/s':>18} | "
+        f"{'ratio':>5} | {'vLLM tok/s':>10} | {'vs vllm':>7} | {'rlrun TTFT mean/p50/max s':>26} | "
+        f"{'transformers TTFT mean/p50/max s':>33} | {'vLLM TTFT mean/p50/max s':>25}"
     )
     for backend in backends:
         for c in levels:
-            a, b = ours[backend][c], peer[c]
+            a, b, v = ours[backend][c], peer[c], engine.get(c)
             ratio = a["tps"] / b["tps"]
+            vs_vllm = f"{v['tps']:>10.1f} | {a['tps'] / v['tps']:>7.2f}" if v else f"{'-':>10} | {'-':>7}"
+            vllm_ttft = f"{v['ttft_mean']:>7.2f} {v['ttft_p50']:>7.2f} {v['ttft_max']:>7.2f}" if v else "-"
             print(
-                f"{backend:>7} | {c:>10} | {a['tps']:>11.1f} | {b['tps']:>18.1f} | {ratio:>5.2f} | "
+                f"{backend:>11} | {c:>10} | {a['tps']:>11.1f} | {b['tps']:>18.1f} | {ratio:>5.2f} | "
+                f"{vs_vllm} | "
                 f"{a['ttft_mean']:>8.2f} {a['ttft_p50']:>8.2f} {a['ttft_max']:>8.2f} | "
-                f"{b['ttft_mean']:>10.2f} {b['ttft_p50']:>10.2f} {b['ttft_max']:>10.2f}"
+                f"{b['ttft_mean']:>10.2f} {b['ttft_p50']:>10.2f} {b['ttft_max']:>10.2f} | {vllm_ttft}"
             )
     print("(transformers' TTFT is the time its whole answer is ready: it does not stream)")
 

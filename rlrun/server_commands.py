@@ -79,7 +79,12 @@ def cmd_inference(args: argparse.Namespace) -> int:
         print(f"rlrun inference: {exc}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    try:
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    finally:  # SIGTERM exits through SystemExit, past uvicorn's lifespan: engine processes stop here
+        close = getattr(app.state.backend, "close", None)
+        if close is not None:
+            close()
     return 0
 
 

@@ -18,8 +18,8 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,6 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from api.settings import Settings
 from trainer.data.prompts import render_prompt
 from trainer.inference.decode import DecodeParams, Delta
+from trainer.inference.engine_errors import EngineRequestError
 from trainer.inference.loaded import LoadedModels, LoadError
 from trainer.inference.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -100,7 +101,16 @@ class Backend(Protocol):
 
 def make_backend(settings: Settings) -> Backend:
     """The backend ``RLRUN_INFERENCE_BACKEND`` names (LoadError, saying what is missing, for vllm without
-    vLLM or CUDA)."""
+    vLLM or CUDA, and for vllm_server without the engine environment)."""
+    if settings.inference_backend == "vllm_server":
+        from trainer.inference.engine_served import EngineModels
+
+        return EngineModels(
+            settings.inference_max_models,
+            python=settings.engine_python,
+            max_context=settings.inference_max_context,
+            max_lora_rank=settings.inference_max_lora_rank,
+        )
     if settings.inference_backend == "vllm":
         from trainer.inference.vllm_served import VllmModels
 
@@ -138,14 +148,23 @@ class Generation:
         self.completion_tokens = 0
 
     def deltas(self) -> Iterator[tuple[int, Delta]]:
-        """(choice index, delta) as they come; choice ``p * n + j`` is sample ``j`` of prompt ``p``."""
+        """(choice index, delta) as they come; choice ``p * n + j`` is sample ``j`` of prompt ``p``.
+
+        Raises:
+            InferenceError: an engine process (vllm_server backend) refused or broke off, with its message
+                (its 4xx status kept, else 502).
+        """
         for p, ids in enumerate(self.prompt_ids):
-            for step in self.served.stream(ids, self.n, self.params):
-                for delta in step:
-                    self.completion_tokens += len(delta.token_ids) + (
-                        delta.finish_reason == "stop" and not delta.token_ids
-                    )
-                    yield p * self.n + delta.index, delta
+            try:
+                for step in self.served.stream(ids, self.n, self.params):
+                    for delta in step:
+                        self.completion_tokens += len(delta.token_ids) + (
+                            delta.finish_reason == "stop" and not delta.token_ids
+                        )
+                        yield p * self.n + delta.index, delta
+            except EngineRequestError as exc:
+                status = exc.status if 400 <= exc.status < 500 else 502
+                raise InferenceError(status, f"the engine: {exc}", code="engine_error") from None
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(ids) for ids in self.prompt_ids)  # once per prompt, whatever n (as OpenAI counts)
@@ -211,8 +230,17 @@ def completion_logprobs(
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    app = FastAPI(title="rlrun inference", docs_url=None, redoc_url=None, openapi_url=None)
     models = make_backend(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        close = getattr(models, "close", None)  # a backend with processes of its own stops them
+        if close is not None:
+            await run_in_threadpool(close)
+
+    app = FastAPI(title="rlrun inference", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.backend = models
     loading = threading.Lock()  # one model loads at a time
     # A serial backend (hf) decodes one request at a time, and loads under the same lock (loading an adapter
     # changes the model a decode may be using); vllm's engine batches concurrent requests itself.

@@ -85,8 +85,25 @@ class EngineOptions:
     # smaller share (parallel tests, several workers on one machine) keeps vLLM's default, unbound to any
     # particular core another process may also be using. None: vLLM's default.
     threads: int | None = None
+    # Which log-probs the engine reports: ``processed_logprobs`` (after temperature and top-p/top-k: the
+    # distribution sampled, what a rollout's importance ratio needs) or ``raw_logprobs`` (the model's own,
+    # what OpenAI's ``logprobs`` report: the inference backend's choice).
+    logprobs_mode: str = "processed_logprobs"
+    max_lora_rank: int | None = None  # serve LoRA adapters loaded at run time, up to this rank (None: off)
+    max_loras: int = 4  # adapters in one batch at once (vLLM's --max-loras)
 
     def command(self, python: Path, port: int) -> list[str]:
+        lora = (
+            []
+            if self.max_lora_rank is None
+            else [
+                "--enable-lora",
+                "--max-lora-rank",
+                str(self.max_lora_rank),
+                "--max-loras",
+                str(self.max_loras),
+            ]
+        )
         return [
             str(python),
             "-m",
@@ -101,13 +118,14 @@ class EngineOptions:
             str(self.max_model_len),
             "--enforce-eager",
             "--logprobs-mode",
-            "processed_logprobs",
+            self.logprobs_mode,
             "--seed",
             str(self.seed),
             "--host",
             "127.0.0.1",
             "--port",
             str(port),
+            *lora,
         ]
 
     def environment(self) -> dict[str, str]:
@@ -119,6 +137,8 @@ class EngineOptions:
             "HF_HUB_OFFLINE": "1",  # no hub downloads: the model is a local folder
             "TOKENIZERS_PARALLELISM": "false",
         }
+        if self.max_lora_rank is not None:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
             if self.threads >= (os.cpu_count() or 1) and "VLLM_CPU_OMP_THREADS_BIND" not in env:
