@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ import torch
 from tests.conftest import IN_CI
 from tests.loop_context import loop_ctx
 from trainer.loops import LOOPS
-from trainer.models import tiny_model_dir
+from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.phases import RunStopped
 from trainer.reporting import MemoryReporter, RunData
 from trainer.rollout.base import SamplingParams
@@ -31,7 +33,7 @@ from trainer.rollout.engine_process import (
     engine_python,
 )
 from trainer.rollout.hf_engine import HFEngine
-from trainer.rollout.served_engine import ServedEngine
+from trainer.rollout.served_engine import ServedEngine, start_served_engine
 from trainer.specs import parse_spec
 from trainer.stop_watch import _raise_in
 
@@ -112,6 +114,78 @@ def test_sampled_log_probs_are_the_trainers_after_a_sync(
             logits = moved(ids).logits[0, len(c.prompt_ids) - 1 : -1] / temperature
         mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
         assert torch.allclose(mine, torch.tensor(c.logprobs), atol=LOGPROB_TOLERANCE), (mine, c.logprobs)
+
+
+def test_an_adapter_policy_syncs_only_its_lora_and_the_sampler_follows_it(
+    tiny_cache: Path, prompts: list[list[int]]
+) -> None:
+    engine_python_or_skip()
+    from peft import LoraConfig, get_peft_model
+
+    folder = tiny_model_dir("llama-0.4m", tiny_cache)
+    base, tokenizer = load_causal_lm(str(folder))
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+    def move_adapter(seed: int) -> None:  # B starts at 0 (a no-op adapter): make each version matter
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for name, param in policy.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.3)
+
+    def tokens(completions: list[Any]) -> list[list[int]]:
+        return [c.token_ids for c in completions]
+
+    restarts: list[str] = []
+    served = start_served_engine(str(folder), policy, max_model_len=MAX_MODEL_LEN, on_restart=restarts.append)
+    try:
+        with policy.disable_adapter():
+            base_tokens = tokens(HFEngine(policy, tokenizer).generate(prompts, 1, greedy()))
+        versions = []
+        for seed in (1, 2):
+            move_adapter(seed)
+            served.sync_weights(policy)
+            got = tokens(served.generate(prompts, 1, greedy()))
+            assert got == tokens(HFEngine(policy, tokenizer).generate(prompts, 1, greedy()))
+            versions.append(got)
+            # the sampler's log-probs are the adapter's, at the sampling temperature
+            for c in served.generate(prompts[:2], 2, SamplingParams(max_new_tokens=6, temperature=0.7)):
+                ids = torch.tensor([c.prompt_ids + c.token_ids])
+                with torch.no_grad():
+                    logits = policy(input_ids=ids).logits[0, len(c.prompt_ids) - 1 : -1] / 0.7
+                mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+                assert torch.allclose(mine, torch.tensor(c.logprobs), atol=LOGPROB_TOLERANCE)
+        assert versions[0] != base_tokens and versions[1] != versions[0]  # each sync took effect
+        assert [p.name for p in served.weights_dir.iterdir()] == ["adapter-2"]  # the older one unloaded
+
+        # the engine dies (OOM killer, a crash): the next call starts it again with the adapter last synced
+        assert served.process is not None and served.process.proc is not None
+        dead = served.process.proc
+        os.killpg(dead.pid, signal.SIGKILL)
+        dead.wait()
+        assert tokens(served.generate(prompts, 1, greedy())) == versions[1]
+        assert len(restarts) == 1 and "exited (code -9); started it again" in restarts[0]
+    finally:
+        served.close()
+    assert served.process is not None and served.process.proc is None
+
+
+def test_a_cancel_during_generation_lands_within_seconds_and_the_engine_drops_the_work(
+    engine: ServedEngine, prompts: list[list[int]]
+) -> None:
+    long = SamplingParams(max_new_tokens=MAX_MODEL_LEN - 16, temperature=1.0)  # the prompts have <= 12 tokens
+    main = threading.get_ident()
+    # what trainer/stop_watch.py does when a run is cancelled: RunStopped raised into the run's thread
+    timer = threading.Timer(1.0, lambda: _raise_in(main, RunStopped))
+    began = time.monotonic()
+    timer.start()
+    with pytest.raises(RunStopped):
+        engine.generate(prompts * 40, 16, long)  # ~360k tokens: minutes of work
+    timer.join()
+    assert time.monotonic() - began < 5
+    began = time.monotonic()  # the dropped requests were aborted: a small call is answered at once
+    assert len(engine.generate(prompts, 1, greedy())) == len(prompts)
+    assert time.monotonic() - began < 5
 
 
 def test_a_prompt_over_the_engines_length_is_refused_naming_the_limit(engine: ServedEngine) -> None:

@@ -86,9 +86,11 @@ def prepare_rl(
             hp.engine,
             model=unwrap(policy),
             tokenizer=tokenizer,
-            model_path=start.model_path,
+            # an adapter run's engine loads the frozen base and takes the adapter as a LoRA at each sync
+            model_path=start.start_path if has_adapter(policy) else start.model_path,
             synced_gpus=ctx.ranks.active and is_sharded(policy),
             max_model_len=hp.max_prompt_length + hp.max_new_tokens,
+            on_restart=lambda message: start.reporter.event("warning", message),
         )
         ctx.cleanup.callback(engine.close)
         reward = build_reward(spec.rewards, ctx.resolve_model, start.device)

@@ -42,6 +42,19 @@ INSTALL_HINT = (
     "at the python of an environment that has vLLM"
 )
 SERVED_NAME = "policy"  # the model name the engine answers to
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the --max-lora-rank values vLLM 0.32 accepts
+
+
+def lora_rank_limit(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds adapters of ``rank``.
+
+    Raises:
+        ValueError: ``rank`` above vLLM's largest.
+    """
+    for allowed in LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"LoRA rank {rank} is above the engine's largest ({LORA_RANKS[-1]})")
 
 
 class EngineUnavailable(RuntimeError):
@@ -99,7 +112,7 @@ class EngineOptions:
             else [
                 "--enable-lora",
                 "--max-lora-rank",
-                str(self.max_lora_rank),
+                str(lora_rank_limit(self.max_lora_rank)),
                 "--max-loras",
                 str(self.max_loras),
             ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, get_args
 
 from trainer.rollout.base import RolloutEngine
@@ -16,6 +17,7 @@ def make_engine(
     model_path: str,
     synced_gpus: bool = False,
     max_model_len: int = 512,
+    on_restart: Callable[[str], None] | None = None,
 ) -> RolloutEngine:
     """A rollout engine that generates with ``model``'s current weights; the one place that reads ``name``.
 
@@ -27,6 +29,7 @@ def make_engine(
         model_path: folder or hub id the policy was loaded from (vLLM builds its copy from it).
         synced_gpus: the model is sharded over ranks that generate together (HF: ``HFEngine``'s).
         max_model_len: the longest prompt + completion the engine process must hold (``vllm_server``).
+        on_restart: told when an engine process that had died was started again (``vllm_server``).
 
     Raises:
         ValueError: unknown ``name``, listing the valid ones.
@@ -49,7 +52,7 @@ def make_engine(
     if name == "vllm_server":
         from trainer.rollout.served_engine import start_served_engine
 
-        served = start_served_engine(model_path, model, max_model_len=max_model_len)
+        served = start_served_engine(model_path, model, max_model_len=max_model_len, on_restart=on_restart)
         try:
             served.sync_weights(model)  # as for vllm: the policy may already differ from its folder
         except BaseException:

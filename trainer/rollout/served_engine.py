@@ -16,14 +16,28 @@ What differs from the transformers engine, on purpose or for now:
   it ``n`` times: greedy samples are identical anyway.
 - Sampling is seeded once per engine (``EngineOptions.seed``), not per row: a per-request seed crashes
   vLLM's CPU sampler (``CPU Generator does not use offset``), so ``SamplingParams.seed`` is not sent.
-- Adapter (LoRA) policies are refused by ``sync_weights``; they will sync as a vLLM ``LoRARequest``.
+
+A call waits for the engine in short slices: a run's cancel (raised into the loop's thread by its stop
+watch) lands within a fraction of a second, and the engine is told to abort what it was generating. An
+engine process that died (a crash, the OOM killer) is started again on the next call, given the weights
+last synced (they stay in shared memory), and the call is made again: the run goes on at the same step, and
+its events say so (``on_restart``).
+
+An adapter (LoRA) policy syncs only its adapter: the engine runs the frozen base with LoRA on
+(``EngineOptions.max_lora_rank``), and each sync saves the adapter (peft's ``save_pretrained``, a few MB in
+shared memory) and loads it under a new name through ``/v1/load_lora_adapter``, the previous one unloaded;
+generation then asks for that name (vLLM's ``LoRARequest``). The base is never merged or reloaded. An
+adapter with fully trained modules beside it (``modules_to_save``) is refused: vLLM's LoRA has none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,11 +53,14 @@ class EngineError(RuntimeError):
     """The engine refused a request or could not be reached; the message is the engine's own."""
 
 
-def completion_request(prompts: Sequence[list[int]], n: int, params: SamplingParams) -> dict[str, Any]:
-    """The ``/v1/completions`` body for ``n`` samples of each prompt (greedy: one, see the module doc)."""
+def completion_request(
+    prompts: Sequence[list[int]], n: int, params: SamplingParams, model: str = SERVED_NAME
+) -> dict[str, Any]:
+    """The ``/v1/completions`` body for ``n`` samples of each prompt (greedy: one, see the module doc), from
+    ``model`` (the base, or the synced adapter's name)."""
     greedy = params.is_greedy
     body: dict[str, Any] = {
-        "model": SERVED_NAME,
+        "model": model,
         "prompt": [list(ids) for ids in prompts],
         "n": 1 if greedy else n,
         "max_tokens": params.max_new_tokens,
@@ -118,8 +135,11 @@ class ServedEngine:
         weights_dir: Path | None = None,
         timeout: float = 600,
         process: EngineProcess | None = None,
+        on_restart: Callable[[str], None] | None = None,
     ) -> None:
         self.process = process  # stopped by close(), when this engine started it
+        self.on_restart = on_restart  # told (a sentence) when a dead engine process was started again
+        self._timeout = timeout
         self.base_url = base_url.rstrip("/")
         self.max_model_len = max_model_len
         self._own_weights_dir = weights_dir is None
@@ -128,19 +148,77 @@ class ServedEngine:
             tempfile.mkdtemp(prefix="rlrun-engine-weights-", dir=shm if shm.is_dir() else None)
         )
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self._requests = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-request")
+        self.model_name = SERVED_NAME  # what generation asks for: the base, or the last synced adapter
+        self._syncs = 0
+
+    def _new_client(self) -> None:
+        old, self._http = self._http, httpx.Client(base_url=self.base_url, timeout=self._timeout)
+        old.close()
+
+    def _call(self, path: str, body: dict[str, Any]) -> Any:
+        """``_post``; when the engine process this object started has died, start it again once, give it
+        the last synced weights back, and post again (the run goes on; no step is lost or run twice)."""
+        try:
+            return self._post(path, body)
+        except EngineError:
+            proc = None if self.process is None else self.process.proc
+            if proc is None or proc.poll() is None:
+                raise  # a refusal, or an engine that is still running: not ours to restart
+            code = proc.returncode
+        began = time.monotonic()
+        self._restart()
+        if self.on_restart is not None:
+            self.on_restart(
+                f"the engine process had exited (code {code}); started it again with the last synced weights "
+                f"in {time.monotonic() - began:.0f} s"
+            )
+        return self._post(path, body)
+
+    def _restart(self) -> None:
+        assert self.process is not None
+        self.process.stop()
+        self.base_url = self.process.start().rstrip("/")
+        self._new_client()
+        if self.model_name != SERVED_NAME:  # the adapter last synced, from its folder
+            folder = self.weights_dir / f"adapter-{self._syncs}"
+            self._post("/v1/load_lora_adapter", {"lora_name": self.model_name, "lora_path": str(folder)})
+        elif (self.weights_dir / "model.safetensors").is_file():  # the full weights last synced
+            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
+            self._post("/collective_rpc", reload)
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
+        """POST and wait for the answer in short slices, so that a cancel raised into this thread (the run's
+        stop watch) lands within a fraction of a second even while the engine generates for minutes; the
+        engine is then told to abort what it runs (``/abort_requests``: this engine serves this run only)
+        and the connection is dropped. The answer's JSON, or its text when it is not JSON (LoRA routes)."""
+        pending = self._requests.submit(self._http.post, path, json=body)
         try:
-            resp = self._http.post(path, json=body)
+            while True:
+                try:
+                    resp = pending.result(timeout=0.2)
+                    break
+                except TimeoutError:
+                    continue
         except httpx.TransportError as exc:
             raise EngineError(f"the engine at {self.base_url} did not answer {path}: {exc}") from exc
+        except BaseException:
+            self._abort_all()
+            raise
         if resp.status_code != 200:
             try:
                 message = resp.json().get("error", {}).get("message") or resp.text
             except ValueError:
                 message = resp.text
             raise EngineError(f"the engine refused {path} ({resp.status_code}): {message}")
-        return resp.json()
+        if resp.headers.get("content-type", "").startswith("application/json"):
+            return resp.json()
+        return resp.text
+
+    def _abort_all(self) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(f"{self.base_url}/abort_requests", json={}, timeout=5)
+        self._new_client()
 
     def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
         """n completions per prompt, prompt-major, with the sampled tokens' log-probabilities.
@@ -160,7 +238,7 @@ class ServedEngine:
         if not prompts:
             return []
         asked = 1 if params.is_greedy else n
-        answer = self._post("/v1/completions", completion_request(prompts, n, params))
+        answer = self._call("/v1/completions", completion_request(prompts, n, params, self.model_name))
         outputs = request_outputs(answer["choices"], prompts, asked)
         completions = completions_from_vllm(outputs, list(prompts), tokenizer=None)
         if asked == n:
@@ -169,48 +247,101 @@ class ServedEngine:
 
     def sync_weights(self, model: Any) -> None:
         """Make the engine generate with ``model``'s current weights (written to shared memory, reloaded
-        in place, prefix cache dropped).
+        in place, prefix cache dropped); for an adapter model its adapter only (``sync_adapter``).
 
         Raises:
-            NotImplementedError: ``model`` is a PEFT (adapter) model.
             EngineError: the engine refused the reload.
         """
         if hasattr(model, "peft_config"):
-            raise NotImplementedError("the engine does not sync adapter (LoRA) policies yet")
+            self.sync_adapter(model)
+            return
         from safetensors.torch import save_model
 
         save_model(model, str(self.weights_dir / "model.safetensors"))
         reload = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
-        self._post("/collective_rpc", reload)
+        self._call("/collective_rpc", reload)
         self._post("/reset_prefix_cache", {})
+
+    def sync_adapter(self, model: Any) -> None:
+        """Load ``model``'s adapter into the engine under a new name (the previous one unloaded, its folder
+        removed); generation asks for it from then on. The engine must have been started with LoRA on.
+
+        Raises:
+            NotImplementedError: the adapter trains whole modules too (``modules_to_save``).
+            EngineError: the engine refused the adapter.
+        """
+        check_engine_adapter(model)
+        self._syncs += 1
+        name, folder = f"policy-lora-{self._syncs}", self.weights_dir / f"adapter-{self._syncs}"
+        model.save_pretrained(str(folder))
+        try:
+            self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        except EngineError:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        previous, self.model_name = self.model_name, name
+        if previous != SERVED_NAME:
+            self._post("/v1/unload_lora_adapter", {"lora_name": previous})
+            shutil.rmtree(self.weights_dir / f"adapter-{previous.rsplit('-', 1)[1]}", ignore_errors=True)
 
     def close(self) -> None:
         self._http.close()
+        self._requests.shutdown(wait=False, cancel_futures=True)
         if self.process is not None:
             self.process.stop()
         if self._own_weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
 
 
-def start_served_engine(model_path: str, model: Any, *, max_model_len: int) -> ServedEngine:
+def check_engine_adapter(model: Any) -> None:
+    """Refuse an adapter the engine cannot take as a LoRA: one that also trains whole modules."""
+    config = model.peft_config[getattr(model, "active_adapter", "default")]
+    if getattr(config, "modules_to_save", None):
+        raise NotImplementedError(
+            f"the engine serves LoRA weights only; this adapter also trains {sorted(config.modules_to_save)} "
+            "in full: use engine 'hf'"
+        )
+
+
+def start_served_engine(
+    model_path: str, model: Any, *, max_model_len: int, on_restart: Callable[[str], None] | None = None
+) -> ServedEngine:
     """An engine process for the policy ``model`` loaded from the folder ``model_path`` (same dtype, as many
     threads as this process: generation and training take turns), and a ``ServedEngine`` that stops it on
-    ``close()``. A failed or interrupted start stops the engine; a failed one carries its last lines.
+    ``close()``. For an adapter policy ``model_path`` is its base's folder and the engine runs LoRA. A
+    failed or interrupted start stops the engine; a failed one carries its last lines.
 
     Raises:
-        ValueError: ``model_path`` is not a local folder (the engine loads it itself).
+        ValueError: ``model_path`` is not a plain model folder (the engine loads it itself).
+        NotImplementedError: an adapter the engine cannot take (``check_engine_adapter``).
         EngineUnavailable: no engine environment (the setting and the install are named).
         EngineStartError: the engine would not start.
     """
     import torch
 
     folder = Path(model_path)
+    if (folder / "adapter_config.json").is_file():
+        raise ValueError(
+            "engine 'vllm_server' needs a full model under the adapter it syncs, and this run starts from an "
+            f"adapter run ({model_path}): start from a `merge` run of it, or use engine 'hf'"
+        )
     if not (folder / "config.json").is_file():
-        raise ValueError(f"engine 'vllm_server' loads the model from a local folder; {model_path} is not one")
+        raise ValueError(
+            f"engine 'vllm_server' loads a full model from a local folder; {model_path} is not one"
+        )
+    lora_rank = None
+    if hasattr(model, "peft_config"):
+        check_engine_adapter(model)
+        lora_rank = max(int(c.r) for c in model.peft_config.values())
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     options = EngineOptions(
-        model_dir=folder, dtype=dtype, max_model_len=max_model_len, threads=torch.get_num_threads()
+        model_dir=folder,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        threads=torch.get_num_threads(),
+        max_lora_rank=lora_rank,
+        max_loras=1,
     )
     process = EngineProcess(options)
     base_url = process.start()
-    return ServedEngine(base_url, max_model_len=max_model_len, process=process)
+    return ServedEngine(base_url, max_model_len=max_model_len, process=process, on_restart=on_restart)

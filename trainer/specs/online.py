@@ -420,10 +420,15 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
     @model_validator(mode="after")
     def _engine_takes_the_adapter(self) -> _OnlineRlSpecBase:
         hp: OnlineRlHyperparameters = self.hyperparameters  # type: ignore[attr-defined]
-        if self.adapter is not None and hp.engine != "hf":
+        if self.adapter is not None and hp.engine == "vllm":
             raise ValueError(
-                f"adapter with engine '{hp.engine}' is not supported yet (the engine would need the "
-                "adapter's weights at every step): use engine 'hf', or train the whole model"
+                "adapter with engine 'vllm' is not supported yet (the in-process engine would need the "
+                "adapter's weights at every step): use engine 'vllm_server' or 'hf', or train the whole model"
+            )
+        if self.adapter is not None and self.adapter.quantize is not None and hp.engine != "hf":
+            raise ValueError(
+                f"a quantized adapter base (adapter.quantize) with engine '{hp.engine}' is not supported "
+                "(the engine would load the base unquantized): use engine 'hf'"
             )
         if self.resources.devices > 1 and hp.engine != "hf":
             raise ValueError(
