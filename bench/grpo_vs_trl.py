@@ -14,6 +14,15 @@ Completion lengths are made equal: both models' ``generate`` is wrapped to pass 
 (EOS is masked until the budget is spent), so every completion is exactly 16 tokens in both. The same
 wrapper times each ``generate`` call, so ``generate s/step`` is measured the same way for both.
 
+``--engine vllm_server`` makes rlrun generate through its engine process (vLLM's server from
+``.venv-engine``, started by the run and inside its timed setup; issue 37) instead of HF ``generate``; TRL
+keeps the only engine it has on CPU. Lengths are made equal there with vLLM's ``min_tokens`` (the engine's
+request is wrapped), ``generate s/step`` is the wall time of the engine's generate calls, and the weight
+sync before each step is timed apart (``sync s/step``, part of ``rest``). With the engine rlrun also takes
+the old policy's log-probs in a no-grad pass each step (the sampler-mismatch metrics need them).
+``--shape PxG`` sets prompts per step and completions per prompt (default 2x4; ``bench/learning.py`` uses
+16x8).
+
 What is timed, for each, from one clock start to the end of the last optimizer step:
 
 - rlrun: the ``run_group_rl`` call, with the model loading replaced by an already loaded copy. This
@@ -40,6 +49,7 @@ after ``.venv/bin/pip install -e '.[dev,bench]'``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import random
@@ -90,6 +100,7 @@ class Timing(StepTimes):
     completion_length: float  # mean tokens per completion over all steps
     reward: float  # mean reward over all steps
     new_tokens: int = 0
+    sync_s: float = 0.0  # wall seconds syncing the engine's weights (rlrun with an engine process)
     load: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-minute load average at the end
 
     @property
@@ -153,7 +164,7 @@ def warm_up(model_dir: Path) -> None:
 
 
 def run_rlrun(
-    model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path, new_tokens: int
+    model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path, new_tokens: int, engine: str = "hf"
 ) -> tuple[Timing, TimedReporter]:
     spec = parse_spec(
         {
@@ -162,7 +173,7 @@ def run_rlrun(
             "dataset_id": str(uuid.uuid4()),
             "rewards": [{"name": "numeric"}],
             "hyperparameters": {
-                "engine": "hf",
+                "engine": engine,
                 "learning_rate": LR,
                 "max_steps": steps,
                 "prompts_per_step": PROMPTS_PER_STEP,
@@ -195,10 +206,17 @@ def run_rlrun(
     loaded = load_causal_lm(str(model_dir))  # loading is outside the clock, as for TRL
     clock = GenerateClock(new_tokens)
     clock.install(loaded[0])
+    sync = GenerateClock(new_tokens)  # the engine's weight syncs (seconds and calls)
     # a step that made an update logs "perf/train_s"; " steps on " is the last event before the step loop
     reporter = TimedReporter(step_key="perf/train_s", setup_ends=lambda message: " steps on " in message)
     # the loops load the policy through the session (load_trainable); the already loaded copy stands in
-    with mock.patch.object(session_module, "load_causal_lm", lambda _path, *args, **kwargs: loaded):
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(
+            mock.patch.object(session_module, "load_causal_lm", lambda _path, *args, **kwargs: loaded)
+        )
+        if engine == "vllm_server":
+            engine_clock(patches, clock, sync, new_tokens)
+        patches.callback(ctx.cleanup.close)  # what trainer.loops.LOOPS does after a run: stops its engine
         start = stamp()
         result = group_rl_loop.run_group_rl(spec, RunData(train=rows), reporter, ctx)
     assert result.status == "succeeded" and reporter.setup_end is not None
@@ -209,11 +227,40 @@ def run_rlrun(
         setup_end=reporter.setup_end,
         step_ends=[reporter.step_ends[s] for s in range(1, steps + 1)],
         generate_s=clock.seconds,  # every generate call falls inside the timed span (no eval)
+        sync_s=sync.seconds,
         completion_length=mean(reporter.series("response/length_mean")),
         reward=mean(reporter.series("reward/mean")),
         new_tokens=new_tokens,
     )
     return timing, reporter
+
+
+def engine_clock(
+    patches: contextlib.ExitStack, clock: GenerateClock, sync: GenerateClock, tokens: int
+) -> None:
+    """Time the engine process's generate calls into ``clock`` and its syncs into ``sync``, and make every
+    completion ``tokens`` long (vLLM's ``min_tokens``), as ``GenerateClock`` does for HF generate."""
+    from trainer.rollout import served_engine
+
+    request = served_engine.completion_request
+
+    def equal_lengths(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return request(*args, **kwargs) | {"min_tokens": tokens}
+
+    def timed(inner: Any, into: GenerateClock) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            begin = time.perf_counter()
+            out = inner(*args, **kwargs)
+            into.seconds += time.perf_counter() - begin
+            into.calls += 1
+            return out
+
+        return call
+
+    served = served_engine.ServedEngine
+    patches.enter_context(mock.patch.object(served_engine, "completion_request", equal_lengths))
+    patches.enter_context(mock.patch.object(served, "generate", timed(served.generate, clock)))
+    patches.enter_context(mock.patch.object(served, "sync_weights", timed(served.sync_weights, sync)))
 
 
 def trl_config(steps: int, work: Path, new_tokens: int) -> Any:
@@ -361,10 +408,12 @@ def print_split(reporter: TimedReporter, ours: Timing) -> None:
         f"steps): gen {gen_s:.4f} s (of which generate() {ours.generate_per_step_s:.4f} s) + "
         f"train {train_s:.4f} s + other {other:.4f} s (setup, metrics; spread over the steps) "
         f"= {ours.per_step_s:.4f} s; gen is {gen_s / (gen_s + train_s):.0%} of gen+train"
+        + (f"; the engine's weight sync {ours.sync_s / ours.steps:.4f} s/step" if ours.sync_s else "")
     )
 
 
 def main(argv: list[str] | None = None) -> None:
+    global PROMPTS_PER_STEP, G  # --shape sets them for both contenders
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps for each trainer")
     parser.add_argument(
@@ -373,7 +422,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--rounds", type=int, default=2, help="runs of each contender per budget, in the order AB BA AB ..."
     )
+    parser.add_argument(
+        "--engine", default="hf", choices=["hf", "vllm_server"], help="rlrun's rollout engine"
+    )
+    parser.add_argument(
+        "--shape", default=f"{PROMPTS_PER_STEP}x{G}", help="prompts per step x completions each"
+    )
     args = parser.parse_args(argv)
+    PROMPTS_PER_STEP, G = (int(v) for v in args.shape.split("x"))
     budgets = [int(t) for t in args.new_tokens.split(",")]
     if args.steps < 1 or args.rounds < 1 or min(budgets) < 1:
         parser.error("--steps, --rounds and every --new-tokens must be at least 1")
@@ -386,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"transformers {transformers.__version__}, trl {trl.__version__}; tiny:{PRESET}, "
         f"{N_PROMPTS} prompts, {PROMPTS_PER_STEP} prompts x G={G} x {budgets} new tokens per step, "
+        f"rlrun engine {args.engine}, "
         f"temperature {TEMPERATURE}, lr {LR}, no KL, clip {CLIP}, fp32, cpu; "
         f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus"
     )
@@ -405,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
                     torch.manual_seed(SEED)
                     out = work / f"{tokens}-{round_}-{name}"
                     if name == "rlrun":
-                        ours, reporter = run_rlrun(model_dir, rows, args.steps, out, tokens)
+                        ours, reporter = run_rlrun(model_dir, rows, args.steps, out, tokens, args.engine)
                         results.append(ours)
                         splits.append((reporter, ours))
                     else:

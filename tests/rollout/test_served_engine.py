@@ -188,6 +188,24 @@ def test_a_cancel_during_generation_lands_within_seconds_and_the_engine_drops_th
     assert time.monotonic() - began < 5
 
 
+def test_the_engines_worker_spins_50_ms_after_a_step_not_a_second(tmp_path: Path) -> None:
+    """vLLM's worker busy-waits a second after each step, stealing a core from the update that follows;
+    the engine's start-up patch (trainer/rollout/engine_site/sitecustomize.py) cuts it to 50 ms."""
+    python = engine_python_or_skip()
+    module = "vllm.distributed.device_communicators.shm_broadcast"
+    code = (
+        f"import inspect, {module} as m; "
+        "print(inspect.signature(m.SpinCondition).parameters['busy_loop_s'].default)"
+    )
+    env = EngineOptions(model_dir=tmp_path).environment()
+    patched = subprocess.run([str(python), "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert patched.stdout.strip() == "0.05", patched.stderr[-2000:]
+    unpatched = subprocess.run(
+        [str(python), "-c", code], env=env | {"PYTHONPATH": ""}, capture_output=True, text=True, timeout=300
+    )
+    assert unpatched.stdout.strip() == "1", unpatched.stderr[-2000:]  # what vLLM does on its own
+
+
 def test_a_prompt_over_the_engines_length_is_refused_naming_the_limit(engine: ServedEngine) -> None:
     with pytest.raises(ValueError, match=f"max_model_len is {MAX_MODEL_LEN}"):
         engine.generate([[5] * 10, [5] * MAX_MODEL_LEN], 1, greedy())
