@@ -31,8 +31,10 @@ def shorten_busy_loop(module: Any) -> None:
     init = getattr(condition, "__init__", None)
     defaults = getattr(init, "__defaults__", None)
     code = getattr(init, "__code__", None)
-    if code is None or not defaults or code.co_varnames[: code.co_argcount][-1:] != ("busy_loop_s",):
+    if init is None or code is None or not defaults:
         return  # another vLLM: leave it as it is
+    if code.co_varnames[: code.co_argcount][-1:] != ("busy_loop_s",):
+        return
     init.__defaults__ = (*defaults[:-1], BUSY_LOOP_S)
 
 
