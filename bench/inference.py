@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,15 +93,25 @@ def one_request(url: str, i: int, max_tokens: int, start: float, out: list[dict[
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    timed_stream(
+        f"{url}/v1/chat/completions", body, start, out, lambda choice: choice["delta"].get("content")
+    )
+
+
+def timed_stream(
+    url: str, body: dict[str, Any], start: float, out: list[dict[str, float]], text: Callable[[Any], Any]
+) -> None:
+    """Send one streamed request; append its time to the first chunk with text (``text`` of its first
+    choice), its end and its completion tokens (``usage``) to ``out``."""
     first = None
     tokens = 0
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as answer:
+    with httpx.stream("POST", url, json=body, timeout=600) as answer:
         answer.raise_for_status()
         for line in answer.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line.removeprefix("data: "))
-            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            if first is None and chunk["choices"] and text(chunk["choices"][0]):
                 first = time.perf_counter() - start
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
@@ -120,20 +131,7 @@ def one_engine_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    first = None
-    tokens = 0
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as answer:
-        answer.raise_for_status()
-        for line in answer.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if first is None and chunk["choices"] and chunk["choices"][0].get("text"):
-                first = time.perf_counter() - start
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-    end = time.perf_counter() - start
-    out.append({"ttft": first if first is not None else end, "end": end, "tokens": tokens})
+    timed_stream(f"{url}/v1/completions", body, start, out, lambda choice: choice.get("text"))
 
 
 def engine_round(url: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
