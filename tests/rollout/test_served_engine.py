@@ -60,7 +60,7 @@ def engine(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     options = EngineOptions(model_dir=tiny_model_dir("llama-0.4m", tiny_cache), max_model_len=MAX_MODEL_LEN)
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     with EngineProcess(options, log_path=log, python=python) as process:
-        served = ServedEngine(process.base_url, max_model_len=MAX_MODEL_LEN)
+        served = ServedEngine(process.base_url, max_model_len=MAX_MODEL_LEN, process=process)
         try:
             yield served
         finally:
@@ -391,3 +391,23 @@ def test_a_start_that_times_out_stops_the_engine(tmp_path: Path, started_pids: l
     with pytest.raises(EngineStartError, match="did not answer /health within 1 s"):
         process.start()
     assert started_pids and all(gone(pid) for pid in started_pids)
+
+
+def test_a_killed_engine_restarts_with_the_full_weights_last_synced(
+    engine: ServedEngine, eos_prone: tuple[Any, Any], prompts: list[list[int]]
+) -> None:
+    """Last in the module: it kills the module's engine (the next call starts it again)."""
+    other, _ = eos_prone
+    engine.sync_weights(other)  # weights the engine's folder does not hold
+    before = engine.generate(prompts, 1, greedy())
+    restarts: list[str] = []
+    engine.on_restart = restarts.append
+    assert engine.process is not None and engine.process.proc is not None
+    dead = engine.process.proc
+    os.killpg(dead.pid, signal.SIGKILL)
+    dead.wait()
+    after = engine.generate(prompts, 1, greedy())
+    assert [c.token_ids for c in after] == [
+        c.token_ids for c in before
+    ]  # the synced weights, not the folder's
+    assert len(restarts) == 1 and "started it again with the last synced weights" in restarts[0]
