@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,15 +48,10 @@ from typing import Any
 import httpx
 import torch
 
+from trainer.ports import free_port
+
 MODEL = "tiny:llama-10m"
 PROMPT = "What is {a} plus {b}? Answer with the number."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def serve(home: Path, backend: str) -> tuple[subprocess.Popen[bytes], str]:

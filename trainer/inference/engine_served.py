@@ -43,15 +43,16 @@ import httpx
 
 from trainer.adapter_folders import base_of, is_adapter_folder
 from trainer.inference.decode import DecodeParams, Delta
-from trainer.inference.engine_errors import EngineRequestError
 from trainer.inference.loaded import LoadError, is_scorer
 from trainer.inference.vllm_served import deltas_from_output
 from trainer.rollout.engine_process import (
     SERVED_NAME,
+    EngineError,
     EngineOptions,
     EngineProcess,
     EngineStartError,
     EngineUnavailable,
+    engine_message,
     engine_python,
 )
 
@@ -81,7 +82,7 @@ def completion_body(prompt_ids: list[int], n: int, params: DecodeParams, model: 
 
 def _token(text: str) -> int:
     if not text.startswith(_TOKEN_PREFIX):
-        raise EngineRequestError(502, f"the engine sent a token as {text!r}, not as its id")
+        raise EngineError(f"the engine sent a token as {text!r}, not as its id", 502)
     return int(text.removeprefix(_TOKEN_PREFIX))
 
 
@@ -97,7 +98,7 @@ def choice_output(choice: dict[str, Any]) -> SimpleNamespace:
     per_token = []
     for k, token in enumerate(token_ids):
         if k >= len(sampled):
-            raise EngineRequestError(502, f"the engine sent no log-prob for token {token}")
+            raise EngineError(f"the engine sent no log-prob for token {token}", 502)
         entry = {token: SimpleNamespace(logprob=float(sampled[k]), rank=None)}
         ranked = sorted(
             ((_token(t), float(v)) for t, v in (tops[k] if k < len(tops) else {}).items()),
@@ -119,15 +120,6 @@ def deltas_from_chunk(chunk: dict[str, Any], top_logprobs: int, eos_id: int | No
     """The ``Delta`` of each choice in one streamed chunk (an EOS token dropped as ``decode`` does)."""
     outputs = [choice_output(c) for c in chunk.get("choices") or []]
     return deltas_from_output(SimpleNamespace(outputs=outputs), top_logprobs, eos_id)
-
-
-def engine_message(resp: httpx.Response) -> str:
-    try:
-        body = json.loads(resp.read())
-        error = body.get("error", body) if isinstance(body, dict) else body
-        return str(error.get("message", error) if isinstance(error, dict) else error)
-    except ValueError:
-        return resp.text
 
 
 @dataclass
@@ -165,7 +157,7 @@ class EngineServed:
         """``n`` continuations of one prompt as the engine streams them.
 
         Raises:
-            EngineRequestError: the engine refused the request (its message), broke off or is gone.
+            EngineError: the engine refused the request (its message), broke off or is gone.
         """
         body = completion_body(prompt_ids, n, params, self.model)
         repeat = n if body["n"] == 1 and n > 1 else 1  # greedy n > 1: one sample, n identical choices
@@ -173,7 +165,7 @@ class EngineServed:
         try:
             with self.entry.client.stream("POST", "/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
-                    raise EngineRequestError(resp.status_code, engine_message(resp))
+                    raise EngineError(engine_message(resp), resp.status_code)
                 for line in resp.iter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -182,16 +174,14 @@ class EngineServed:
                         return
                     chunk = json.loads(data)
                     if "error" in chunk:  # vLLM reports a failure mid-stream as a data line
-                        raise EngineRequestError(500, str(chunk["error"].get("message", chunk["error"])))
+                        raise EngineError(str(chunk["error"].get("message", chunk["error"])), 500)
                     deltas = deltas_from_chunk(chunk, params.top_logprobs, eos)
                     if repeat > 1:
                         deltas = [dataclasses.replace(d, index=j) for d in deltas for j in range(repeat)]
                     yield deltas
         except httpx.TransportError as exc:
-            raise EngineRequestError(
-                0, f"the engine at {self.entry.process.base_url} broke off: {exc}"
-            ) from exc
-        raise EngineRequestError(502, "the engine's stream ended without [DONE]")
+            raise EngineError(f"the engine at {self.entry.process.base_url} broke off: {exc}") from exc
+        raise EngineError("the engine's stream ended without [DONE]", 502)
 
 
 def model_config(folder: str) -> dict[str, Any]:
@@ -286,7 +276,10 @@ class EngineModels:
 
     def _load_lora(self, entry: EngineEntry, folder: str) -> None:
         name = f"adapter{entry.next_lora}"
-        resp = entry.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": folder})
+        try:
+            resp = entry.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": folder})
+        except httpx.TransportError as exc:  # a dead engine: a named error, not a bare 500
+            raise LoadError(f"the engine at {entry.process.base_url} did not answer: {exc}") from None
         if resp.status_code != 200:
             raise LoadError(f"the engine could not load adapter {folder!r}: {engine_message(resp)}")
         entry.next_lora += 1

@@ -31,9 +31,9 @@ from starlette.concurrency import run_in_threadpool
 from api.settings import Settings
 from trainer.data.prompts import render_prompt
 from trainer.inference.decode import DecodeParams, Delta
-from trainer.inference.engine_errors import EngineRequestError
 from trainer.inference.loaded import LoadedModels, LoadError
 from trainer.inference.schemas import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from trainer.rollout.engine_process import EngineError
 
 MODEL_SOURCE_HEADER = "x-rlrun-model-source"  # api/routers/inference.py sends it
 DEFAULT_CHAT_TOKENS = 256
@@ -162,7 +162,7 @@ class Generation:
                             delta.finish_reason == "stop" and not delta.token_ids
                         )
                         yield p * self.n + delta.index, delta
-            except EngineRequestError as exc:
+            except EngineError as exc:
                 status = exc.status if 400 <= exc.status < 500 else 502
                 raise InferenceError(status, f"the engine: {exc}", code="engine_error") from None
 

@@ -25,6 +25,7 @@ engine-core start.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -64,6 +65,25 @@ def lora_rank_limit(rank: int) -> int:
 
 class EngineUnavailable(RuntimeError):
     """No engine environment is configured or installed; the message names the setting and the install."""
+
+
+class EngineError(RuntimeError):
+    """The engine refused a request, broke off or could not be reached; the message is the engine's own and
+    ``status`` its HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def engine_message(resp: httpx.Response) -> str:
+    """The message of an engine's error answer (OpenAI's ``{"error": {"message"}}``), else its text."""
+    try:
+        body = json.loads(resp.read())
+    except ValueError:
+        return resp.text
+    error = body.get("error", body) if isinstance(body, dict) else body
+    return str(error.get("message", error) if isinstance(error, dict) else error)
 
 
 class EngineStartError(RuntimeError):

@@ -45,12 +45,16 @@ from typing import Any
 import httpx
 
 from trainer.rollout.base import Completion, SamplingParams, check_generate_args
-from trainer.rollout.engine_process import SERVED_NAME, EngineOptions, EngineProcess
+from trainer.rollout.engine_process import (
+    SERVED_NAME,
+    EngineError,
+    EngineOptions,
+    EngineProcess,
+    engine_message,
+)
 from trainer.rollout.vllm_engine import completions_from_vllm
 
-
-class EngineError(RuntimeError):
-    """The engine refused a request or could not be reached; the message is the engine's own."""
+__all__ = ["EngineError", "ServedEngine", "start_served_engine"]
 
 
 def completion_request(
@@ -206,11 +210,8 @@ class ServedEngine:
             self._abort_all()
             raise
         if resp.status_code != 200:
-            try:
-                message = resp.json().get("error", {}).get("message") or resp.text
-            except ValueError:
-                message = resp.text
-            raise EngineError(f"the engine refused {path} ({resp.status_code}): {message}")
+            message = engine_message(resp)
+            raise EngineError(f"the engine refused {path} ({resp.status_code}): {message}", resp.status_code)
         if resp.headers.get("content-type", "").startswith("application/json"):
             return resp.json()
         return resp.text
