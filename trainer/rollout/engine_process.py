@@ -14,12 +14,20 @@ whoever reaches the port, so the engine only ever binds loopback. Log-probabilit
 actually sampled (``--logprobs-mode processed_logprobs``: after temperature and top-p/top-k), the behaviour
 policy an importance ratio needs.
 
-Every engine process starts with ``engine_site/sitecustomize.py`` on its path, which cuts vLLM's worker's
-busy-wait after each step from 1 s to 50 ms: that second was taken from the cores the trainer's update
-needs right after the rollouts (an update 7x slower beside the engine, bench/grpo_vs_trl.py).
+The model runs inside the engine-core process (``--distributed-executor-backend uni``; vLLM's CPU platform
+only allows that with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the OpenAI server itself ignores: its
+engine core stays a process of its own). vLLM's CPU default is a third process, a worker fed through shared
+memory: one more ``import vllm`` at start and one more hop per decode step. Measured here on 2026-12-05
+(2 cores, ``bench/engine_rollouts.py --rounds 4 --shapes 2x4x16,16x8x64,32x1x128``, tiny:llama-10m, fp32,
+before and after): answering after 22.6 -> 15.6 s; engine tokens/s 819 -> 953 at 2 x 4 x 16, 2,903 ->
+3,023 at 16 x 8 x 64, 1,624 -> 1,906 at 32 x 1 x 128. Tensor parallelism (several devices per engine)
+would need the multiprocess executor back.
 
-Measured here (2 cores, tiny:llama-0.4m, fp32): up and answering in ~30 s, most of it vLLM's import and
-engine-core start.
+Every engine process starts with ``engine_site/sitecustomize.py`` on its path, which cuts the busy-wait of
+vLLM's multiprocess worker after each step from 1 s to 50 ms: that second was taken from the cores the
+trainer's update needs right after the rollouts (an update 7x slower beside the engine,
+bench/grpo_vs_trl.py). With the model in the engine core there is no such worker; the patch stays for an
+engine that runs one.
 """
 
 from __future__ import annotations
@@ -155,6 +163,8 @@ class EngineOptions:
             "--max-model-len",
             str(self.max_model_len),
             "--enforce-eager",
+            "--distributed-executor-backend",
+            "uni",
             "--logprobs-mode",
             self.logprobs_mode,
             "--seed",
@@ -171,6 +181,7 @@ class EngineOptions:
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # lets the CPU platform keep the model in the engine core
             "DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",  # no hub downloads: the model is a local folder
             "TOKENIZERS_PARALLELISM": "false",
