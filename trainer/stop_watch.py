@@ -31,7 +31,7 @@ log = logging.getLogger("rlrun.worker")
 ProgressWriter = Callable[[tuple[str, int, int | None] | None], None]
 
 
-def _raise_in(thread_id: int, exc: type[BaseException] | None) -> int:
+def raise_in_thread(thread_id: int, exc: type[BaseException] | None) -> int:
     """Set (or with None, clear) the exception pending in thread ``thread_id``; threads affected."""
     setter = ctypes.pythonapi.PyThreadState_SetAsyncExc
     return int(setter(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None))
@@ -85,7 +85,7 @@ class StopWatch(threading.Thread):
                 self.open_phases.remove(counter)
             pending = self.injected
             if pending:
-                _raise_in(self.thread_id, None)
+                raise_in_thread(self.thread_id, None)
                 self.injected = False
         if pending and not interrupted:
             raise RunStopped("a cancel or pause was requested")
@@ -110,7 +110,7 @@ class StopWatch(threading.Thread):
     def _interrupt(self, counter: Counter) -> None:
         with self.lock:
             if counter in self.open_phases and not self.injected:
-                self.injected = _raise_in(self.thread_id, RunStopped) == 1
+                self.injected = raise_in_thread(self.thread_id, RunStopped) == 1
                 log.info("stop requested during phase %s: interrupting it", counter.name)
 
     def _report(self, counter: Counter | None, now: float) -> None:

@@ -25,6 +25,7 @@ from trainer.algorithms.sampler_correction import mismatch_stats, truncated_is_w
 from trainer.data.prompts import PromptSet, tokenize_prompts
 from trainer.data.sampling import micro_batches
 from trainer.distributed import Ranks, current, gather_rows, is_sharded, padded_share, sum_over_ranks, unwrap
+from trainer.loops.async_rollouts import RolloutPrefetch
 from trainer.loops.rollouts import (
     StepRollouts,
     build_reward,
@@ -61,6 +62,7 @@ class RlParts:
     eval_reward: CompositeReward
     prompts: PromptSet
     val_prompts: PromptSet
+    prefetch: RolloutPrefetch | None = None  # async_rollouts: the next step's rollouts, generating
 
 
 def prepare_rl(
@@ -102,7 +104,7 @@ def prepare_rl(
         prompts = tokenize_prompts(data.train, tokenizer, hp.max_prompt_length)
         progress.advance(len(data.train))
         val_prompts = tokenize_prompts(held_out, tokenizer, hp.max_prompt_length)
-    return RlParts(
+    parts = RlParts(
         reference=reference,
         engine=engine,
         reward=reward,
@@ -110,11 +112,18 @@ def prepare_rl(
         prompts=prompts,
         val_prompts=val_prompts,
     )
+    if hp.async_rollouts:
+        prefetch = RolloutPrefetch(engine, prompts, reward, hp, seed_of=lambda step: rollout_seed(hp, step))
+        ctx.cleanup.callback(prefetch.close)  # before the engine's close (the stack is last in, first out)
+        parts = dataclasses.replace(parts, prefetch=prefetch)
+    return parts
 
 
 def evaluate_held_out(session: TrainingSession, parts: RlParts, hp: OnlineRlHyperparameters) -> None:
     """Greedy held-out accuracy of the current policy (the ``eval`` phase), kept as ``last_eval``."""
     with session.reporter.phase("eval", len(parts.val_prompts.ids)):
+        if parts.prefetch is not None:  # the engine's weights change only between generations
+            parts.prefetch.settle()
         parts.engine.sync_weights(unwrap(session.model))
         session.last_eval = evaluate_greedy(
             parts.engine, parts.val_prompts, parts.eval_reward, hp, hp.seed, session.ranks
@@ -134,23 +143,48 @@ def evaluate_start(session: TrainingSession, parts: RlParts, hp: OnlineRlHyperpa
         session.reporter.log_metrics(0, session.last_eval)
 
 
+def rollout_seed(hp: OnlineRlHyperparameters, step: int) -> int:
+    """The sampling seed of step ``step``'s rollouts."""
+    return hp.seed * 100_003 + step
+
+
 def sample_step(
     session: TrainingSession, parts: RlParts, hp: OnlineRlHyperparameters, *, greedy_baseline: bool
 ) -> tuple[StepRollouts, float]:
-    """This step's rollouts from the current policy, and the seconds they took."""
+    """This step's rollouts from the current policy, and the seconds the step waited for them.
+
+    With ``async_rollouts`` they were generated during the previous step (one update older than the
+    policy; the first step's in the foreground), and the next step's start here from the weights before
+    this step's update (trainer/loops/async_rollouts.py)."""
     t0 = time.perf_counter()
     with session.reporter.phase("rollouts"):
-        parts.engine.sync_weights(unwrap(session.model))
-        ro = collect_rollouts(
-            parts.engine,
-            parts.prompts,
-            session.sampler,
-            parts.reward,
-            hp,
-            greedy_baseline=greedy_baseline,
-            seed=hp.seed * 100_003 + session.step,
-            ranks=session.ranks,
-        )
+        if parts.prefetch is not None and session.step == session.first + 1:
+            # The prompt sampler's generator now advances only with the prompts drawn (in the background,
+            # adopted when taken); the minibatch shuffles get one of their own, seeded by this attempt's
+            # first step, so neither stream depends on when the other thread drew.
+            session.generator = torch.Generator(device=session.generator.device).manual_seed(
+                rollout_seed(hp, session.step)
+            )
+        ready = parts.prefetch.take(session.step, session.sampler) if parts.prefetch is not None else None
+        if ready is None:
+            parts.engine.sync_weights(unwrap(session.model))
+            ro = collect_rollouts(
+                parts.engine,
+                parts.prompts,
+                session.sampler,
+                parts.reward,
+                hp,
+                greedy_baseline=greedy_baseline,
+                seed=rollout_seed(hp, session.step),
+                ranks=session.ranks,
+            )
+        else:
+            ro = ready.rollouts
+            ro.generated_in_background_s = ready.seconds
+        if parts.prefetch is not None and session.step < hp.max_steps:
+            if ready is not None:  # the weights before this step's update (the foreground path synced them)
+                parts.engine.sync_weights(unwrap(session.model))
+            parts.prefetch.start(session.step + 1, session.sampler, greedy_baseline=greedy_baseline)
     return ro, time.perf_counter() - t0
 
 
@@ -183,6 +217,8 @@ def close_rl_step(
 ) -> None:
     """Eval when due, a warning for skipped updates, stored samples when due (``annotate`` may add to each
     record), then the session's end of step (log, checkpoint, final save)."""
+    if ro.generated_in_background_s is not None and session.log_due:
+        metrics["perf/gen_background_s"] = ro.generated_in_background_s
     if parts.val_prompts.ids and session.eval_due:
         evaluate_held_out(session, parts, hp)
         metrics |= session.last_eval

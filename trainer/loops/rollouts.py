@@ -146,6 +146,8 @@ class StepRollouts:
     baseline: list[float] = field(default_factory=list)  # ReMax: greedy reward of each completion's prompt
     groups_sampled: int = 0
     zero_variance_groups: int = 0
+    # async_rollouts: the seconds they took to generate and score while the previous step trained
+    generated_in_background_s: float | None = None
 
     @property
     def rewards(self) -> RewardResult:

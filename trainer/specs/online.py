@@ -173,6 +173,15 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
         "reports log-probs (vllm, vllm_server); TRL and verl use 2. Default: off (the mismatch is logged "
         "either way).",
     )
+    async_rollouts: int = Field(
+        default=0,
+        ge=0,
+        le=1,
+        description="1: generate the next step's rollouts while this step trains (one step off-policy: each "
+        "update trains on rollouts sampled one update earlier, as verl's one-step-off-policy trainer and "
+        "PipelineRL). Needs engine vllm_server (an engine in its own process); importance_sampling_cap "
+        "corrects for the lag (docs/algorithms.md). 0: off.",
+    )
     policy_loss: PolicyLossName = preset_field(
         "ppo_clip",
         "Policy loss: ppo_clip, vanilla, gspo (sequence-level ratio) or cispo (clipped IS weight).",
@@ -233,6 +242,12 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
                 "importance_sampling_cap needs an engine that reports its sampler's log-probs (vllm, "
                 "vllm_server); engine 'hf' samples with the trainer's own model, so there is no mismatch "
                 "to correct"
+            )
+        if self.async_rollouts and self.engine != "vllm_server":
+            raise ValueError(
+                f"async_rollouts needs engine 'vllm_server' (an engine in a process of its own, generating "
+                f"while the trainer updates); engine '{self.engine}' generates in the trainer's process"
+                + (" with the very model being updated" if self.engine == "hf" else "")
             )
         if self.max_prompt_length + self.max_new_tokens > self.max_length:
             raise ValueError("max_prompt_length + max_new_tokens must not exceed max_length")
