@@ -21,7 +21,9 @@ request is wrapped), ``generate s/step`` is the wall time of the engine's genera
 sync before each step is timed apart (``sync s/step``, part of ``rest``). With the engine rlrun also takes
 the old policy's log-probs in a no-grad pass each step (the sampler-mismatch metrics need them).
 ``--shape PxG`` sets prompts per step and completions per prompt (default 2x4; ``bench/learning.py`` uses
-16x8).
+16x8). ``--async-rollouts 1`` (with the engine) generates each next step's rollouts during this step's
+update (one step off-policy, trainer/loops/async_rollouts.py): ``generate s/step`` then counts the
+background generation too, so only ``s/step`` and ``steady`` compare with the plain path.
 
 What is timed, for each, from one clock start to the end of the last optimizer step:
 
@@ -164,7 +166,13 @@ def warm_up(model_dir: Path) -> None:
 
 
 def run_rlrun(
-    model_dir: Path, rows: list[dict[str, Any]], steps: int, work: Path, new_tokens: int, engine: str = "hf"
+    model_dir: Path,
+    rows: list[dict[str, Any]],
+    steps: int,
+    work: Path,
+    new_tokens: int,
+    engine: str = "hf",
+    async_rollouts: int = 0,
 ) -> tuple[Timing, TimedReporter]:
     spec = parse_spec(
         {
@@ -174,6 +182,7 @@ def run_rlrun(
             "rewards": [{"name": "numeric"}],
             "hyperparameters": {
                 "engine": engine,
+                "async_rollouts": async_rollouts,
                 "learning_rate": LR,
                 "max_steps": steps,
                 "prompts_per_step": PROMPTS_PER_STEP,
@@ -428,7 +437,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--shape", default=f"{PROMPTS_PER_STEP}x{G}", help="prompts per step x completions each"
     )
+    parser.add_argument(
+        "--async-rollouts",
+        type=int,
+        default=0,
+        choices=[0, 1],
+        help="rlrun generates the next step's rollouts during this step's update (--engine vllm_server)",
+    )
     args = parser.parse_args(argv)
+    if args.async_rollouts and args.engine != "vllm_server":
+        parser.error("--async-rollouts needs --engine vllm_server")
     PROMPTS_PER_STEP, G = (int(v) for v in args.shape.split("x"))
     budgets = [int(t) for t in args.new_tokens.split(",")]
     if args.steps < 1 or args.rounds < 1 or min(budgets) < 1:
@@ -442,7 +460,7 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"transformers {transformers.__version__}, trl {trl.__version__}; tiny:{PRESET}, "
         f"{N_PROMPTS} prompts, {PROMPTS_PER_STEP} prompts x G={G} x {budgets} new tokens per step, "
-        f"rlrun engine {args.engine}, "
+        f"rlrun engine {args.engine}{' with async_rollouts 1' if args.async_rollouts else ''}, "
         f"temperature {TEMPERATURE}, lr {LR}, no KL, clip {CLIP}, fp32, cpu; "
         f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus"
     )
@@ -462,7 +480,9 @@ def main(argv: list[str] | None = None) -> None:
                     torch.manual_seed(SEED)
                     out = work / f"{tokens}-{round_}-{name}"
                     if name == "rlrun":
-                        ours, reporter = run_rlrun(model_dir, rows, args.steps, out, tokens, args.engine)
+                        ours, reporter = run_rlrun(
+                            model_dir, rows, args.steps, out, tokens, args.engine, args.async_rollouts
+                        )
                         results.append(ours)
                         splits.append((reporter, ours))
                     else:

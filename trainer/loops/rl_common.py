@@ -84,6 +84,9 @@ def prepare_rl(
         elif ref_path is not None:
             reference, _ = load_causal_lm(ref_path, dtype=frozen_dtype(hp.precision))
             reference.to(start.device).eval().requires_grad_(False)
+        engine_threads = None
+        if hp.async_rollouts:  # the engine generates while the trainer updates: they split the cores
+            engine_threads = split_cores_for_overlap(ctx)
         engine = make_engine(
             hp.engine,
             model=unwrap(policy),
@@ -93,6 +96,7 @@ def prepare_rl(
             synced_gpus=ctx.ranks.active and is_sharded(policy),
             max_model_len=hp.max_prompt_length + hp.max_new_tokens,
             on_restart=lambda message: start.reporter.event("warning", message),
+            threads=engine_threads,
         )
         ctx.cleanup.callback(engine.close)
         reward = build_reward(spec.rewards, ctx.resolve_model, start.device)
@@ -117,6 +121,22 @@ def prepare_rl(
         ctx.cleanup.callback(prefetch.close)  # before the engine's close (the stack is last in, first out)
         parts = dataclasses.replace(parts, prefetch=prefetch)
     return parts
+
+
+def split_cores_for_overlap(ctx: LoopContext) -> int:
+    """With ``async_rollouts`` the engine generates while the trainer updates, so they share the run's
+    threads instead of each taking all of them: the engine gets half (at least one), this process's torch
+    the rest, until the run ends. Measured on 2 cores (bench/grpo_vs_trl.py --engine vllm_server --shape
+    16x8 --new-tokens 16 --steps 12 --async-rollouts 1, tiny:llama-10m): both on both cores, 4.66 s/step
+    steady (the update 1.57 -> 4.34 s beside the engine); split, 2.98 s/step. Without overlap, each on
+    both cores in turn: 2.37 s/step. So on 2 cores the overlap costs more than it hides; it pays where
+    the engine has cores or devices of its own (docs/benchmarks.md)."""
+    n = torch.get_num_threads()
+    engine = max(1, n // 2)
+    if n > 1:
+        torch.set_num_threads(n - engine)
+        ctx.cleanup.callback(torch.set_num_threads, n)
+    return engine
 
 
 def evaluate_held_out(session: TrainingSession, parts: RlParts, hp: OnlineRlHyperparameters) -> None:

@@ -18,6 +18,7 @@ def make_engine(
     synced_gpus: bool = False,
     max_model_len: int = 512,
     on_restart: Callable[[str], None] | None = None,
+    threads: int | None = None,
 ) -> RolloutEngine:
     """A rollout engine that generates with ``model``'s current weights; the one place that reads ``name``.
 
@@ -30,6 +31,7 @@ def make_engine(
         synced_gpus: the model is sharded over ranks that generate together (HF: ``HFEngine``'s).
         max_model_len: the longest prompt + completion the engine process must hold (``vllm_server``).
         on_restart: told when an engine process that had died was started again (``vllm_server``).
+        threads: the engine process's cores (``vllm_server``; default: as many as this process's torch).
 
     Raises:
         ValueError: unknown ``name``, listing the valid ones.
@@ -52,7 +54,9 @@ def make_engine(
     if name == "vllm_server":
         from trainer.rollout.served_engine import start_served_engine
 
-        served = start_served_engine(model_path, model, max_model_len=max_model_len, on_restart=on_restart)
+        served = start_served_engine(
+            model_path, model, max_model_len=max_model_len, on_restart=on_restart, threads=threads
+        )
         try:
             served.sync_weights(model)  # as for vllm: the policy may already differ from its folder
         except BaseException:

@@ -305,12 +305,18 @@ def check_engine_adapter(model: Any) -> None:
 
 
 def start_served_engine(
-    model_path: str, model: Any, *, max_model_len: int, on_restart: Callable[[str], None] | None = None
+    model_path: str,
+    model: Any,
+    *,
+    max_model_len: int,
+    on_restart: Callable[[str], None] | None = None,
+    threads: int | None = None,
 ) -> ServedEngine:
-    """An engine process for the policy ``model`` loaded from the folder ``model_path`` (same dtype, as many
-    threads as this process: generation and training take turns), and a ``ServedEngine`` that stops it on
-    ``close()``. For an adapter policy ``model_path`` is its base's folder and the engine runs LoRA. A
-    failed or interrupted start stops the engine; a failed one carries its last lines.
+    """An engine process for the policy ``model`` loaded from the folder ``model_path`` (same dtype;
+    ``threads`` cores, default as many as this process: generation and training take turns), and a
+    ``ServedEngine`` that stops it on ``close()``. For an adapter policy ``model_path`` is its base's folder
+    and the engine runs LoRA. A failed or interrupted start stops the engine; a failed one carries its last
+    lines.
 
     Raises:
         ValueError: ``model_path`` is not a plain model folder (the engine loads it itself).
@@ -339,7 +345,7 @@ def start_served_engine(
         model_dir=folder,
         dtype=dtype,
         max_model_len=max_model_len,
-        threads=torch.get_num_threads(),
+        threads=threads or torch.get_num_threads(),
         max_lora_rank=lora_rank,
         max_loras=1,
     )
