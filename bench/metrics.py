@@ -67,6 +67,7 @@ from api.migrate import upgrade_head
 from api.models import Dataset, Metric, Run, utcnow
 from api.services.runs import chart_series
 from api.settings import Settings
+from trainer.ports import free_port
 from trainer.worker import DbReporter
 
 PG_ADMIN_URL = os.environ.get(
@@ -208,13 +209,6 @@ def bench_rlrun(backend: str, url: str, keys: list[str], steps: Steps) -> Result
         return Result(f"rlrun {backend}", points, ingest_s, query_ms, http_ms, returned)
     finally:
         engine.dispose()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @contextmanager

@@ -54,7 +54,8 @@ from typing import Any
 import httpx
 from common import throwaway_postgres  # a sibling module: python puts bench/ first on sys.path
 
-from rlrun.demo import addition_pairs, free_port, stop_process, wait_healthy
+from rlrun.demo import addition_pairs, stop_process, wait_healthy
+from trainer.ports import free_port
 
 GOAL_P95_MS = 200.0
 GOAL_STEPS_RATIO = 0.8

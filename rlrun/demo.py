@@ -11,7 +11,6 @@ import logging
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import httpx
 
 from api.pagination import encode_cursor
 from rlrun.client import FINISHED
+from trainer.ports import free_port
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "preference_addition.jsonl"
 SHOWN = ("loss", "rewards/accuracy", "rewards/margin", "perf/tokens_per_s")
@@ -38,13 +38,6 @@ def addition_pairs(n: int = 200, seed: int = 0) -> list[dict[str, str]]:
         wrong = a + b + rng.choice([-3, -2, -1, 1, 2, 3])
         rows.append({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(wrong)})
     return rows
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:

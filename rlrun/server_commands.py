@@ -88,27 +88,19 @@ def cmd_inference(args: argparse.Namespace) -> int:
     return 0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     """Migrate, start one worker process, the inference process and the reconciler, then serve the API
     until interrupted."""
     import uvicorn
 
     from api.settings import get_settings
+    from trainer.ports import free_port
 
     cmd_migrate(args)
     settings = _settings()
     inference = None
     if not args.no_inference and not settings.inference_url:
-        inference_port = _free_port()
+        inference_port = free_port()
         inference = subprocess.Popen(
             [sys.executable, "-m", "rlrun.cli", "inference", "--port", str(inference_port)],
             preexec_fn=_die_with_parent,

@@ -19,7 +19,7 @@ from api.ingest import DatasetStatsBuilder
 from api.main import create_app
 from api.models import Dataset, DatasetRow, Run, utcnow
 from api.settings import Settings
-from rlrun.demo import free_port
+from trainer.ports import free_port
 
 
 class FakeEnqueue:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from functools import partial
@@ -171,13 +170,6 @@ def test_chunked_upload_under_the_limit_is_stored(session: Session, tmp_path: Pa
 
 
 # --- a real server: chunked transfer over a socket ------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Counting:

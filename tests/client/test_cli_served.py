@@ -21,12 +21,13 @@ import pytest
 from rlrun import Client
 from rlrun.cli import main
 from rlrun.commands import watch_run
-from rlrun.demo import addition_pairs, free_port
+from rlrun.demo import addition_pairs
 from rlrun.schemas import DatasetRead, RunRead
 from rlrun.terminal import progress_line
 from tests.client.helpers import dpo
 from tests.factories import jsonl
 from tests.integration.flow import create_key, embedded_server
+from trainer.ports import free_port
 
 pytestmark = [pytest.mark.slow]
 SPARK = "[▁▂▃▄▅▆▇█]"

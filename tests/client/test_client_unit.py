@@ -18,9 +18,9 @@ from rlrun import ApiError, Client, ConnectionFailed, RlrunError, StreamEvent
 from rlrun.cli import main
 from rlrun.client import FINISHED
 from rlrun.commands import upload_progress
-from rlrun.demo import free_port
 from rlrun.terminal import progress_line
 from rlrun.wire import MultipartFile, parse_sse
+from trainer.ports import free_port
 
 BODY = MultipartFile(
     fields={"kind": "sft", "name": "my data"},

@@ -13,8 +13,9 @@ from typing import Any
 
 import httpx
 
-from rlrun.demo import addition_pairs, free_port, stop_process, wait_healthy
+from rlrun.demo import addition_pairs, stop_process, wait_healthy
 from tests.factories import jsonl
+from trainer.ports import free_port
 
 FINISHED = ("succeeded", "failed", "cancelled")
 

@@ -20,10 +20,11 @@ import httpx
 import pytest
 
 from api.migrate import upgrade_head
-from rlrun.demo import addition_pairs, free_port, stop_process, wait_healthy
+from rlrun.demo import addition_pairs, stop_process, wait_healthy
 from tests.conftest import pg_test_database
 from tests.factories import jsonl
 from tests.integration.flow import FINISHED, all_metrics, wait_for
+from trainer.ports import free_port
 
 pytestmark = [
     pytest.mark.integration,

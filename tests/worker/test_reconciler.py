@@ -17,8 +17,8 @@ from api.queue import BrokerHealth, CeleryEnqueue
 from api.reconciler import ReconcilerThread, reconcile_once
 from api.services.runs import resume_run
 from api.settings import Settings
-from rlrun.demo import free_port
 from tests.factories import FakeEnqueue, make_dataset, make_run
+from trainer.ports import free_port
 from trainer.worker import claim_run, pause_claimed_run
 
 
