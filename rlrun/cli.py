@@ -1,5 +1,5 @@
 """``rlrun``: serve (API + one worker), worker, migrate, keys, demo; and, against a running server,
-datasets (upload, list) and runs (create, list, get, watch, cancel)."""
+datasets (upload, list), runs (create, list, get, watch, cancel, download) and models (list, import)."""
 
 from __future__ import annotations
 

@@ -38,6 +38,9 @@ from rlrun.schemas import (
     ErrorBody,
     EventRead,
     MetricRead,
+    ModelImport,
+    ModelList,
+    ModelRead,
     Page,
     PipelineRead,
     RunRead,
@@ -59,10 +62,26 @@ _KEYS = TypeAdapter(list[str])
 def _error_from(resp: httpx.Response) -> ApiError:
     try:
         info = ErrorBody.model_validate_json(resp.content).error
-    except ValidationError:  # not our shape (a proxy's page, a crash before the app): keep it short
+    except ValidationError:
+        openai_error = _openai_error(resp)  # /v1/models and the other OpenAI paths answer in OpenAI's shape
+        if openai_error is not None:
+            return openai_error
+        # not an API's shape (a proxy's page, a crash before the app): keep it short
         text = resp.text.strip().splitlines()[0][:200] if resp.text.strip() else resp.reason_phrase
         return ApiError(resp.status_code, "http_error", f"HTTP {resp.status_code}: {text}")
     return ApiError(resp.status_code, info.code, info.message, info.field, info.details)
+
+
+def _openai_error(resp: httpx.Response) -> ApiError | None:
+    """``{"error": {"message", "type", "param", "code"}}`` as an ApiError, or None for another body."""
+    try:
+        info = resp.json()["error"]
+        message, code, param = info["message"], info.get("code"), info.get("param")
+    except (ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(message, str):
+        return None
+    return ApiError(resp.status_code, str(code or "http_error"), message, str(param) if param else None, None)
 
 
 class Unset:
@@ -395,8 +414,25 @@ class Pipelines(_Namespace):
         return _parse(PipelineRead, self._client.request("POST", f"/v1/pipelines/{pipeline_id}/cancel"))
 
 
+class Models(_Namespace):
+    """``/v1/models``: presets, model folders and run models; importing a GGUF file or a folder."""
+
+    def list(self) -> builtins.list[ModelRead]:
+        return _parse(ModelList, self._client.request("GET", "/v1/models")).data
+
+    def get(self, model: str) -> ModelRead:
+        return _parse(ModelRead, self._client.request("GET", f"/v1/models/{model}"))
+
+    def import_model(self, source: str, *, name: str | None = None, timeout: float = 3600.0) -> ModelRead:
+        """Import a catalog model (``smollm2-135m-instruct``) or a GGUF file / safetensors folder on the
+        server (inside its model roots) as a model folder; returns when the folder is complete."""
+        body = ModelImport(source=source, name=name).model_dump(mode="json", exclude_none=True)
+        resp = self._client.request("POST", "/v1/models/import", json=body, timeout=timeout)
+        return _parse(ModelRead, resp)
+
+
 class Client:
-    """The rlrun API over HTTP: ``datasets``, ``runs`` and ``pipelines`` namespaces.
+    """The rlrun API over HTTP: ``datasets``, ``runs``, ``pipelines`` and ``models`` namespaces.
 
     ``base_url`` defaults to ``$RLRUN_URL`` (else http://127.0.0.1:8000) and ``api_key`` to
     ``$RLRUN_API_KEY``, sent as ``Authorization: Bearer``. Use it as a context manager, or ``close()``.
@@ -419,6 +455,7 @@ class Client:
         self.datasets = Datasets(self)
         self.runs = Runs(self)
         self.pipelines = Pipelines(self)
+        self.models = Models(self)
 
     def __enter__(self) -> Client:
         return self

@@ -54,7 +54,7 @@ class CliError(Exception):
 
 
 def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``datasets`` and ``runs`` on the ``rlrun`` parser's subcommands."""
+    """Register ``datasets``, ``runs`` and ``models`` on the ``rlrun`` parser's subcommands."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--url", default=None, help="server URL (default: $RLRUN_URL or http://127.0.0.1:8000)"
@@ -132,6 +132,24 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "run, made and waited for when there is none); adapter: an adapter run's LoRA adapter",
     )
     download.set_defaults(func=_command(cmd_runs_download))
+
+    models = sub.add_parser("models", help="list models; import a GGUF file, a folder or a catalog model")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    models_list = models_sub.add_parser("list", parents=[common], help="presets, model folders, run models")
+    models_list.add_argument("--json", action="store_true", help="print the API's JSON")
+    models_list.set_defaults(func=_command(cmd_models_list))
+    models_import = models_sub.add_parser(
+        "import",
+        parents=[common],
+        help="make a model folder on the server from a .gguf file, a safetensors folder or a catalog model",
+    )
+    models_import.add_argument(
+        "source",
+        help="a catalog name (smollm2-135m-instruct) or a path on the server inside its model roots; a "
+        "relative path that exists here is sent as an absolute one",
+    )
+    models_import.add_argument("--name", default=None, help="the model's name (default: from the source)")
+    models_import.set_defaults(func=_command(cmd_models_import))
 
 
 def _command(handler: Handler) -> Callable[[argparse.Namespace], int]:
@@ -273,6 +291,35 @@ def cmd_datasets_list(args: argparse.Namespace, client: Client) -> int:
         print(f"{ds.id}  {ds.kind:10}  {ds.row_count:>8}  {ds.created_at:%Y-%m-%d %H:%M}  {ds.name}")
     if page.has_more:
         print(f"(more: --limit {args.limit * 2})", file=sys.stderr)
+    return 0
+
+
+# models
+
+
+def cmd_models_list(args: argparse.Namespace, client: Client) -> int:
+    models = client.models.list()
+    if args.json:
+        print(json.dumps([m.model_dump(mode="json") for m in models], indent=2))
+        return 0
+    print(f"{'MODEL':44}  {'SOURCE':10}  {'PARAMETERS':>12}  FROM")
+    for m in models:
+        size = f"{m.parameters:,}" if m.parameters is not None else "-"
+        print(f"{m.id:44}  {m.source:10}  {size:>12}  {m.imported_from or m.algorithm or ''}")
+    return 0
+
+
+def cmd_models_import(args: argparse.Namespace, client: Client) -> int:
+    """Print the new model's name (what a spec's ``model`` takes), then its size and origin."""
+    source = args.source
+    local = Path(source).expanduser()
+    if not source.startswith(("/", "~")) and (local.exists() or source.startswith(("./", "../"))):
+        source = str(local.resolve())  # the server resolves paths itself, not against this directory
+    print(f"importing {args.source} (a 135M GGUF takes about 30 s) ...", file=sys.stderr)
+    model = client.models.import_model(source, name=args.name)
+    print(model.id)
+    size = f"{model.parameters:,} parameters" if model.parameters is not None else "size unknown"
+    print(f"  {size}; from {model.imported_from}", file=sys.stderr)
     return 0
 
 

