@@ -11,6 +11,10 @@ Hugging Face layout (``config.json``, ``*.safetensors``, the tokenizer with its 
   transformers cannot), each safetensors header is read, and the files are copied. Pickled weights
   (``pytorch_model*.bin``) are refused, as everywhere in rlrun: loading a pickle can run code.
 
+A chat model's tokenizer gets the template's end-of-turn token as its EOS where they differ (Gemma's
+``<end_of_turn>`` beside ``<eos>``; trainer/data/chat_turns.py), the old EOS kept as a second stop token in
+``generation_config.json``: SFT targets, rollouts and chat then end a turn as the template does.
+
 The folder is built in a hidden sibling (``<root>/.import-<uuid>``, which listings skip) and renamed into
 place when complete: a corrupt file, a refused folder or a killed import leaves nothing under the name.
 Run as ``python -m trainer.model_import`` by the API (``POST /v1/models/import``), so the API process never
@@ -31,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer.data.chat_turns import end_of_turn_token
 from trainer.model_folders import IMPORT_RECORD, parameter_count, safetensors_parameters
 from trainer.model_refs import UnknownModel, check_hub_id
 
@@ -152,13 +157,29 @@ def _convert_gguf(file: Path, dest: Path) -> dict[str, Any]:
         del model.config.quantization_config
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
+    stops = _end_turns_with_template(tokenizer)
+    if stops is not None:
+        model.generation_config.eos_token_id = stops
+        model.config.eos_token_id = stops[0]
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     return {
         "sha256": _sha256(file),
         "architecture": model.config.model_type,
         "chat_template": bool(getattr(tokenizer, "chat_template", None)),
+        "eos_token": tokenizer.eos_token,
     }
+
+
+def _end_turns_with_template(tokenizer: Any) -> list[int] | None:
+    """Make the template's end-of-turn token the tokenizer's EOS where it is another token; the stop ids
+    for ``generation_config`` (end of turn first, the old EOS after), or None where nothing changed."""
+    end = end_of_turn_token(tokenizer)
+    if end is None or end == tokenizer.eos_token:
+        return None
+    old = tokenizer.eos_token_id
+    tokenizer.eos_token = end
+    return [tokenizer.eos_token_id] + ([old] if old is not None and old != tokenizer.eos_token_id else [])
 
 
 def _copy_folder(folder: Path, dest: Path) -> dict[str, Any]:
@@ -186,9 +207,17 @@ def _copy_folder(folder: Path, dest: Path) -> dict[str, Any]:
     for file in sorted(copied | set(weights)):
         if file.name != IMPORT_RECORD:
             shutil.copy2(file, dest / file.name)
+    stops = _end_turns_with_template(tokenizer)
+    if stops is not None:
+        tokenizer.save_pretrained(dest)
+        for name, key_value in (("generation_config.json", stops), ("config.json", stops[0])):
+            path = dest / name
+            saved = json.loads(path.read_text()) if path.is_file() else {}
+            path.write_text(json.dumps({**saved, "eos_token_id": key_value}, indent=2) + "\n")
     return {
         "architecture": config.model_type,
         "chat_template": bool(getattr(tokenizer, "chat_template", None)),
+        "eos_token": tokenizer.eos_token,
     }
 
 

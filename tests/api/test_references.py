@@ -342,5 +342,6 @@ def test_the_models_list_names_what_a_run_may_use(session: Session, roots: Setti
             "algorithm": "dpo",
             "parameters": None,
             "chat": True,
+            "imported_from": None,
         }
     ]

@@ -42,3 +42,38 @@ def test_its_chat_template_renders_chatml_with_the_default_system_turn(real_mode
         "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n"
     )
     assert tokenizer.eos_token == "<|im_end|>"
+
+
+def test_chat_rows_train_toward_the_end_of_turn_and_rollouts_stop_there_with_the_answer_readable(
+    real_model_folder: Path,
+) -> None:
+    from trainer.data.chat_turns import end_of_turn_token
+    from trainer.data.prompts import render_prompt
+    from trainer.data.sft import tokenize_example
+    from trainer.models import load_causal_lm
+    from trainer.rewards.verifiers import Sample, numeric
+    from trainer.rollout.base import SamplingParams
+    from trainer.rollout.hf_engine import HFEngine
+
+    model, tokenizer = load_causal_lm(str(real_model_folder))
+    assert end_of_turn_token(tokenizer) == "<|im_end|>" == tokenizer.eos_token
+    row = {"prompt": [{"role": "user", "content": "What is 3 + 4?"}], "completion": "3 + 4 = 7."}
+    example = tokenize_example(row, tokenizer, max_length=128)
+    assert tokenizer.decode(example.prompt).endswith("<|im_start|>assistant\n")
+    assert tokenizer.decode(example.completion) == "3 + 4 = 7.<|im_end|>"
+
+    prompts = [[{"role": "user", "content": "Say hello in one short sentence."}]]
+    ids = [tokenizer(render_prompt(p, tokenizer)).input_ids for p in prompts]
+    [done] = HFEngine(model, tokenizer).generate(ids, 1, SamplingParams(max_new_tokens=48, greedy=True))
+    assert done.finish_reason == "eos" and done.token_ids[-1] == tokenizer.eos_token_id
+    assert done.text.strip() and "<|im" not in done.text and done.text[0].isalpha(), done.text
+    # A verifier reads the decoded answer, not the template: "... 7." scores against the reference 7.
+    sample = Sample(
+        prompt="",
+        completion=tokenizer.decode(example.completion, skip_special_tokens=True),
+        row={"answer": "7"},
+        n_tokens=len(example.completion),
+        max_new_tokens=48,
+        truncated=False,
+    )
+    assert numeric(sample) == 1.0

