@@ -112,6 +112,31 @@ def merged(model: Any) -> Any:
     return model.merge_and_unload()
 
 
+def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """The weights ``merged(model)`` would have, under the base model's own names, leaving ``model`` as it
+    is (``merge_and_unload`` changes the model in place, and unmerging after it does not give the base
+    weights back bit for bit). Each LoRA layer's weight is ``W + scale * B @ A`` (peft's
+    ``get_delta_weight``, Hu et al. 2021 eq. 3); every other tensor is the base's, shared, not copied. Tied
+    weights (an LM head tied to the embedding) appear once, as ``save_pretrained`` writes them."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    adapter = getattr(model, "active_adapter", "default")
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, value in base.state_dict(keep_vars=False).items():
+            if ".lora_" not in name:
+                state[name.replace(".base_layer.", ".")] = value
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer) and adapter in module.lora_A:
+                weight = module.get_base_layer().weight
+                delta = module.get_delta_weight(adapter)  # type: ignore[attr-defined]  # on every LoRA layer type
+                state[f"{name}.weight"] = weight + delta.to(weight.dtype)
+    if getattr(base.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
+
+
 def has_adapter(model: Any) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 

@@ -124,3 +124,36 @@ def test_qlora_is_refused_at_start_on_a_worker_without_cuda(tiny_cache: Path, tm
         pytest.skip("this worker has CUDA")
     with pytest.raises(RuntimeError, match=r"quantize '4bit' \(QLoRA\) needs a CUDA GPU"):
         run(spec("sft", adapter={**ADAPTER, "quantize": "4bit"}), "sft", tiny_cache, tmp_path)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_merged_state_dict_is_peft_merge_and_unload_without_changing_the_model(
+    tiny_cache: Path, tied: bool
+) -> None:
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.adapters import merged_state_dict
+
+    base, _ = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    if tied:
+        base.config.tie_word_embeddings = True
+        base.tie_weights()
+    original = {n: v.clone() for n, v in base.state_dict().items()}
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_" in name:
+                param.normal_(0, 0.2)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    reference = copy.deepcopy(policy).merge_and_unload().state_dict()  # peft's own merge
+    if tied:
+        reference.pop("lm_head.weight")  # one tensor under two names: written once
+    got = merged_state_dict(policy)
+    assert sorted(got) == sorted(reference)
+    for name, value in reference.items():
+        assert torch.allclose(got[name], value, atol=1e-6), name
+    assert all(not torch.equal(got[n], original[n]) for n in got if "q_proj" in n)  # the adapter is in
+    assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())

@@ -137,7 +137,9 @@ def test_an_adapter_policy_syncs_only_its_lora_and_the_sampler_follows_it(
         return [c.token_ids for c in completions]
 
     restarts: list[str] = []
-    served = start_served_engine(str(folder), policy, max_model_len=MAX_MODEL_LEN, on_restart=restarts.append)
+    served = start_served_engine(
+        str(folder), policy, max_model_len=MAX_MODEL_LEN, on_restart=restarts.append, adapter_sync="lora"
+    )
     try:
         with policy.disable_adapter():
             base_tokens = tokens(HFEngine(policy, tokenizer).generate(prompts, 1, greedy()))
@@ -168,6 +170,33 @@ def test_an_adapter_policy_syncs_only_its_lora_and_the_sampler_follows_it(
     finally:
         served.close()
     assert served.process is not None and served.process.proc is None
+
+
+def test_a_merged_adapter_sync_serves_the_policy_without_touching_it_or_running_lora(
+    engine: ServedEngine, tiny_cache: Path, prompts: list[list[int]]
+) -> None:
+    """The default on CPU: the adapter folded into the base and reloaded as full weights (the module's
+    engine runs the same base without LoRA); the policy's own weights stay bit for bit as they were."""
+    from peft import LoraConfig, get_peft_model
+
+    base, tokenizer = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.3)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    merged = ServedEngine(engine.base_url, max_model_len=MAX_MODEL_LEN, adapter_sync="merged")
+    try:
+        merged.sync_weights(policy)
+        got = [c.token_ids for c in merged.generate(prompts, 1, greedy())]
+    finally:
+        merged.close()
+    assert got == [c.token_ids for c in HFEngine(policy, tokenizer).generate(prompts, 1, greedy())]
+    with policy.disable_adapter():
+        assert got != [c.token_ids for c in HFEngine(policy, tokenizer).generate(prompts, 1, greedy())]
+    assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())
 
 
 def test_a_cancel_during_generation_lands_within_seconds_and_the_engine_drops_the_work(
