@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from trainer.specs.base import EngineName, _Frozen, _SpecCore
-from trainer.specs.online import RewardSpec
+from trainer.specs.online import DEFAULT_MAX_NEW_TOKENS, RewardSpec
 from trainer.specs.refs import DATASET_REFERENCE, MODEL_REF_DOC, MODEL_REFERENCE
 
 EVAL_TEMPERATURE_DOC = (
@@ -59,7 +59,13 @@ class EvalHyperparameters(_Frozen):
     max_prompt_length: int = Field(
         default=256, ge=1, le=65_536, description="Prompt tokens (cut from the left)."
     )
-    max_new_tokens: int = Field(default=256, ge=1, le=65_536, description="Generation budget per completion.")
+    max_new_tokens: int = Field(
+        default=DEFAULT_MAX_NEW_TOKENS,
+        ge=1,
+        le=65_536,
+        description="Generation budget per completion (online RL's default too, so an eval before and "
+        "after a run reads answers of the length it trained on).",
+    )
     max_rows: int | None = Field(
         default=None,
         ge=1,

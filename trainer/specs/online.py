@@ -36,6 +36,9 @@ from trainer.specs.refs import (
 )
 
 PRESET_MARK = "x-rlrun-preset"
+# Completion tokens per sample, for online RL and for eval runs alike, so an eval before and after a run
+# scores answers of the length the run trained on (eval runs had 256).
+DEFAULT_MAX_NEW_TOKENS = 64
 
 
 def _preset_field_schema(schema: dict[str, Any]) -> None:
@@ -154,7 +157,9 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
     max_prompt_length: int = Field(
         default=128, ge=1, le=65_536, description="Prompt tokens (cut from the left)."
     )
-    max_new_tokens: int = Field(default=64, ge=1, le=65_536, description="Generation budget per completion.")
+    max_new_tokens: int = Field(
+        default=DEFAULT_MAX_NEW_TOKENS, ge=1, le=65_536, description="Generation budget per completion."
+    )
     temperature: float = Field(default=1.0, ge=0, le=10, description="Sampling temperature (0: greedy).")
     top_p: float = Field(default=1.0, gt=0, le=1, description="Nucleus sampling.")
     top_k: int = Field(default=0, ge=0, description="Top-k sampling (0: off).")
