@@ -174,9 +174,9 @@ def test_every_run_kind_trains_an_adapter_with_accumulation(
     ("extra", "reason"),
     [
         ({"adapter": {**ADAPTER, "quantize": "4bit"}}, "quantize '4bit' (QLoRA) needs a CUDA GPU"),
-        ({"hyperparameters": {"precision": "bf16"}}, "precision 'bf16' needs a CUDA GPU"),
+        ({"hyperparameters": {"precision": "fp16"}}, "precision 'fp16' needs a CUDA GPU"),
     ],
-    ids=["qlora", "bf16"],
+    ids=["qlora", "fp16"],
 )
 def test_a_cuda_only_spec_on_a_worker_without_cuda_fails_at_start_saying_why(
     client: TestClient, extra: dict[str, Any], reason: str

@@ -17,7 +17,7 @@ from tests.loops.addition_rows import SFT
 from trainer.loops import LOOPS
 from trainer.loops.session import accumulate_and_step, begin, load_trainable, make_optimizer
 from trainer.models import load_causal_lm, tiny_model_dir
-from trainer.precision import PrecisionUnsupported, loss_scaler
+from trainer.precision import PrecisionUnsupported, cpu_bf16_is_fast, loss_scaler
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import AdapterSpec, parse_spec
 
@@ -27,8 +27,11 @@ needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="this mach
 @needs_cpu_only
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precision_is_refused_before_anything_loads(
-    precision: str, tiny_cache: Path, tmp_path: Path
+    precision: str, tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """fp16 on any CPU; bf16 on a CPU without bf16 in hardware (simulated: this one may have AMX)."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     spec = parse_spec(
         {
             "algorithm": "sft",
@@ -42,6 +45,33 @@ def test_half_precision_is_refused_before_anything_loads(
         LOOPS["sft"](spec, RunData(train=SFT), reporter, loop_ctx(tiny_cache, tmp_path / "out"))
     assert reporter.phases == [] and reporter.events == []  # refused at start: no model load, no step
     assert not (tmp_path / "out").exists()
+
+
+@needs_cpu_only
+def test_bf16_on_a_cpu_with_bf16_in_hardware_trains_under_autocast_close_to_fp32(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    if not cpu_bf16_is_fast():
+        pytest.skip("this CPU has neither AMX nor AVX512-BF16")
+    losses: dict[str, list[float]] = {}
+    for precision in ("fp32", "bf16"):
+        spec = parse_spec(
+            {
+                "algorithm": "sft",
+                "model": "tiny:llama-0.4m",
+                "dataset_id": str(uuid.uuid4()),
+                "hyperparameters": {"max_steps": 4, "batch_size": 4, "log_every": 1, "precision": precision},
+            }
+        )
+        reporter = MemoryReporter()
+        result = LOOPS["sft"](spec, RunData(train=SFT), reporter, loop_ctx(tiny_cache, tmp_path / precision))
+        assert result.status == "succeeded"
+        losses[precision] = [v for _, k, v in reporter.metrics if k == "loss"]
+    assert len(losses["bf16"]) == len(losses["fp32"]) == 4
+    # bf16 keeps 8 bits of mantissa: the losses differ (autocast ran), by well under 2% here
+    assert losses["bf16"] != losses["fp32"]
+    for half, full in zip(losses["bf16"], losses["fp32"], strict=True):
+        assert abs(half - full) <= 0.02 * abs(full), (losses["bf16"], losses["fp32"])
 
 
 def test_spec_refuses_an_unknown_precision() -> None:

@@ -95,8 +95,8 @@ class EvalHyperparameters(_Frozen):
     )
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         default="fp32",
-        description="Weights' dtype on a CUDA worker (bf16/fp16 halve the memory); a worker without CUDA "
-        "fails a bf16/fp16 run at start, saying why.",
+        description="Weights' dtype (bf16/fp16 halve the memory): bf16 on a CUDA worker or a CPU with AMX or "
+        "AVX512-BF16, fp16 on a CUDA worker; another worker fails the run at start, saying why.",
     )
 
     @model_validator(mode="before")
