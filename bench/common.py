@@ -10,6 +10,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from sqlalchemy import create_engine, text
 
@@ -25,6 +26,46 @@ def quiet() -> None:
     transformers.logging.disable_progress_bar()
     logging.getLogger("accelerate").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
+
+
+def trl_grpo_settings(
+    hp: Any, *, steps: int, prompts: int, group: int, max_new_tokens: int
+) -> dict[str, Any]:
+    """``GRPOConfig`` keywords for TRL to train as an rlrun group-RL run with hyperparameters ``hp`` does:
+    the same completions per step, updates per step (TRL counts optimizer steps: a generation batch is
+    ``steps_per_generation`` minibatches, each seen ``num_iterations`` times, as rlrun's minibatches x
+    ppo_epochs), sampling, clip, KL, loss type (``grpo``), learning rate and clipping; HF generate, fp32
+    unless the caller adds ``bf16``."""
+    assert hp.minibatch_size is None, "TRL's minibatch is the batch / steps_per_generation"
+    return {
+        "max_steps": steps * hp.ppo_epochs * hp.minibatches,
+        "num_generations": group,
+        "per_device_train_batch_size": hp.minibatch_size_for(prompts * group),
+        "gradient_accumulation_steps": 1,
+        "steps_per_generation": hp.minibatches,
+        "num_iterations": hp.ppo_epochs,
+        "max_completion_length": max_new_tokens,
+        "temperature": hp.temperature,
+        "top_p": 1.0,
+        "top_k": 0,
+        "use_vllm": False,
+        "beta": hp.kl_coef,
+        "epsilon": hp.clip_low,
+        "epsilon_high": hp.clip_high,
+        "loss_type": "grpo",
+        "scale_rewards": "group",
+        "learning_rate": hp.learning_rate,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": hp.weight_decay,
+        "max_grad_norm": hp.max_grad_norm,
+        "use_cpu": True,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "log_level": "error",
+        "dataloader_num_workers": 0,
+        "dataloader_pin_memory": False,
+    }
 
 
 @contextmanager

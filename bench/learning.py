@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import quiet  # a sibling module: python puts bench/ first on sys.path
+from common import quiet, trl_grpo_settings  # a sibling module: python puts bench/ first on sys.path
 
 from rlrun.demo import addition_tasks
 from trainer.loops import LOOPS
@@ -242,48 +242,20 @@ def trl_grpo(start_path: Path, task: Task, args: argparse.Namespace, seed: int, 
 
     preset = parse_spec(rl_spec("grpo", MODEL, task, args, seed) | {"dataset_id": str(uuid.uuid4())})
     hp = preset.hyperparameters
-    assert preset.hyperparameters.minibatch_size is None, (
-        "TRL's minibatch is the batch / steps_per_generation"
+    settings = trl_grpo_settings(
+        hp, steps=args.steps, prompts=args.prompts, group=args.group, max_new_tokens=task.max_new_tokens
     )
     config = GRPOConfig(
         output_dir=str(out),
-        # TRL counts optimizer steps: a generation batch is steps_per_generation minibatches, each seen
-        # num_iterations times, as rlrun's minibatches x ppo_epochs updates per RL step.
-        max_steps=args.steps * hp.ppo_epochs * hp.minibatches,
-        num_generations=args.group,
-        per_device_train_batch_size=hp.minibatch_size_for(args.prompts * args.group),
-        gradient_accumulation_steps=1,
-        steps_per_generation=hp.minibatches,
-        num_iterations=hp.ppo_epochs,
-        max_completion_length=task.max_new_tokens,
-        temperature=hp.temperature,
-        top_p=1.0,
-        top_k=0,
-        use_vllm=False,
-        beta=hp.kl_coef,
-        epsilon=hp.clip_low,
-        epsilon_high=hp.clip_high,
-        loss_type="grpo",
-        scale_rewards="group",
-        learning_rate=hp.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=hp.weight_decay,
-        max_grad_norm=hp.max_grad_norm,
+        **settings,
         gradient_checkpointing=False,
         bf16=False,
         fp16=False,
-        use_cpu=True,
         seed=seed,
         logging_steps=args.steps,
         log_completions=False,
         eval_strategy="no",
         save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        log_level="error",
-        dataloader_num_workers=0,
-        dataloader_pin_memory=False,
     )
 
     def reward(completions: list[str], answer: list[str], prompts: list[str], **_: Any) -> list[float]:

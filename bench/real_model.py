@@ -8,7 +8,9 @@ Task: arithmetic word problems in chat form (``Ann has 12 pens. Ann gets 7 more.
 have now? Answer with a number.``; add or take away, numbers 2..20), as a user turn through the model's
 own chat template; the answer read is the last number of the assistant's reply (rlrun's ``numeric``
 verifier), 1.0 when it equals the answer. ``--heldout`` problems (default 200) that no contender trains on,
-greedy, ``--max-new-tokens`` (default 64) for evaluation and training alike.
+greedy, ``--max-new-tokens`` (default 64) for evaluation and training alike. ``--precision`` (default
+bf16 where the CPU computes it in hardware, as here: AMX) applies to both contenders: rlrun's autocast
+with the frozen base in bf16, TRL's ``bf16=True`` (accelerate's autocast).
 
 Contenders, each from the same imported model with the same LoRA (r 16, alpha 32, all linear layers),
 prompts, reward, steps (``--steps`` x ``--prompts`` prompts x ``--group`` completions), temperature 1.0 and
@@ -46,13 +48,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import quiet  # a sibling module: python puts bench/ first on sys.path
+from common import quiet, trl_grpo_settings  # a sibling module: python puts bench/ first on sys.path
 
 from trainer.data.prompts import render_prompt
 from trainer.loops import LOOPS
 from trainer.model_catalog import catalog_file
 from trainer.model_import import import_model
 from trainer.models import load_causal_lm, resolve_model
+from trainer.precision import cpu_bf16_is_fast
 from trainer.reporting import LoopContext, MemoryReporter, RunData
 from trainer.rewards.verifiers import Sample, numeric
 from trainer.rollout.base import SamplingParams
@@ -175,6 +178,7 @@ def rl_spec(algorithm: str, model: str, args: argparse.Namespace, seed: int) -> 
             "learning_rate": args.learning_rate,
             "temperature": 1.0,
             "engine": args.engine,
+            "precision": args.precision,
             "seed": seed,
             "log_every": 5,
             "eval_every": 0,
@@ -219,32 +223,14 @@ def trl_run(folder: Path, train: list[dict[str, Any]], args: argparse.Namespace,
 
     preset = parse_spec(rl_spec("grpo", str(folder), args, args.seed) | {"dataset_id": str(uuid.uuid4())})
     hp = preset.hyperparameters
+    settings = trl_grpo_settings(
+        hp, steps=args.steps, prompts=args.prompts, group=args.group, max_new_tokens=args.max_new_tokens
+    )
     config = GRPOConfig(
         output_dir=str(out),
-        max_steps=args.steps * hp.ppo_epochs * hp.minibatches,
-        num_generations=args.group,
-        per_device_train_batch_size=hp.minibatch_size_for(args.prompts * args.group),
-        gradient_accumulation_steps=1,
-        steps_per_generation=hp.minibatches,
-        num_iterations=hp.ppo_epochs,
-        max_completion_length=args.max_new_tokens,
-        temperature=hp.temperature,
-        top_p=1.0,
-        top_k=0,
-        use_vllm=False,
-        beta=hp.kl_coef,
-        epsilon=hp.clip_low,
-        epsilon_high=hp.clip_high,
-        loss_type="grpo",
-        scale_rewards="group",
-        learning_rate=hp.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=hp.weight_decay,
-        max_grad_norm=hp.max_grad_norm,
-        bf16=False,
+        **settings,
+        bf16=args.precision == "bf16",  # accelerate's CPU autocast around each forward
         fp16=False,
-        use_cpu=True,
         seed=args.seed,
         logging_steps=args.steps,
         log_completions=False,
@@ -252,11 +238,6 @@ def trl_run(folder: Path, train: list[dict[str, Any]], args: argparse.Namespace,
         save_strategy="steps",
         save_steps=args.checkpoint_every * hp.ppo_epochs * hp.minibatches,
         save_only_model=True,
-        report_to="none",
-        disable_tqdm=True,
-        log_level="error",
-        dataloader_num_workers=0,
-        dataloader_pin_memory=False,
     )
     lora = LoraConfig(
         r=LORA["r"],
@@ -316,6 +297,12 @@ def main(argv: list[str] | None = None) -> None:
     default_engine = "vllm_server" if Path(".venv-engine/.installed").is_file() else "hf"
     parser.add_argument("--engine", default=default_engine, choices=("hf", "vllm_server"))
     parser.add_argument("--model-folder", type=Path, default=None, help="an imported SmolLM2 folder")
+    parser.add_argument(
+        "--precision",
+        default="bf16" if cpu_bf16_is_fast() else "fp32",
+        choices=("fp32", "bf16"),
+        help="both contenders (default bf16 where the CPU has AMX or AVX512-BF16)",
+    )
     args = parser.parse_args(argv)
     quiet()
     os.environ["TQDM_DISABLE"] = "1"
@@ -324,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; {MODEL} + LoRA {LORA['r']}; "
         f"{args.steps} steps x {args.prompts} prompts x {args.group} completions, {args.max_new_tokens} new "
-        f"tokens, lr {args.learning_rate}, rlrun engine {args.engine}"
+        f"tokens, lr {args.learning_rate}, {args.precision}, rlrun engine {args.engine}"
     )
     train, heldout = problems(args.seed, args.heldout, 4000)
     with tempfile.TemporaryDirectory(prefix="rlrun-real-") as tmp:

@@ -132,8 +132,7 @@ def test_the_merged_state_dict_is_peft_merge_and_unload_without_changing_the_mod
 ) -> None:
     import copy
 
-    from peft import LoraConfig, get_peft_model
-
+    from tests.factories import lora_policy
     from trainer.adapters import merged_state_dict
 
     base, _ = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
@@ -141,12 +140,7 @@ def test_the_merged_state_dict_is_peft_merge_and_unload_without_changing_the_mod
         base.config.tie_word_embeddings = True
         base.tie_weights()
     original = {n: v.clone() for n, v in base.state_dict().items()}
-    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_" in name:
-                param.normal_(0, 0.2)
+    policy = lora_policy(base, seed=0, std=0.2, params="lora_")
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     reference = copy.deepcopy(policy).merge_and_unload().state_dict()  # peft's own merge
     if tied:

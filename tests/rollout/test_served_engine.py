@@ -177,15 +177,10 @@ def test_a_merged_adapter_sync_serves_the_policy_without_touching_it_or_running_
 ) -> None:
     """The default on CPU: the adapter folded into the base and reloaded as full weights (the module's
     engine runs the same base without LoRA); the policy's own weights stay bit for bit as they were."""
-    from peft import LoraConfig, get_peft_model
+    from tests.factories import lora_policy
 
     base, tokenizer = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
-    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3)
+    policy = lora_policy(base, seed=3, std=0.3)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     merged = ServedEngine(engine.base_url, max_model_len=MAX_MODEL_LEN, adapter_sync="merged")
     try:
