@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from common import quiet, trl_grpo_settings  # a sibling module: python puts bench/ first on sys.path
 
+from trainer.adapters import load_adapter, merged
 from trainer.data.prompts import render_prompt
 from trainer.loops import LOOPS
 from trainer.model_catalog import catalog_file
@@ -111,11 +112,9 @@ def load_merged(folder: Path) -> tuple[Any, Any]:
     if (folder / "adapter_config.json").is_file() and not (folder / "rlrun_base.json").is_file():
         import json
 
-        from peft import PeftModel
-
         base = json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"]
         model, tokenizer = load_causal_lm(base)
-        return PeftModel.from_pretrained(model, str(folder)).merge_and_unload(), tokenizer
+        return merged(load_adapter(model, folder, trainable=False)), tokenizer
     return load_causal_lm(str(folder))
 
 

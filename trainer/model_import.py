@@ -18,7 +18,8 @@ A chat model's tokenizer gets the template's end-of-turn token as its EOS where 
 The folder is built in a hidden sibling (``<root>/.import-<uuid>``, which listings skip) and renamed into
 place when complete: a corrupt file, a refused folder or a killed import leaves nothing under the name.
 Run as ``python -m trainer.model_import`` by the API (``POST /v1/models/import``), so the API process never
-imports torch; it prints the record as one JSON line, or ``{"error": ...}`` with exit status 2.
+imports torch; it prints the record as one JSON line, or ``{"error": ...}`` (with ``"name_taken": true``
+for a name in use) and exit status 2.
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ _FOLDER_FILES = ("*.json", "*.jinja", "*.txt", "*.model", "tokenizer*")
 
 class ImportRefused(ValueError):
     """Input that cannot become a model folder (the message says which and why); nothing was written."""
+
+
+class NameTaken(ImportRefused):
+    """The model root already holds a model under the asked name."""
+
+
+def check_model_name(name: str) -> str:
+    """``name`` or ``org/name`` as a spec names a folder under a root (trainer/model_refs.py's rule)."""
+    try:
+        return check_hub_id(name)
+    except UnknownModel:
+        raise ImportRefused(f"model name {name!r}: use letters, digits, _ . - and at most one /") from None
 
 
 def source_kind(path: Path) -> Literal["gguf", "folder"]:
@@ -76,15 +89,12 @@ def default_name(path: Path) -> str:
 def import_model(source: Path, root: Path, name: str, *, origin: str | None = None) -> dict[str, Any]:
     """Import ``source`` as ``<root>/<name>``; the record written beside the weights is returned.
     ImportRefused for bad input or a name already taken (nothing is written then)."""
-    try:
-        check_hub_id(name)
-    except UnknownModel:
-        raise ImportRefused(f"model name {name!r}: use letters, digits, _ . - and at most one /") from None
+    check_model_name(name)
     source = source.expanduser().resolve()
     kind = source_kind(source)
     dest = root / name
     if dest.exists():
-        raise ImportRefused(f"a model named {name!r} already exists in {root}; choose another name")
+        raise NameTaken(f"a model named {name!r} already exists in {root}; choose another name")
     started = time.monotonic()
     with _staging(root) as staging:
         if kind == "gguf":
@@ -106,9 +116,7 @@ def import_model(source: Path, root: Path, name: str, *, origin: str | None = No
         try:
             staging.rename(dest)  # atomic on one filesystem; fails if a concurrent import took the name
         except OSError:
-            raise ImportRefused(
-                f"a model named {name!r} already exists in {root}; choose another name"
-            ) from None
+            raise NameTaken(f"a model named {name!r} already exists in {root}; choose another name") from None
     return record
 
 
@@ -231,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         record = import_model(args.source, args.root, args.name, origin=args.origin)
     except ImportRefused as exc:
-        sys.stdout.write(json.dumps({"error": str(exc)}) + "\n")
+        taken = {"name_taken": True} if isinstance(exc, NameTaken) else {}
+        sys.stdout.write(json.dumps({"error": str(exc), **taken}) + "\n")
         return 2
     sys.stdout.write(json.dumps(record) + "\n")
     return 0

@@ -20,8 +20,8 @@ from api.errors import ModelExists, ModelImportRefused
 from api.settings import Settings
 from trainer.model_catalog import CATALOG, CatalogFileMissing, catalog_file
 from trainer.model_folders import read_import_record
-from trainer.model_import import default_name
-from trainer.model_refs import ModelOutsideRoots, UnknownModel, check_hub_id, check_local_model, is_local_path
+from trainer.model_import import ImportRefused, check_model_name, default_name
+from trainer.model_refs import ModelOutsideRoots, check_local_model, is_local_path
 
 IMPORT_TIMEOUT_S = 3600.0  # a 7B GGUF dequantises and writes ~28 GB of fp32
 
@@ -63,11 +63,9 @@ def import_model(settings: Settings, source: str, name: str | None) -> ImportedM
             field="source",
         )
     try:
-        check_hub_id(name)
-    except UnknownModel:
-        raise ModelImportRefused(
-            f"model name {name!r}: use letters, digits, _ . - and at most one /", field="name"
-        ) from None
+        check_model_name(name)
+    except ImportRefused as exc:
+        raise ModelImportRefused(str(exc), field="name") from None
     existing = root / name
     if existing.exists():
         record = read_import_record(existing)
@@ -90,10 +88,9 @@ def _run_import(path: Path, root: Path, name: str, origin: str | None) -> dict[s
     if done.returncode == 0 and answer is not None and "error" not in answer:
         return answer
     if answer is not None and "error" in answer:
-        message = str(answer["error"])
-        if "already exists" in message:
-            raise ModelExists(message, field="name")
-        raise ModelImportRefused(message, field="source")
+        if answer.get("name_taken"):  # another import took the name meanwhile
+            raise ModelExists(str(answer["error"]), field="name")
+        raise ModelImportRefused(str(answer["error"]), field="source")
     tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1][:500]
     raise ModelImportRefused(f"importing {path.name} failed (exit status {done.returncode}): {tail}")
 

@@ -137,5 +137,8 @@ def test_the_module_entry_point_prints_the_record_or_the_error_as_json(
     assert main(["--source", str(tiny_folder), "--root", str(root), "--name", "t", "--origin", "x"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["name"] == "t" and record["origin"] == "x"
+    assert main(["--source", str(tiny_folder), "--root", str(root), "--name", "t"]) == 2
+    taken = json.loads(capsys.readouterr().out)  # the API answers 409 for this one, 400 for the others
+    assert taken["name_taken"] is True and "a model named 't' already exists" in taken["error"]
     assert main(["--source", str(tmp_path / "missing.gguf"), "--root", str(root), "--name", "u"]) == 2
     assert json.loads(capsys.readouterr().out) == {"error": f"{tmp_path / 'missing.gguf'} does not exist"}
