@@ -12,13 +12,24 @@ skipped when a gradient overflows, doubled after 2000 clean steps; Micikevicius 
 float32's exponent range and needs no scaling.
 
 Weights that never train (the frozen base under an adapter, a DPO or RL reference model) load directly in
-the half dtype: no master copy is needed for them, and a 7B base then takes 14 GB instead of 28.
+the half dtype on a GPU: no master copy is needed for them, and a 7B base then takes 14 GB instead of 28.
 
 On a worker without CUDA, bf16 runs under CPU autocast where the CPU computes bf16 in hardware (Intel AMX
 or AVX512-BF16: ``cpu_bf16_is_fast``), and is refused elsewhere, as fp16 is on every CPU
 (``check_precision``, when the run starts): emulated half precision is slower than float32. Measured on
 this machine's AMX (2026-12-05, ``bench/real_model.py``'s model): 2048x2048 matmuls at 2.69 TFLOPS in bf16
 against 0.35 in float32; SmolLM2-135M's forward and backward over 32 x 110 tokens 7.1 s against 13.3 s.
+Two CPU exceptions, both measured there (SmolLM2-135M + LoRA r16, 16-32 rows x 140 tokens, 2 cores):
+
+- frozen weights stay float32 on a CPU (``frozen_dtype``): with a bf16 base every elementwise op (norms,
+  activations, the adapter's sum) runs in bf16, which the CPU does not vectorise as it does float32 (the
+  matmuls run in bf16 under autocast either way). No-grad forward 4.2 s (bf16 base) against 1.9 s (float32
+  base); forward + backward 6.4 s against 4.0 s.
+- forward passes that will be backpropagated use SDPA's math kernel (``training_attention``): torch's CPU
+  flash-attention kernel is fast forward but its bf16 backward took 31% of a training step (1.1 s of 3.5 s
+  against 0.08 s forward); forward + backward 3.9 s with it against 3.2 s with the math kernel. A GRPO step
+  of ``bench/real_model.py`` (8 x 4 completions, 2 epochs x 2 minibatches, KL to the adapter-off
+  reference): its update 27.4 s -> 14.1 s with both.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from typing import Literal
 from weakref import WeakKeyDictionary
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 Precision = Literal["fp32", "bf16", "fp16"]
 HALF_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -84,9 +96,26 @@ def autocast(precision: str, device: torch.device) -> Iterator[None]:
         yield
 
 
-def frozen_dtype(precision: str) -> torch.dtype:
-    """The dtype a model that never trains loads in: the half dtype under mixed precision, else float32."""
+def frozen_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype a model that never trains loads in: the half dtype under mixed precision on a GPU, else
+    float32 (on a CPU autocast still multiplies in bf16, and float32 elementwise ops are faster there:
+    module docstring)."""
+    if device.type == "cpu":
+        return torch.float32
     return HALF_DTYPES.get(precision, torch.float32)
+
+
+@contextmanager
+def training_attention(device: torch.device) -> Iterator[None]:
+    """Inside: forward passes to be backpropagated on a CPU under half-precision autocast use SDPA's math
+    kernel, whose backward is faster there than the flash kernel's (module docstring). Elsewhere (a GPU,
+    float32) nothing changes. The choice is process-wide while inside (torch's ``sdpa_kernel``), so keep
+    only training forward passes in it."""
+    if device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        yield
+        return
+    with sdpa_kernel([SDPBackend.MATH]):
+        yield
 
 
 def enable_loss_scaling(optimizer: torch.optim.Optimizer, precision: str, device: torch.device) -> None:

@@ -1,23 +1,33 @@
 """Mixed precision, checked on CPU where it can be: half precision refused before anything loads on a worker
 without CUDA; trained weights load in float32 whatever the checkpoint's dtype, an adapter's frozen base in
-the half dtype; fp16's dynamic loss scaling (the same update as no scaling, an overflow skipped with the
-scale halved), on torch's CPU GradScaler. The CUDA autocast runs are in tests/loops/test_gpu.py."""
+the half dtype on a GPU and float32 on a CPU; training forward passes on a CPU under bf16 use SDPA's math
+kernel, with the flash kernel's gradients; fp16's dynamic loss scaling (the same update as no scaling,
+an overflow skipped with the scale halved), on torch's CPU GradScaler.
+The CUDA autocast runs are in tests/loops/test_gpu.py."""
 
 from __future__ import annotations
 
 import copy
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tests.loop_context import loop_ctx
 from tests.loops.addition_rows import SFT
 from trainer.loops import LOOPS
 from trainer.loops.session import accumulate_and_step, begin, load_trainable, make_optimizer
 from trainer.models import load_causal_lm, tiny_model_dir
-from trainer.precision import PrecisionUnsupported, cpu_bf16_is_fast, loss_scaler
+from trainer.precision import (
+    PrecisionUnsupported,
+    autocast,
+    cpu_bf16_is_fast,
+    frozen_dtype,
+    loss_scaler,
+)
 from trainer.reporting import MemoryReporter, RunData
 from trainer.specs import AdapterSpec, parse_spec
 
@@ -94,9 +104,14 @@ def bf16_checkpoint(tiny_cache: Path, tmp_path: Path) -> Path:
     return folder
 
 
-def test_trained_weights_load_in_float32_and_a_frozen_base_in_the_half_dtype(
-    tiny_cache: Path, tmp_path: Path
-) -> None:
+def test_frozen_weights_take_the_half_dtype_on_a_gpu_and_float32_on_a_cpu() -> None:
+    assert frozen_dtype("bf16", torch.device("cuda", 0)) == torch.bfloat16
+    assert frozen_dtype("fp16", torch.device("cuda")) == torch.float16
+    assert frozen_dtype("fp32", torch.device("cuda")) == torch.float32
+    assert frozen_dtype("bf16", torch.device("cpu")) == torch.float32
+
+
+def test_trained_weights_load_in_float32_and_a_cpu_frozen_base_too(tiny_cache: Path, tmp_path: Path) -> None:
     ref = f"run:{uuid.uuid4()}"  # a run's output saved in bf16, as transformers would keep it
     ctx = loop_ctx(tiny_cache, tmp_path / "out", runs={ref: bf16_checkpoint(tiny_cache, tmp_path)})
     full, _ = load_trainable(begin(ctx, MemoryReporter(), ref, 0), precision="bf16")
@@ -106,7 +121,7 @@ def test_trained_weights_load_in_float32_and_a_frozen_base_in_the_half_dtype(
     lora, _ = load_trainable(begin(ctx, MemoryReporter(), ref, 0, adapter), precision="bf16")
     trained = {p.dtype for p in lora.parameters() if p.requires_grad}
     frozen = {p.dtype for p in lora.parameters() if not p.requires_grad}
-    assert trained == {torch.float32} and frozen == {torch.bfloat16}
+    assert trained == {torch.float32} and frozen == {torch.float32}  # autocast multiplies in bf16
 
     lora32, _ = load_trainable(begin(ctx, MemoryReporter(), ref, 0, adapter), precision="fp32")
     assert {p.dtype for p in lora32.parameters()} == {torch.float32}
@@ -145,3 +160,43 @@ def test_an_overflowing_gradient_skips_the_step_and_halves_the_scale() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     accumulate_and_step(model, optimizer, [((model(x) - y) ** 2).mean()], 1.0)  # the next step applies
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def step_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[bool]]:
+    """Gradients of one accumulate_and_step's loss (no update: learning rate 0), and whether SDPA's flash
+    kernel was allowed while each forward pass ran."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    flash_allowed: list[bool] = []
+
+    def losses() -> Iterator[torch.Tensor]:
+        flash_allowed.append(torch.backends.cuda.flash_sdp_enabled())
+        yield model(input_ids=ids, labels=ids).loss
+
+    accumulate_and_step(model, optimizer, losses(), max_grad_norm=1e9)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, flash_allowed
+
+
+def flash_grads(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Gradients of the same loss with SDPA's flash kernel, outside a training step."""
+    model.zero_grad(set_to_none=True)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        model(input_ids=ids, labels=ids).loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.skipif(not cpu_bf16_is_fast(), reason="bf16 autocast runs only on a CPU with bf16 in hardware")
+def test_cpu_bf16_training_forward_uses_the_math_kernel_with_the_flash_kernels_gradients(
+    tiny_cache: Path,
+) -> None:
+    model, _ = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    ids = torch.randint(3, 200, (4, 24), generator=torch.Generator().manual_seed(0))
+    with autocast("bf16", torch.device("cpu")):
+        math, allowed = step_grads(model, ids)
+        assert allowed == [False]  # the math kernel inside the step
+        assert torch.backends.cuda.flash_sdp_enabled()  # and the default kernels again after it
+        flash = flash_grads(model, ids)
+    assert flash.keys() == math.keys() and math
+    for name in math:  # the same attention in bf16: equal up to bf16 rounding
+        torch.testing.assert_close(math[name], flash[name], rtol=0.05, atol=2e-3, msg=name)
+    _, allowed32 = step_grads(model, ids)
+    assert allowed32 == [True]  # float32 keeps the default kernels

@@ -106,7 +106,7 @@ def run_eval(spec: EvalSpec, data: RunData, reporter: Reporter, ctx: LoopContext
     seed_everything(hp.seed)
     device = pick_device()
     with reporter.phase("model_load"):
-        model, tokenizer = load_causal_lm(path, dtype=frozen_dtype(hp.precision))
+        model, tokenizer = load_causal_lm(path, dtype=frozen_dtype(hp.precision, device))
         model.to(device).eval().requires_grad_(False)
         # vLLM loads a folder itself: the full model under any adapters, then takes the merged weights
         # (sync_weights).

@@ -121,7 +121,7 @@ def run_kto(spec: KtoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         return session.result
 
     adapter_reference = same_reference and has_adapter(unwrap(model))
-    reference = Reference(ref_path, reporter, device, dtype=frozen_dtype(hp.precision))
+    reference = Reference(ref_path, reporter, device, dtype=frozen_dtype(hp.precision, device))
     if adapter_reference:
         reference.model = model
     elif not session.resumed and same_reference and not is_sharded(model):

@@ -149,7 +149,7 @@ def pair_references(
         reporter,
         device,
         model if precompute and fresh_start else None,
-        dtype=frozen_dtype(hp.precision),
+        dtype=frozen_dtype(hp.precision, device),
     )
     if reference_free:
         pass  # nothing to copy or load: the objective reads the policy alone

@@ -82,7 +82,7 @@ def prepare_rl(
         if ref_path is not None and same_reference and has_adapter(policy):
             reference = policy  # its adapter off is the start: no second copy (``reference_logps``)
         elif ref_path is not None:
-            reference, _ = load_causal_lm(ref_path, dtype=frozen_dtype(hp.precision))
+            reference, _ = load_causal_lm(ref_path, dtype=frozen_dtype(hp.precision, start.device))
             reference.to(start.device).eval().requires_grad_(False)
         engine_threads = None
         if hp.async_rollouts:  # the engine generates while the trainer updates: they split the cores

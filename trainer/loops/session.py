@@ -57,7 +57,7 @@ from trainer.distributed import (
 )
 from trainer.models import load_causal_lm, load_reward_model, pick_device
 from trainer.phases import Phase
-from trainer.precision import enable_loss_scaling, frozen_dtype, loss_scaler
+from trainer.precision import enable_loss_scaling, frozen_dtype, loss_scaler, training_attention
 from trainer.reporting import LoopContext, LoopResult, Reporter
 from trainer.run_health import RunHealth
 from trainer.specs import AdapterSpec, TrainingHyperparameters
@@ -141,18 +141,23 @@ def accumulate_and_step(
     ranks, factor = current(), grad_sum_factor()  # DDP/FSDP average the ranks' gradients: undo it
     optimizer.zero_grad(set_to_none=True)
     micro = iter(losses)
-    for loss in micro:
-        if not all_true(bool(torch.isfinite(loss.detach()).all()), ranks):  # every rank skips, or none
-            optimizer.zero_grad(set_to_none=True)
-            if skip_nonfinite:
-                for _ in micro:  # the rest still run (no backward), so the step's statistics are whole
-                    pass
-                return None
-            raise NonFiniteError(f"loss is {float(loss.detach().float().sum())}{where}; no update applied")
-        if factor != 1:
-            loss = loss * factor
-        with torch.autocast(loss.device.type, enabled=False):  # backward outside autocast, as torch asks
-            (loss if scaler is None else scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
+    # the forward passes run as ``micro`` yields each loss: on a CPU in bf16 with the attention kernel whose
+    # backward is fast there (trainer/precision.py)
+    with training_attention(next(iter(model.parameters())).device):
+        for loss in micro:
+            if not all_true(bool(torch.isfinite(loss.detach()).all()), ranks):  # every rank skips, or none
+                optimizer.zero_grad(set_to_none=True)
+                if skip_nonfinite:
+                    for _ in micro:  # the rest still run (no backward), so the step's statistics are whole
+                        pass
+                    return None
+                raise NonFiniteError(
+                    f"loss is {float(loss.detach().float().sum())}{where}; no update applied"
+                )
+            if factor != 1:
+                loss = loss * factor
+            with torch.autocast(loss.device.type, enabled=False):  # backward outside autocast, as torch asks
+                (loss if scaler is None else scaler.scale(loss)).backward()  # type: ignore[no-untyped-call]
     if scaler is not None:
         scaler.unscale_(optimizer)
     grad_norm = local_norm(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
@@ -289,7 +294,7 @@ def load_trainable(
         else:
             check_adapter_supported(start.adapter)
             base, tokenizer = loader(
-                start.start_path, quantization_config(start.adapter), frozen_dtype(precision)
+                start.start_path, quantization_config(start.adapter), frozen_dtype(precision, start.device)
             )
             if checkpointing:
                 enable_checkpointing(base)
