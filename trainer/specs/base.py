@@ -77,9 +77,9 @@ class TrainingHyperparameters(_Frozen):
         default="fp32",
         description="Mixed precision: forward passes under autocast in bf16 or fp16 with float32 master "
         "weights and optimizer state (fp16 adds dynamic loss scaling); weights that never train (an "
-        "adapter's base, a reference) load in that dtype. bf16 needs a CUDA GPU or a CPU with AMX or "
-        "AVX512-BF16, fp16 a CUDA GPU; a worker without fails the run at start, saying why. fp32: "
-        "everything in float32.",
+        "adapter's base, a reference) load in that dtype on a GPU, in float32 on a CPU (faster there). "
+        "bf16 needs a CUDA GPU or a CPU with AMX or AVX512-BF16, fp16 a CUDA GPU; a worker without fails "
+        "the run at start, saying why. fp32: everything in float32.",
     )
     max_steps: int = Field(default=100, ge=1, le=10_000_000, description="Optimizer steps to run.")
     max_length: int = Field(default=256, ge=2, le=131_072, description="Longest sequence in tokens.")
