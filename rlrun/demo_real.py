@@ -15,13 +15,13 @@ and end.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 import httpx
 
 from rlrun.client import FINISHED
+from rlrun.demo import _upload as upload  # the tiny demo's: rows as JSONL, POST /v1/datasets
 from rlrun.word_problems import problems
 
 REAL_MODEL = "smollm2-135m-instruct"
@@ -45,15 +45,6 @@ def ensure_model(client: httpx.Client) -> None:
         f"imported {REAL_MODEL} from {model['imported_from']} ({model['parameters']:,} parameters) in "
         f"{time.monotonic() - began:.0f} s"
     )
-
-
-def upload_prompts(client: httpx.Client, rows: list[dict[str, Any]], name: str) -> str:
-    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    resp = client.post(
-        "/v1/datasets", files={"file": (f"{name}.jsonl", data)}, data={"kind": "prompts", "name": name}
-    )
-    resp.raise_for_status()
-    return str(resp.json()["id"])
 
 
 def chat(client: httpx.Client, model: str, question: str) -> str:
@@ -162,8 +153,8 @@ def real_part(
     problem)."""
     ensure_model(client)
     train, held = problems(seed=0, n_heldout=held_out, n_train=2000)
-    train_id = upload_prompts(client, train, "word-problems")
-    held_id = upload_prompts(client, held, "word-problems-heldout")
+    train_id = upload(client, train, "prompts", "word-problems")
+    held_id = upload(client, held, "prompts", "word-problems-heldout")
     asked = [*QUESTIONS, str(held[0]["prompt"][0]["content"])]
     before = [chat(client, REAL_MODEL, q) for q in asked]
     spec = grpo_spec(
