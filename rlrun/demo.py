@@ -379,7 +379,11 @@ def run_demo(
 
                 engine, precision = real_settings()
                 print("== a real model: SmolLM2-135M-Instruct, GRPO with LoRA on word problems, then chat")
-                result = real_part(client, real_steps, engine=engine, precision=precision)
+                try:
+                    result = real_part(client, real_steps, engine=engine, precision=precision)
+                except RuntimeError as exc:  # an import, upload, submit or chat the API refused
+                    print(f"rlrun demo --real: FAILED: {exc}")
+                    return 1
                 ok = result["status"] == "succeeded"
                 print("rlrun demo --real: done" if ok else "rlrun demo --real: FAILED")
                 return 0 if ok else 1

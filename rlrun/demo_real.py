@@ -48,7 +48,11 @@ def ensure_model(client: httpx.Client) -> None:
 
 
 def chat(client: httpx.Client, model: str, question: str) -> str:
-    """The model's greedy answer (up to 48 tokens) to one user turn, through /v1/chat/completions."""
+    """The model's greedy answer (up to 48 tokens) to one user turn, through /v1/chat/completions.
+
+    Raises:
+        RuntimeError: the route refused or failed (its status and message): the demo fails with it.
+    """
     resp = client.post(
         "/v1/chat/completions",
         json={
@@ -60,7 +64,7 @@ def chat(client: httpx.Client, model: str, question: str) -> str:
         timeout=600,
     )
     if resp.status_code != 200:
-        return f"[{resp.status_code}: {resp.text[:200]}]"
+        raise RuntimeError(f"chat with {model} failed ({resp.status_code}): {resp.text[:300]}")
     return str(resp.json()["choices"][0]["message"]["content"]).strip().replace("\n", " ")
 
 

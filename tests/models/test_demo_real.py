@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rlrun.demo_real import QUESTIONS, REAL_MODEL, real_part
+from rlrun.demo_real import QUESTIONS, REAL_MODEL, chat, real_part
 from tests.integration.flow import embedded_server
 
 pytestmark = [pytest.mark.slow]
@@ -27,6 +27,8 @@ def test_the_real_demo_tunes_the_imported_model_and_both_answer_through_chat(
         assert result["status"] == "succeeded", result
         run = client.get(f"/v1/runs/{result['run_id']}").json()
         assert run["spec"]["model"] == REAL_MODEL and run["spec"]["adapter"]["type"] == "lora"
+        with pytest.raises(RuntimeError, match=r"chat with run:nope failed \(4\d\d\)"):
+            chat(client, "run:nope", QUESTIONS[0])  # a refused chat fails the demo, with the reason
     printed = capsys.readouterr().out
     assert "imported before" in printed  # found in the root: nothing imported into the server's home
     assert not (tmp_path / "models" / REAL_MODEL).exists()
