@@ -365,7 +365,9 @@ def method_from_spec(spec: dict[str, Any]) -> Method:
     hp = spec.get("hyperparameters", {})
     # Relative to the default for the model's size where the name tells it (a preset), else for an
     # unknown size (the API picked a run's own default from the size it read at submit).
-    default_lr = default_learning_rate(spec["algorithm"], preset_params_of(str(spec.get("model", ""))))
+    default_lr = default_learning_rate(
+        spec["algorithm"], preset_params_of(str(spec.get("model", ""))), lora=spec.get("adapter") is not None
+    )
     lr = float(hp.get("learning_rate") or default_lr)
     common: dict[str, Any] = {
         "n_epochs": "auto",

@@ -29,6 +29,14 @@ accuracy over time for each contender, its final gain, and rlrun's time to reach
 against TRL's whole time. Before and after, the model answers ``CHAT_QUESTIONS`` (greedy): it must still
 answer in sentences.
 
+``dpo`` (a contender of its own kind): DPO with LoRA on Anthropic's HH-RLHF harmless pairs
+(``tests/data/hh-rlhf``, a copy of shared/data's; ``--dpo-heldout`` held out, the rest to train on, parsed
+as an HH upload is), ``--dpo-steps`` of 8 pairs at the LoRA default learning rate for the model's size
+(trainer/lr_defaults.py; ``--dpo-learning-rate`` to change it), beta 0.1: held-out reward accuracy (the
+implicit reward of the chosen answer above the rejected one's) and the chosen answers' log-probability at
+each evaluation, and which run-health warnings fired (``chosen_falling``: both answers' likelihoods
+falling, DPO's known failure).
+
 Run: ``.venv/bin/python bench/real_model.py`` after ``.venv/bin/pip install -e '.[dev,bench]'`` and
 ``make engine``; ``--contenders grpo,trl --steps 60`` narrows it. Not part of ``make test``.
 """
@@ -51,10 +59,12 @@ from typing import Any
 import torch
 from common import quiet, trl_grpo_settings  # a sibling module: python puts bench/ first on sys.path
 
+from rlrun.formats import normalize_preference
 from rlrun.word_problems import problems
 from trainer.adapters import load_adapter, merged
 from trainer.data.prompts import render_prompt
 from trainer.loops import LOOPS
+from trainer.lr_defaults import approx_params, default_learning_rate
 from trainer.model_catalog import catalog_file
 from trainer.model_import import import_model
 from trainer.models import load_causal_lm, resolve_model
@@ -140,7 +150,9 @@ class Curve:
     accuracy: dict[int, float] = field(default_factory=dict)
 
 
-def rl_spec(algorithm: str, model: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+def rl_spec(
+    algorithm: str, model: str, args: argparse.Namespace, seed: int, learning_rate: float | None = None
+) -> dict[str, Any]:
     return {
         "algorithm": algorithm,
         "model": model,
@@ -153,7 +165,7 @@ def rl_spec(algorithm: str, model: str, args: argparse.Namespace, seed: int) -> 
             "max_prompt_length": 128,
             "max_new_tokens": args.max_new_tokens,
             "max_length": 128 + args.max_new_tokens,
-            "learning_rate": args.learning_rate,
+            "learning_rate": args.learning_rate if learning_rate is None else learning_rate,
             "temperature": 1.0,
             "engine": args.engine,
             "precision": args.precision,
@@ -169,9 +181,16 @@ def rl_spec(algorithm: str, model: str, args: argparse.Namespace, seed: int) -> 
 
 
 def rlrun_run(
-    algorithm: str, folder: Path, train: list[dict[str, Any]], args: argparse.Namespace, root: Path
+    algorithm: str,
+    folder: Path,
+    train: list[dict[str, Any]],
+    args: argparse.Namespace,
+    root: Path,
+    learning_rate: float | None = None,
 ) -> Curve:
-    parsed = parse_spec(rl_spec(algorithm, str(folder), args, args.seed) | {"dataset_id": str(uuid.uuid4())})
+    spec = rl_spec(algorithm, str(folder), args, args.seed, learning_rate)
+    parsed = parse_spec(spec | {"dataset_id": str(uuid.uuid4())})
+    label = algorithm if learning_rate is None else f"{algorithm}@{learning_rate:g}"
     ctx = LoopContext(
         cache_dir=root / "cache",
         checkpoint_dir=root / uuid.uuid4().hex,
@@ -187,10 +206,10 @@ def rlrun_run(
     points = [(step, at, path) for step, (at, path) in sorted(reporter.saved_at.items())]
     warned = ",".join(f"{c}@{s}" for c, s, _ in reporter.warnings)
     print(
-        f"  {algorithm}: {args.steps} steps in {seconds:.0f} s" + (f"; warnings {warned}" if warned else ""),
+        f"  {label}: {args.steps} steps in {seconds:.0f} s" + (f"; warnings {warned}" if warned else ""),
         flush=True,
     )
-    return Curve(algorithm, points, seconds)
+    return Curve(label, points, seconds)
 
 
 def trl_run(folder: Path, train: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> Curve:
@@ -257,18 +276,140 @@ def trl_run(folder: Path, train: list[dict[str, Any]], args: argparse.Namespace,
     return Curve("trl", saved, seconds)
 
 
+# the repository's copy of shared/data/hh-rlhf (as bench/dpo_phases.py reads it)
+HH_FILE = Path(__file__).resolve().parents[1] / "tests" / "data" / "hh-rlhf" / "harmless-base-test-1300.jsonl"
+
+
+def dpo_run(folder: Path, args: argparse.Namespace, root: Path) -> None:
+    """DPO + LoRA on the HH-RLHF pairs: held-out reward accuracy, ``logps/chosen`` and warnings."""
+    rows = [normalize_preference(json.loads(line))[0] for line in HH_FILE.read_text().splitlines() if line]
+    held, train = rows[: args.dpo_heldout], rows[args.dpo_heldout :]
+    params = approx_params(json.loads((folder / "config.json").read_text()))  # as the API reads a size
+    lr = args.dpo_learning_rate or default_learning_rate("dpo", params, lora=True)
+    source = (
+        "given" if args.dpo_learning_rate else f"the LoRA default for {(params or 0) / 1e6:.0f}M parameters"
+    )
+    spec = {
+        "algorithm": "dpo",
+        "model": str(folder),
+        "adapter": LORA,
+        "dataset_id": str(uuid.uuid4()),
+        "hyperparameters": {
+            "max_steps": args.dpo_steps,
+            "batch_size": 8,
+            "learning_rate": lr,
+            "beta": 0.1,
+            "max_length": 384,
+            "max_prompt_length": 256,
+            "precision": args.precision,
+            "seed": args.seed,
+            "log_every": 1,
+            "eval_every": max(1, args.dpo_steps // 4),
+            "eval_max_rows": len(held),
+            "checkpoint_every": 0,
+        },
+    }
+    ctx = LoopContext(
+        cache_dir=root / "cache",
+        checkpoint_dir=root / uuid.uuid4().hex,
+        resolve_model=lambda ref: resolve_model(
+            ref, cache_dir=root / "cache", run_output=lambda r: r, roots=[folder.parent]
+        ),
+    )
+    reporter = ClockedReporter()
+    result = LOOPS["dpo"](parse_spec(spec), RunData(train=train, validation=held), reporter, ctx)
+    seconds = time.perf_counter() - reporter.started
+    if result.status != "succeeded":
+        raise RuntimeError(f"dpo run {result.status}: {reporter.events[-3:]}")
+    by_step: dict[int, dict[str, float]] = {}
+    for step, key, value in reporter.metrics:
+        by_step.setdefault(step, {})[key] = value
+    evals = [(s, m) for s, m in sorted(by_step.items()) if "eval/rewards/accuracy" in m]
+    chosen = [(s, m["logps/chosen"]) for s, m in sorted(by_step.items()) if "logps/chosen" in m]
+    print(
+        f"\ndpo: {args.dpo_steps} steps x 8 HH-RLHF pairs ({len(train)} to train on), LoRA r16, lr {lr:g} "
+        f"({source}), beta 0.1, {seconds:.0f} s"
+    )
+    for step, m in evals:
+        print(
+            f"  step {step:>4}: held-out reward accuracy {m['eval/rewards/accuracy']:.1%} "
+            f"({len(held)} pairs), eval loss {m.get('eval/loss', float('nan')):.4f}"
+        )
+    if chosen:
+        print(
+            f"  logps/chosen: {chosen[0][1]:.1f} at step {chosen[0][0]} -> {chosen[-1][1]:.1f} at step "
+            f"{chosen[-1][0]}"
+        )
+    fired = ", ".join(f"{code} at step {step}" for code, step, _ in reporter.warnings) or "none"
+    print(f"  run-health warnings: {fired}")
+
+
 def time_to(curve: Curve, target: float) -> float | None:
     """Seconds until the curve's first checkpoint at or above ``target`` accuracy."""
     return next((at for step, at, _ in curve.points if curve.accuracy[step] >= target), None)
 
 
+def rl_part(folder: Path, contenders: list[str], args: argparse.Namespace, root: Path) -> None:
+    """The RL contenders: held-out accuracy over time, gains, time to TRL's final accuracy, chat answers."""
+    train, heldout = problems(args.seed, args.heldout, 4000)
+    before = held_out_accuracy(folder, heldout, args.max_new_tokens)
+    print(f"base held-out accuracy {before:.1%} ({len(heldout)} problems, greedy)", flush=True)
+    chat_before = chat_answers(folder)
+    rates: list[float | None] = [float(r) for r in args.lr_sweep.split(",") if r] or [None]
+    runs: dict[str, Callable[[], Curve]] = {
+        f"{name}@{lr}": (lambda name=name, lr=lr: rlrun_run(name, folder, train, args, root, lr))
+        for name in contenders
+        if name != "trl"
+        for lr in rates
+    }
+    if "trl" in contenders:
+        runs["trl"] = lambda: trl_run(folder, train, args, root / "trl")
+    curves = [run() for run in runs.values()]
+    for curve in curves:
+        for step, _, path in curve.points:
+            curve.accuracy[step] = held_out_accuracy(path, heldout, args.max_new_tokens)
+    print()
+    print(f"{'contender':>10} {'after':>7} {'gain':>7} {'s total':>8}   held-out accuracy at (step, s)")
+    for curve in curves:
+        final = curve.accuracy[curve.points[-1][0]]
+        trace = "  ".join(f"{curve.accuracy[s]:.0%}@{s},{at:.0f}s" for s, at, _ in curve.points)
+        gain = 100 * (final - before)
+        print(f"{curve.contender:>10} {final:>7.1%} {gain:>+7.1f} {curve.seconds:>8.0f}   {trace}")
+    by_name = {c.contender: c for c in curves}
+    if "trl" in by_name:
+        trl = by_name["trl"]
+        target = trl.accuracy[trl.points[-1][0]]
+        for curve in curves:
+            if curve.contender == "trl":
+                continue
+            reached = time_to(curve, target)
+            ratio = f"{reached / trl.seconds:.2f}x" if reached is not None else "not reached"
+            print(f"{curve.contender}: time to TRL's final accuracy ({target:.1%}) / TRL's time = {ratio}")
+    print("\nchat answers (greedy, 48 tokens), before -> after each contender's final checkpoint:")
+    for i, question in enumerate(CHAT_QUESTIONS):
+        print(f"  Q: {question}\n    base: {chat_before[i][:160]}")
+        for curve in curves:
+            print(f"    {curve.contender}: {chat_answers(curve.points[-1][2])[i][:160]}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contenders", default="grpo,dr_grpo,trl")
+    parser.add_argument("--contenders", default="grpo,dr_grpo,trl,dpo")
+    parser.add_argument("--dpo-steps", type=int, default=60, help="dpo: optimizer steps of 8 pairs")
+    parser.add_argument("--dpo-heldout", type=int, default=200, help="dpo: HH-RLHF pairs held out")
+    parser.add_argument(
+        "--dpo-learning-rate", type=float, default=None, help="dpo: default the LoRA rate for the size"
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
     parser.add_argument("--group", type=int, default=4, help="completions per prompt")
     parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument(
+        "--lr-sweep",
+        default="",
+        metavar="LR,LR,...",
+        help="run each rlrun contender once per learning rate (labelled grpo@LR); TRL keeps --learning-rate",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--heldout", type=int, default=200)
@@ -296,13 +437,15 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["TQDM_DISABLE"] = "1"
     contenders = args.contenders.split(",")
     print(f"command: cd {shlex.quote(os.getcwd())} && {shlex.join([sys.executable, *sys.argv])}")
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {MODEL} + LoRA {LORA['r']}; "
-        f"{args.steps} steps x {args.prompts} prompts x {args.group} completions, {args.max_new_tokens} new "
-        f"tokens, lr {args.learning_rate}, {args.precision}, rlrun engine {args.engine}"
-        + (f", {args.overrides}" if args.overrides else "")
+    rl_shape = (
+        f"; RL: {args.steps} steps x {args.prompts} prompts x {args.group} completions, "
+        f"{args.max_new_tokens} new tokens, lr {args.lr_sweep or args.learning_rate}, "
+        f"rlrun engine {args.engine}" + (f", {args.overrides}" if args.overrides else "")
     )
-    train, heldout = problems(args.seed, args.heldout, 4000)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {MODEL} + LoRA {LORA['r']}, "
+        f"{args.precision}" + (rl_shape if set(contenders) - {"dpo"} else "")
+    )
     with tempfile.TemporaryDirectory(prefix="rlrun-real-") as tmp:
         root = Path(tmp)
         folder = args.model_folder
@@ -311,44 +454,11 @@ def main(argv: list[str] | None = None) -> None:
             import_model(catalog_file(MODEL), root / "models", MODEL, origin=f"catalog:{MODEL}")
             folder = root / "models" / MODEL
             print(f"imported {MODEL} in {time.perf_counter() - began:.0f} s")
-        before = held_out_accuracy(folder, heldout, args.max_new_tokens)
-        print(f"base held-out accuracy {before:.1%} ({len(heldout)} problems, greedy)", flush=True)
-        chat_before = chat_answers(folder)
-        runs: dict[str, Callable[[], Curve]] = {
-            name: (lambda name=name: rlrun_run(name, folder, train, args, root))
-            for name in contenders
-            if name != "trl"
-        }
-        if "trl" in contenders:
-            runs["trl"] = lambda: trl_run(folder, train, args, root / "trl")
-        curves = [run() for run in runs.values()]
-        for curve in curves:
-            for step, _, path in curve.points:
-                curve.accuracy[step] = held_out_accuracy(path, heldout, args.max_new_tokens)
-        print()
-        print(f"{'contender':>10} {'after':>7} {'gain':>7} {'s total':>8}   held-out accuracy at (step, s)")
-        for curve in curves:
-            final = curve.accuracy[curve.points[-1][0]]
-            trace = "  ".join(f"{curve.accuracy[s]:.0%}@{s},{at:.0f}s" for s, at, _ in curve.points)
-            gain = 100 * (final - before)
-            print(f"{curve.contender:>10} {final:>7.1%} {gain:>+7.1f} {curve.seconds:>8.0f}   {trace}")
-        by_name = {c.contender: c for c in curves}
-        if "trl" in by_name:
-            trl = by_name["trl"]
-            target = trl.accuracy[trl.points[-1][0]]
-            for curve in curves:
-                if curve.contender == "trl":
-                    continue
-                reached = time_to(curve, target)
-                ratio = f"{reached / trl.seconds:.2f}x" if reached is not None else "not reached"
-                print(
-                    f"{curve.contender}: time to TRL's final accuracy ({target:.1%}) / TRL's time = {ratio}"
-                )
-        print("\nchat answers (greedy, 48 tokens), before -> after each contender's final checkpoint:")
-        for i, question in enumerate(CHAT_QUESTIONS):
-            print(f"  Q: {question}\n    base: {chat_before[i][:160]}")
-            for curve in curves:
-                print(f"    {curve.contender}: {chat_answers(curve.points[-1][2])[i][:160]}")
+        rl = [c for c in contenders if c != "dpo"]
+        if rl:
+            rl_part(folder, rl, args, root)
+        if "dpo" in contenders:
+            dpo_run(folder, args, root)
 
 
 if __name__ == "__main__":

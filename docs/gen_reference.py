@@ -310,7 +310,7 @@ def presets_section(doc: Mapping[str, Any]) -> list[str]:
 
 
 def learning_rates_section() -> list[str]:
-    from trainer.lr_defaults import LR_TABLE, UNKNOWN_SIZE_ROW, Family
+    from trainer.lr_defaults import LORA_FACTOR, LORA_MEASURED, LR_TABLE, TINY_LIMIT, UNKNOWN_SIZE_ROW, Family
 
     families = get_args(Family)  # a Literal's names, in their declared order
     lines = [
@@ -328,6 +328,15 @@ def learning_rates_section() -> list[str]:
         if i == UNKNOWN_SIZE_ROW:
             size += ", or unknown"
         lines.append(f"| {size} | " + " | ".join(rate(rates[f]) for f in families) + " |")
+    lines += [
+        "",
+        f"A run with a LoRA `adapter` takes {LORA_FACTOR:g}x these rates above {params(TINY_LIMIT)} "
+        "parameters (LoRA's best rate is",
+        'about 10x full fine-tuning\'s: Schulman et al. 2025, "LoRA Without Regret"), except where a LoRA',
+        "rate was measured (`trainer/lr_defaults.py`, on SmolLM2-135M-Instruct): "
+        + "; ".join(f"`{f}` up to {params(limit)}: {rate(r)}" for limit, f, r in LORA_MEASURED)
+        + ". The tiny presets' row stays as it is.",
+    ]
     return [*lines, ""]
 
 

@@ -69,6 +69,30 @@ def test_the_table(algorithm: str, n_params: int | None, rate: float) -> None:
     assert default_learning_rate(algorithm, n_params) == rate
 
 
+@pytest.mark.parametrize(
+    ("algorithm", "n_params", "full", "lora"),
+    [
+        ("grpo", 458_752, 2e-4, 2e-4),  # the tiny row is the presets' measured rate, adapter or not
+        ("sft", 50_000_000, 1e-3, 1e-3),
+        ("grpo", 134_515_008, 1e-6, 5e-5),  # SmolLM2-135M: online RL with LoRA measured (not 10x)
+        ("ppo", 500_000_000, 1e-6, 5e-5),
+        ("grpo", 500_000_001, 1e-6, 1e-5),  # above the measured sizes: the 10x rule
+        ("dpo", 134_515_008, 1e-6, 1e-5),  # the measurement is online RL's only
+        ("dpo", 494_000_000, 1e-6, 1e-5),
+        ("dpo", 6_740_000_000, 5e-7, 5e-6),
+        ("sft", 70_000_000_000, 5e-6, 5e-5),
+        ("dpo", None, 5e-7, 5e-6),  # unknown size: the 1B-15B row
+    ],
+)
+def test_a_lora_adapter_takes_ten_times_the_rate(
+    algorithm: str, n_params: int | None, full: float, lora: float
+) -> None:
+    # LoRA Without Regret (Schulman et al. 2025): LoRA's best rate is ~10x full fine-tuning's; online RL
+    # up to 500M takes the rate bench/real_model.py measured (trainer/lr_defaults.py).
+    assert default_learning_rate(algorithm, n_params) == pytest.approx(full)
+    assert default_learning_rate(algorithm, n_params, lora=True) == pytest.approx(lora)
+
+
 def test_the_api_stores_the_rate_for_the_models_size(session: Session, tmp_path: Path) -> None:
     prefs = make_dataset(session)
     folder = tmp_path / "models" / "meta" / "llama-2-7b"
@@ -111,5 +135,20 @@ def test_the_api_stores_the_rate_for_the_models_size(session: Session, tmp_path:
                 "hyperparameters": {"learning_rate": 3e-6},
             },
         )
+        lora = {"type": "lora", "r": 8}
+        adapter_runs = {
+            model: client.post(
+                "/v1/runs",
+                json={**dpo_spec(prefs.id), "model": model, "adapter": lora, "hyperparameters": hp},
+            )
+            for model in ("tiny:llama-0.4m", "meta/llama-2-7b")
+        }
     assert stored == cases
     assert given.json()["spec"]["hyperparameters"]["learning_rate"] == 3e-6
+    for resp in adapter_runs.values():
+        assert resp.status_code == 201, resp.text
+    # a LoRA run on the 7B folder: 10 x 5e-7; on the tiny preset its measured rate, as without an adapter
+    assert adapter_runs["meta/llama-2-7b"].json()["spec"]["hyperparameters"][
+        "learning_rate"
+    ] == pytest.approx(5e-6)
+    assert adapter_runs["tiny:llama-0.4m"].json()["spec"]["hyperparameters"]["learning_rate"] == 1e-3

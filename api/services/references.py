@@ -275,12 +275,13 @@ def model_params(session: Session, ref: str, roots: Sequence[Path], depth: int =
 
 
 def with_default_learning_rate(session: Session, spec: AnyRunSpec, roots: Sequence[Path]) -> AnyRunSpec:
-    """``spec`` with a missing learning rate picked by family and model size (trainer/lr_defaults.py); a run
-    that trains nothing (eval, merge: no learning rate) as it is."""
+    """``spec`` with a missing learning rate picked by family, model size and adapter
+    (trainer/lr_defaults.py); a run that trains nothing (eval, merge: no learning rate) as it is."""
     hp = spec.hyperparameters
     if not isinstance(hp, TrainingHyperparameters) or hp.learning_rate is not None:
         return spec
-    rate = default_learning_rate(spec.algorithm, model_params(session, spec.model, roots))
+    lora = getattr(spec, "adapter", None) is not None
+    rate = default_learning_rate(spec.algorithm, model_params(session, spec.model, roots), lora=lora)
     return spec.model_copy(update={"hyperparameters": hp.model_copy(update={"learning_rate": rate})})
 
 

@@ -33,8 +33,9 @@ EngineName = Literal["hf", "vllm", "vllm_server"]
 
 LR_DOC = (
     "AdamW learning rate (after warmup). Default: by the run family and the model's size "
-    "(trainer/lr_defaults.py: 1e-3 for the tiny presets, TRL's and Tülu 3's rates for 1B-70B models); the "
-    "stored spec holds the rate picked."
+    "(trainer/lr_defaults.py: 1e-3 for the tiny presets, TRL's and Tülu 3's rates for 1B-70B models, 10x "
+    "those with a LoRA adapter, 5e-5 for online RL with LoRA up to 500M, as measured); the stored spec holds "
+    "the rate picked."
 )
 
 
@@ -289,7 +290,8 @@ class _RunSpecBase(_SpecCore):
         given = hp.get("learning_rate") if isinstance(hp, dict) else getattr(hp, "learning_rate", 0)
         if given is not None:
             return data
-        rate = default_learning_rate(str(data.get("algorithm", "")), n_params)
+        lora = data.get("adapter") is not None
+        rate = default_learning_rate(str(data.get("algorithm", "")), n_params, lora=lora)
         if isinstance(hp, BaseModel):
             return {**data, "hyperparameters": hp.model_copy(update={"learning_rate": rate})}
         return {**data, "hyperparameters": {**hp, "learning_rate": rate}}
