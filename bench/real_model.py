@@ -180,6 +180,17 @@ def rl_spec(
     }
 
 
+def loop_context(folder: Path, root: Path) -> LoopContext:
+    """A run's context under ``root``, resolving models from ``folder``'s model root."""
+    return LoopContext(
+        cache_dir=root / "cache",
+        checkpoint_dir=root / uuid.uuid4().hex,
+        resolve_model=lambda ref: resolve_model(
+            ref, cache_dir=root / "cache", run_output=lambda r: r, roots=[folder.parent]
+        ),
+    )
+
+
 def rlrun_run(
     algorithm: str,
     folder: Path,
@@ -191,13 +202,7 @@ def rlrun_run(
     spec = rl_spec(algorithm, str(folder), args, args.seed, learning_rate)
     parsed = parse_spec(spec | {"dataset_id": str(uuid.uuid4())})
     label = algorithm if learning_rate is None else f"{algorithm}@{learning_rate:g}"
-    ctx = LoopContext(
-        cache_dir=root / "cache",
-        checkpoint_dir=root / uuid.uuid4().hex,
-        resolve_model=lambda ref: resolve_model(
-            ref, cache_dir=root / "cache", run_output=lambda r: r, roots=[folder.parent]
-        ),
-    )
+    ctx = loop_context(folder, root)
     reporter = ClockedReporter()
     result = LOOPS[parsed.algorithm](parsed, RunData(train=train), reporter, ctx)
     seconds = time.perf_counter() - reporter.started
@@ -309,13 +314,7 @@ def dpo_run(folder: Path, args: argparse.Namespace, root: Path) -> None:
             "checkpoint_every": 0,
         },
     }
-    ctx = LoopContext(
-        cache_dir=root / "cache",
-        checkpoint_dir=root / uuid.uuid4().hex,
-        resolve_model=lambda ref: resolve_model(
-            ref, cache_dir=root / "cache", run_output=lambda r: r, roots=[folder.parent]
-        ),
-    )
+    ctx = loop_context(folder, root)
     reporter = ClockedReporter()
     result = LOOPS["dpo"](parse_spec(spec), RunData(train=train, validation=held), reporter, ctx)
     seconds = time.perf_counter() - reporter.started
