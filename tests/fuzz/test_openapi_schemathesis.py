@@ -22,6 +22,7 @@ import pytest
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.core.errors import UnsupportedSchema  # noqa: E402
 from schemathesis.generation.feedback import FeedbackSources  # noqa: E402
 
 # The builder schema.parametrize() and schemathesis' lazy schemas use (private: schemathesis is pinned
@@ -91,4 +92,13 @@ def test_no_server_errors_and_responses_match_the_schema(
         feedback=feedback,
         explicit_settings=HYPOTHESIS,
     )
-    hypothesis_test()
+    try:
+        hypothesis_test()
+    except UnsupportedSchema as exc:
+        # schemathesis' negative mode sometimes mutates a part of a schema into a `not` it cannot draw
+        # from (seen on 2026-12-06, on POST /v1/fine_tuning/alpha/graders/run): a limit of the
+        # generator, raised before any request, not an answer of the API. Draw again with a fresh seed;
+        # any other unsupported schema, or the same limit twice, still fails.
+        if "`not` whose complement" not in str(exc):
+            raise
+        hypothesis_test()
