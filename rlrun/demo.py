@@ -381,7 +381,7 @@ def run_demo(
                 print("== a real model: SmolLM2-135M-Instruct, GRPO with LoRA on word problems, then chat")
                 try:
                     result = real_part(client, real_steps, engine=engine, precision=precision)
-                except RuntimeError as exc:  # an import, upload, submit or chat the API refused
+                except (RuntimeError, TimeoutError) as exc:  # refused by the API, or a run out of time
                     print(f"rlrun demo --real: FAILED: {exc}")
                     return 1
                 ok = result["status"] == "succeeded"
