@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.rewards.helpers import sample
-from trainer.rewards.composite import CompositeReward, RewardComponent, RewardResult
+from trainer.rewards.composite import CompositeReward, RewardComponent, RewardResult, run_each_with_timeout
 from trainer.rewards.verifiers import VERIFIERS, Sample, VerifierFn
 
 THINK_42 = "<think>6*7</think><answer>42</answer>"
@@ -146,6 +146,36 @@ def test_a_hung_verifier_times_out_counts_and_later_calls_still_work() -> None:
         assert time.perf_counter() - t0 < 2.0  # far below the 30 s the hung calls stay blocked
     finally:
         sleeper.release.set()
+
+
+def test_a_batch_runs_in_order_on_one_worker_thread_not_the_callers() -> None:
+    """One hand-off per batch: every call of a batch on the same worker thread, in order."""
+    seen: list[tuple[int, int]] = []
+
+    def call(i: int) -> float:
+        seen.append((i, threading.get_ident()))
+        return float(i)
+
+    out = run_each_with_timeout([lambda i=i: call(i) for i in range(500)], timeout_s=5.0)
+    assert out == [float(i) for i in range(500)]
+    assert [i for i, _ in seen] == list(range(500))
+    assert len({t for _, t in seen}) == 1 and seen[0][1] != threading.get_ident()
+
+
+def test_an_abandoned_last_call_that_returns_later_changes_nothing() -> None:
+    release, returned = threading.Event(), threading.Event()
+
+    def hung() -> float:
+        release.wait(timeout=30)
+        returned.set()
+        return 7.0
+
+    out = run_each_with_timeout([lambda: 1.0, hung], timeout_s=0.2)
+    assert out[0] == 1.0 and isinstance(out[1], TimeoutError)
+    release.set()
+    assert returned.wait(timeout=5)
+    time.sleep(0.05)  # the disowned worker's chance to write, which it must not take
+    assert out[0] == 1.0 and isinstance(out[1], TimeoutError)
 
 
 def test_a_verifier_raising_timeout_error_itself_is_an_ordinary_failure() -> None:
