@@ -51,17 +51,18 @@ CHECKS = [not_a_server_error, response_schema_conformance, content_type_conforma
 
 def operation_labels() -> list[str]:
     """``METHOD /path`` of every operation the fuzzer covers, from an app built for its schema only."""
-    app = create_app(Settings(home=Path(tempfile.mkdtemp(prefix="rlrun-fuzz-schema-"))))
-    schema = schemathesis.openapi.from_dict(app.openapi()).exclude(path_regex=STREAMS)
-    return [result.ok().label for result in schema.get_all_operations()]
+    with tempfile.TemporaryDirectory(prefix="rlrun-fuzz-schema-") as home:
+        app = create_app(Settings(home=Path(home)))
+        schema = schemathesis.openapi.from_dict(app.openapi()).exclude(path_regex=STREAMS)
+        return [result.ok().label for result in schema.get_all_operations()]
 
 
 @pytest.fixture(scope="module")
-def fuzzed() -> Iterator[tuple[Any, FeedbackSources]]:
+def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, FeedbackSources]]:
     """The served schema (the app on a fresh SQLite home, with a real inference process: without one
     the chat and completion routes answer a documented 503, which the no-5xx check would flag) and the
     feedback sources schema.parametrize() gives every operation's test."""
-    home = Path(tempfile.mkdtemp(prefix="rlrun-fuzz-"))
+    home = tmp_path_factory.mktemp("fuzz")
     settings_ = Settings(home=home, max_upload_bytes=64 * 1024)
     with ExitStack() as stack:
         inference_url = stack.enter_context(serving(inference_app(settings_)))
