@@ -12,6 +12,7 @@ import pytest
 from tests.rewards.helpers import sample
 from trainer.rewards.composite import CompositeReward, RewardComponent, RewardResult, run_each_with_timeout
 from trainer.rewards.verifiers import VERIFIERS, Sample, VerifierFn
+from trainer.stop_watch import raise_in_thread
 
 THINK_42 = "<think>6*7</think><answer>42</answer>"
 
@@ -149,7 +150,7 @@ def test_a_hung_verifier_times_out_counts_and_later_calls_still_work() -> None:
 
 
 def test_a_batch_runs_in_order_on_one_worker_thread_not_the_callers() -> None:
-    """One hand-off per batch: every call of a batch on the same worker thread, in order."""
+    """Every call of a batch on the same worker thread (not the caller's), in order, each result in place."""
     seen: list[tuple[int, int]] = []
 
     def call(i: int) -> float:
@@ -163,19 +164,54 @@ def test_a_batch_runs_in_order_on_one_worker_thread_not_the_callers() -> None:
 
 
 def test_an_abandoned_last_call_that_returns_later_changes_nothing() -> None:
-    release, returned = threading.Event(), threading.Event()
+    release = threading.Event()
+    workers: list[threading.Thread] = []
 
     def hung() -> float:
+        workers.append(threading.current_thread())
         release.wait(timeout=30)
-        returned.set()
         return 7.0
 
     out = run_each_with_timeout([lambda: 1.0, hung], timeout_s=0.2)
     assert out[0] == 1.0 and isinstance(out[1], TimeoutError)
     release.set()
-    assert returned.wait(timeout=5)
-    time.sleep(0.05)  # the disowned worker's chance to write, which it must not take
+    workers[0].join(timeout=5)  # the disowned worker has returned from its call and exited
+    assert not workers[0].is_alive()
     assert out[0] == 1.0 and isinstance(out[1], TimeoutError)
+
+
+class Stopped(Exception):
+    pass
+
+
+def test_a_stop_raised_into_the_caller_lands_within_a_second_and_ends_the_batch() -> None:
+    """A run's stop arrives as an asynchronous exception (trainer/stop_watch.py): it must reach a caller
+    waiting on slow calls (each well inside the timeout) and no call may start after the one running."""
+    ran: list[int] = []
+
+    def slow(i: int) -> float:
+        ran.append(i)
+        time.sleep(0.2)
+        return 1.0
+
+    raised: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            run_each_with_timeout([lambda i=i: slow(i) for i in range(50)], timeout_s=30.0)
+        except Stopped as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    time.sleep(0.5)
+    assert raise_in_thread(thread.ident or 0, Stopped) == 1
+    t0 = time.perf_counter()
+    thread.join(timeout=5)
+    assert not thread.is_alive() and raised and time.perf_counter() - t0 < 1.5
+    started = len(ran)
+    time.sleep(0.6)  # three more calls' time
+    assert len(ran) <= started + 1 < 10  # at most the call running when the stop landed finished
 
 
 def test_a_verifier_raising_timeout_error_itself_is_an_ordinary_failure() -> None:

@@ -227,29 +227,38 @@ class CompositeReward:
         return scores, failed
 
 
+# The waiting caller wakes at least this often: a run's stop is raised into its thread as an asynchronous
+# exception (trainer/stop_watch.py), which lands only when the thread runs Python again, not inside a wait.
+WAKE_EVERY_S = 0.5
+
+
 def run_each_with_timeout(
     calls: Sequence[Callable[[], float]], timeout_s: float
 ) -> list[float | BaseException]:
     """Run ``calls`` in order on a daemon worker thread; per call its result or the exception it raised,
     a ``TimeoutError`` for a call still running ``timeout_s`` after it started (abandoned: its worker is
-    disowned and a fresh one goes on with the next call). The caller sleeps until the batch is done or the
-    running call's deadline, whichever comes first, so a batch of fast calls costs one hand-off."""
+    disowned and a fresh one goes on with the next call). The caller sleeps until the batch is done, the
+    running call's deadline or ``WAKE_EVERY_S``, whichever comes first, so a batch of fast calls costs one
+    hand-off; an exception raised into the caller (a stop) ends the batch after the call running."""
     if not calls:
         return []
     batch = _Batch(calls)
     with batch.changed:
-        batch.start_worker(0)
-        while batch.done < len(calls):
-            left = batch.started + timeout_s - time.monotonic()
-            if left > 0:
-                batch.changed.wait(left)
-                continue
-            hung = batch.done  # the call running since batch.started: abandon it, go on with the next
-            batch.owner += 1  # disowned: whatever it returns is dropped
-            batch.results[hung] = TimeoutError(f"no result within {timeout_s} s (call abandoned)")
-            batch.done = hung + 1
-            if batch.done < len(calls):
-                batch.start_worker(batch.done)
+        try:
+            batch.start_worker(0)
+            while batch.done < len(calls):
+                left = batch.started + timeout_s - time.monotonic()
+                if left > 0:
+                    batch.changed.wait(min(left, WAKE_EVERY_S))
+                    continue
+                hung = batch.done  # the call running since batch.started: abandon it, go on with the next
+                batch.owner += 1  # disowned: whatever it returns is dropped
+                batch.results[hung] = TimeoutError(f"no result within {timeout_s} s (call abandoned)")
+                batch.done = hung + 1
+                if batch.done < len(calls):
+                    batch.start_worker(batch.done)
+        finally:
+            batch.owner += 1  # however the wait ended (a stop raised into it): no call after the current
     return batch.results
 
 
