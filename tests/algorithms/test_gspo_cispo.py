@@ -71,6 +71,46 @@ def test_gspo_clips_whole_sequences() -> None:
     assert out.stats["clipfrac"].item() == 0.5
 
 
+def gspo_token_paper(logp, old, adv, mask, low, high):  # type: ignore[no-untyped-def]
+    """-J_GSPO-token (eq. 13-14) token by token: s_it = sg(s_i) pi_it / sg(pi_it), each token's
+    min(s_it A_it, clip(s_it) A_it), averaged over the sequence's tokens, then over sequences."""
+    total = torch.zeros((), dtype=F64)
+    for i in range(logp.shape[0]):
+        valid = mask[i].bool()
+        s_i = float(torch.exp((logp[i][valid] - old[i][valid]).mean()).detach())
+        terms = []
+        for t in range(logp.shape[1]):
+            if mask[i, t]:
+                s_it = s_i * torch.exp(logp[i, t] - logp[i, t].detach())
+                terms.append(torch.minimum(s_it * adv[i, t], s_it.clamp(1 - low, 1 + high) * adv[i, t]))
+        total = total + torch.stack(terms).mean()
+    return -total / logp.shape[0]
+
+
+@pytest.mark.parametrize(("seed", "low", "high"), [(0, 0.05, 0.05), (4, 0.2, 0.28)])
+def test_gspo_with_token_advantages_is_gspo_token(seed: int, low: float, high: float) -> None:
+    """PPO's GAE gives every token its own advantage: each token keeps it (the sequence ratio, the
+    token's advantage), not the sequence's first token's for all."""
+    logp, old, _, mask = batch(seed)
+    adv = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed + 10), dtype=F64)
+    out = gspo(logp, old, adv, mask, clip=ClipParams(low, high))
+    ours = aggregate(out.per_token, mask, "seq_mean_token_mean")
+    (grad_ours,) = torch.autograd.grad(ours, logp)
+    paper = gspo_token_paper(logp, old, adv, mask, low, high)
+    (grad_paper,) = torch.autograd.grad(paper, logp)
+    torch.testing.assert_close(ours, paper)
+    torch.testing.assert_close(grad_ours, grad_paper)
+    # by hand, sequence 3 (one valid token, on the unclipped side or not): -A_30 clip-or-not(s_3) / 4
+    s_3 = math.exp(float((logp[3, 0] - old[3, 0]).detach()))
+    a = float(adv[3, 0])
+    expected = -min(s_3 * a, min(max(s_3, 1 - low), 1 + high) * a)
+    assert out.per_token[3, 0].item() == pytest.approx(expected)
+    # the same advantage on every token of a sequence gives the sequence form's loss
+    flat = adv[:, :1].expand(-1, 6)
+    same = gspo(logp, old, flat, mask, clip=ClipParams(low, high)).per_token
+    torch.testing.assert_close(same, gspo(logp, old, adv[:, 0], mask, clip=ClipParams(low, high)).per_token)
+
+
 def cispo_paper(logp, old, adv, mask, low, high):  # type: ignore[no-untyped-def]
     """-J_CISPO: sum over every valid token of sg(clip(r)) A log pi, over the number of valid tokens."""
     total, count = torch.zeros((), dtype=F64), 0

@@ -114,6 +114,27 @@ def test_an_adapter_with_the_vllm_engine_and_an_online_micro_batch_that_does_not
     assert count(session) == before + 1
 
 
+def test_a_kto_batch_of_one_is_refused_naming_the_field(session: Session) -> None:
+    """In a batch of one, KTO's reference point would pair the example with its own answer (issue 41)."""
+    unpaired = make_dataset(
+        session,
+        rows=[
+            {"prompt": "1+1=", "completion": "2", "label": True},
+            {"prompt": "2+2=", "completion": "5", "label": False},
+        ],
+        kind="unpaired",
+    )
+    before = count(session)
+    spec = {"algorithm": "kto", "model": "tiny:llama-0.4m", "dataset_id": str(unpaired.id)}
+    with api_client(session) as client:
+        one = client.post("/v1/runs", json=spec | {"hyperparameters": {"batch_size": 1}})
+        two = client.post("/v1/runs", json=spec | {"hyperparameters": {"batch_size": 2}})
+    assert one.status_code == 422, one.text
+    assert one.json()["error"]["field"] == "hyperparameters.batch_size"
+    assert "another example's answer" in one.json()["error"]["message"]
+    assert two.status_code == 201 and count(session) == before + 1
+
+
 def test_reward_models_are_no_policies_and_causal_lms_no_reward_models(
     session: Session, tmp_path: Path
 ) -> None:

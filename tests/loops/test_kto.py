@@ -110,6 +110,59 @@ def test_mismatched_pairs_shift_answers_by_one() -> None:
     assert mismatched(rows, 2)[0].completion == [11]  # cut to fit max_length
 
 
+def test_mismatched_pairs_never_pair_an_example_with_its_own_answer() -> None:
+    from trainer.data.sft import TokenizedExample
+    from trainer.loops.kto import mismatched
+
+    a, b, c = (TokenizedExample(prompt=[i], completion=[10 + i]) for i in range(3))
+    # a batch that holds one example twice (an epoch's end meeting the next start) skips the repeat
+    assert [m.completion for m in mismatched([a, a, b], 64)] == [[11], [11], [10]]
+    # a set of one (a held-out set of one row) borrows the first other answer of the spare examples
+    assert [m.completion for m in mismatched([c], 64, spare=[c, a])] == [[10]]
+    assert [m.completion for m in mismatched([a, a], 64, spare=[a, b])] == [[11], [11]]
+    with pytest.raises(ValueError, match="at least 2 different examples"):
+        mismatched([a, a], 64, spare=[a])
+
+
+def test_a_held_out_set_of_one_row_takes_z0_from_a_training_answer(
+    tiny_cache: Path, tmp_path: Path, reference: Path
+) -> None:
+    """z_0 of one held-out row is its prompt with the first training example's answer (never its own
+    answer, whose log-ratio the loss would then cancel: the KTO loss of that row would be lambda/2)."""
+    policy, tokenizer = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    ref, _ = load_causal_lm(str(reference))
+    policy.eval(), ref.eval()
+    hp = spec().hyperparameters
+    first = tokenize_example(TWO[0], tokenizer, max_length=hp.max_length)
+
+    def log_ratio(prompt: list[int], answer: list[int]) -> float:
+        return logp_sum(policy, prompt, answer) - logp_sum(ref, prompt, answer)
+
+    def z0s(row: dict[str, Any]) -> tuple[float, float]:  # (borrowed, own) reference points
+        e = tokenize_example(row, tokenizer, max_length=hp.max_length)
+        return max(0.0, log_ratio(e.prompt, first.completion)), max(0.0, log_ratio(e.prompt, e.completion))
+
+    # a held-out row where the two differ, so the test tells them apart (the nudged reference is fixed)
+    held = next((r for r in ROWS if abs(z0s(r)[0] - z0s(r)[1]) > 1e-3), None)
+    assert held is not None
+    borrowed, _ = z0s(held)
+    # a learning rate so small that the evaluation after step 1 sees the starting policy
+    run = spec(batch_size=2, learning_rate=1e-12, eval_every=1)
+    reporter = MemoryReporter()
+    ctx = loop_ctx(tiny_cache, tmp_path / "out", runs={REF_RUN: reference})
+    result = run_kto(run, RunData(train=TWO, validation=[held]), reporter, ctx)
+    assert result.status == "succeeded"
+    assert reporter.series("eval/kl")[0] == pytest.approx(borrowed, rel=1e-4, abs=1e-6)
+
+
+def test_a_batch_of_one_is_refused_naming_the_field() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="batch_size") as caught:
+        spec(batch_size=1)
+    assert "another example's answer" in str(caught.value)
+
+
 def test_training_moves_desirable_answers_above_undesirable(tiny_cache: Path, tmp_path: Path) -> None:
     run = parse_spec(
         {

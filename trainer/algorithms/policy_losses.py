@@ -170,7 +170,8 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip: Cli
     Args:
         logp: (B, T) current policy log-probs of the sampled tokens (requires grad).
         old_logp: (B, T) log-probs of the policy that sampled.
-        adv: (B,) sequence advantages, or (B, T) (the first valid token's value is each sequence's).
+        adv: (B,) sequence advantages A_i (the group family), or (B, T) token advantages A_it (PPO's
+            GAE): GSPO-token's per-token form, which equals the sequence form when A_it = A_i.
         mask: (B, T) bool/0-1, 1 on tokens that count.
         clip: ``low`` and ``high`` bound the *sequence* ratio (the paper uses 3e-4 and 4e-4);
             ``dual_c`` is not used.
@@ -181,24 +182,22 @@ def gspo(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, *, clip: Cli
 
     Formula: ``s_i = exp((1/|y_i|) sum_t (logp_it - old_it))``;
         ``J = mean_i min(s_i A_i, clip(s_i, 1 - low, 1 + high) A_i)``. Per token (GSPO-token, eq. 13-14):
-        ``s_it = sg(s_i) * exp(logp_it - sg(logp_it))`` (value s_i) and ``L_it = max(-A_i s_it,
-        -A_i clip(s_it, ...))``; aggregated with ``seq_mean_token_mean`` its gradient is exactly GSPO's,
-        ``-A_i s_i (1/|y_i|) sum_t grad logp_it`` where unclipped.
+        ``s_it = sg(s_i) * exp(logp_it - sg(logp_it))`` (value s_i) and ``L_it = max(-A_it s_it,
+        -A_it clip(s_it, ...))``; with A_it = A_i and ``seq_mean_token_mean`` its gradient is exactly
+        GSPO's, ``-A_i s_i (1/|y_i|) sum_t grad logp_it`` where unclipped; with token advantages each
+        token's gradient is ``-A_it s_i (1/|y_i|) grad logp_it`` (eq. 14).
     Source: Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5-7 (sequence objective) and
         eq. 13-14 (GSPO-token).
     Degenerate: a sequence with no valid token has loss 0; on-policy s_i = 1 and the gradient is the
         length-normalised policy gradient.
     """
     valid = mask.to(torch.bool)
-    if adv.dim() == 2:  # a sequence-level method: take each sequence's first valid token's advantage
-        first = valid.float().argmax(dim=-1, keepdim=True)
-        adv = adv.gather(-1, first).squeeze(-1)
     log_ratio = torch.where(valid, (logp - old_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO), 0.0)
     n = valid.sum(-1).clamp(min=1).to(logp.dtype)
     seq_log_ratio = (log_ratio.sum(-1) / n).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # (B,)
     seq_ratio = seq_log_ratio.exp()
     token_ratio = seq_ratio.detach().unsqueeze(-1) * (logp - logp.detach()).exp()  # value s_i, grad per token
-    a = adv.unsqueeze(-1).expand_as(logp)
+    a = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
     unclipped = -a * token_ratio
     clipped = -a * token_ratio.clamp(1.0 - clip.low, 1.0 + clip.high)
     loss = torch.maximum(unclipped, clipped)

@@ -3,9 +3,10 @@
 Reads top to bottom: load -> tokenize -> steps (reference and KL estimate, eval, checkpoints) -> final.
 Each step takes a batch of (prompt, answer, label) examples and, for the KL reference point z_0, the same
 prompts with the next example's answer (example ``i`` with answer ``(i + 1) mod B``: a mismatched pair, as
-TRL's KTOTrainer builds them). The reference model (the starting policy, kept as a frozen copy, or
-``reference_model``; with an adapter, the policy with its adapter off) scores both; the policy scores the
-mismatched pairs without gradient (z_0 is detached, as the paper says) and the examples with it. The loss
+TRL's KTOTrainer builds them; never an example with its own answer, see ``mismatched``). The reference
+model (the starting policy, kept as a frozen copy, or ``reference_model``; with an adapter, the policy with
+its adapter off) scores both; the policy scores the mismatched pairs without gradient (z_0 is detached, as
+the paper says) and the examples with it. The loss
 is ``kto`` (trainer/algorithms/preference_losses.py) averaged over the batch's examples.
 
 The reference log-prob of each example is computed the first time a step uses it and kept for the rest of
@@ -70,13 +71,30 @@ def no_grad_logps(
     return torch.cat(out) if out else torch.zeros(0, device=device)
 
 
-def mismatched(examples: Sequence[TokenizedExample], max_length: int) -> list[TokenizedExample]:
-    """Each example's prompt with the next example's answer (the last with the first), cut to
-    ``max_length``: the pairs z_0 is estimated on."""
+def mismatched(
+    examples: Sequence[TokenizedExample], max_length: int, spare: Sequence[TokenizedExample] = ()
+) -> list[TokenizedExample]:
+    """Each example's prompt with the answer of the next *other* example of the set (the last wrapping
+    to the first), cut to ``max_length``: the pairs z_0 is estimated on.
+
+    "Other" is another example, not another position: a batch that holds one example twice (an epoch's
+    end meeting the next one's start) skips the repeat. A set of one example (a held-out set of one row)
+    takes the answer of the first example of ``spare`` that is not itself (the run passes its training
+    examples). With no other example anywhere it raises: z_0 would be the example's own log-ratio, which
+    the loss then cancels (KTO's estimate needs answers written for other prompts; TRL refuses a batch
+    of one)."""
     n = len(examples)
     out = []
     for i, e in enumerate(examples):
-        answer = examples[(i + 1) % n].completion
+        other = next((examples[(i + k) % n] for k in range(1, n) if examples[(i + k) % n] is not e), None)
+        if other is None:
+            other = next((x for x in spare if x is not e), None)
+        if other is None:
+            raise ValueError(
+                "KTO's reference point needs at least 2 different examples (each prompt is paired with "
+                "another example's answer); this run has 1"
+            )
+        answer = other.completion
         out.append(TokenizedExample(prompt=e.prompt, completion=answer[: max(1, max_length - len(e.prompt))]))
     return out
 
@@ -148,8 +166,9 @@ def run_kto(spec: KtoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         return kto(logratio, labels[list(idx)].to(device), z0, params), logratio.detach()
 
     def reference_point(rows: Sequence[TokenizedExample], ranks: Ranks) -> Tensor:
-        """``kto_reference_point`` over every rank's mismatched pairs (each rank pairs within its share)."""
-        pairs = mismatched(rows, hp.max_length)
+        """``kto_reference_point`` over every rank's mismatched pairs (each rank pairs within its share;
+        a set of one example borrows a training example's answer)."""
+        pairs = mismatched(rows, hp.max_length, spare=examples[:2])
         policy, ref = no_grad_logps(model, pairs, pad_id, device), reference_logps(pairs)
         if not ranks.active:
             return kto_reference_point(policy, ref)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from trainer.specs.base import (
     PreferenceLossName,
@@ -197,6 +197,18 @@ class KtoHyperparameters(TrainingHyperparameters):
         if self.max_prompt_length >= self.max_length:
             raise ValueError("max_prompt_length must be smaller than max_length")
         return self
+
+    @field_validator("batch_size")
+    @classmethod
+    def _two_examples_per_batch(cls, v: int) -> int:
+        # z_0 pairs each prompt with another example's answer of the same batch; in a batch of one the
+        # example would be paired with its own answer (TRL's KTOTrainer refuses it too)
+        if v < 2:
+            raise ValueError(
+                "KTO needs batch_size >= 2: its KL reference point pairs each prompt with another "
+                "example's answer in the batch"
+            )
+        return v
 
 
 class KtoSpec(_ReferencedSpecBase):
