@@ -15,7 +15,7 @@ from tests.loop_context import loop_ctx
 from trainer.data.prompts import PromptSet
 from trainer.data.sampling import EpochSampler
 from trainer.loops.group_rl import run_group_rl
-from trainer.loops.rollouts import collect_rollouts
+from trainer.loops.rollouts import collect_rollouts, step_rollout_metrics
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.reporting import MemoryReporter, RunData
 from trainer.rewards.composite import CompositeReward, RewardComponent
@@ -150,6 +150,58 @@ def test_dynamic_sampling_never_keeps_a_zero_variance_group() -> None:
     for k in set(ro.prompt_index):
         group = [r for r, j in zip(ro.total, ro.prompt_index, strict=True) if j == k]
         assert max(group) > min(group)
+
+    # every group generated is kept aside for the step's metrics, dropped or not (issue 41 item 3)
+    assert len(ro.sampled.completions) == 4 * ro.groups_sampled
+    sampled_groups = ro.sampled.prompt_index[::4]
+    assert {0, 2} & set(sampled_groups) and sorted(set(ro.prompt_index)) == [1, 3]
+    right = {0: 4, 1: 2, 2: 0, 3: 1}  # of each prompt's 4 scripted answers, those equal to "1"
+    metrics = step_rollout_metrics(ro)
+    assert metrics["reward/mean"] == pytest.approx(
+        sum(right[k] for k in sampled_groups) / (4 * len(sampled_groups))
+    )
+    assert metrics["reward/trained_mean"] == pytest.approx((2 + 1) / 8)
+    assert metrics["reward/mean"] != metrics["reward/trained_mean"]
+
+
+def test_a_step_whose_groups_all_score_alike_still_logs_its_rewards_samples_and_eval(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    """Dynamic sampling keeps no group when every answer is wrong (the untrained tiny model never writes
+    the sum): no update, but the charts still show the rewards (0) and the samples are stored."""
+    spec = parse_spec(
+        {
+            "algorithm": "dapo",
+            "model": "tiny:llama-0.4m",
+            "dataset_id": str(uuid.uuid4()),
+            "rewards": [{"name": "exact_match"}],
+            "hyperparameters": {
+                "max_steps": 2,
+                "prompts_per_step": 2,
+                "samples_per_prompt": 2,
+                "max_refill_rounds": 1,
+                "max_new_tokens": 4,
+                "sample_every": 1,
+                "samples_to_store": 3,
+                "eval_every": 1,
+            },
+        }
+    )
+    reporter = MemoryReporter()
+    result = run_group_rl(
+        spec, RunData(train=ROWS, validation=ROWS[:3]), reporter, _ctx(tiny_cache, tmp_path)
+    )
+    assert result.status == "succeeded"
+    logged = {(step, key): value for step, key, value in reporter.metrics}
+    for step in (1, 2):
+        assert logged[(step, "groups/zero_variance_frac")] == 1.0
+        assert logged[(step, "reward/mean")] == 0.0 and logged[(step, "reward/max")] == 0.0
+        assert logged[(step, "response/length_mean")] > 0
+        assert (step, "reward/trained_mean") not in logged  # nothing was trained on
+        assert (step, "eval/accuracy") in logged
+    assert sorted({step for step, _ in reporter.samples}) == [1, 2]
+    assert all(sample["reward"] == 0.0 for _, sample in reporter.samples)
+    assert sum("no update" in message for _, message, _ in reporter.events) == 2
 
 
 def test_remax_baseline_is_the_greedy_completions_reward() -> None:

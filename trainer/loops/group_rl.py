@@ -40,7 +40,7 @@ from trainer.loops.rl_common import (
     skip_step,
     to_token_batch,
 )
-from trainer.loops.rollouts import rollout_metrics
+from trainer.loops.rollouts import step_rollout_metrics
 from trainer.loops.session import TrainingSession, begin, load_policy, to_floats
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import GroupRlSpec, OnlineRlHyperparameters
@@ -97,7 +97,7 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
             "lr": session.lr,
         }
         if not ro.completions:  # dynamic sampling found no group with signal: nothing to learn from
-            skip_step(session, metrics | {"perf/gen_s": t_gen})
+            skip_step(session, parts, hp, metrics | {"perf/gen_s": t_gen}, ro)
             continue
 
         t1 = time.perf_counter()  # ---- log-probs, advantages, policy update
@@ -139,7 +139,7 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
         t_train = time.perf_counter() - t1
 
         if session.log_due:  # ---- metrics, samples, eval, checkpoint
-            metrics |= to_floats(stats) | rollout_metrics(ro.completions, ro.rewards)
+            metrics |= to_floats(stats) | step_rollout_metrics(ro)
             metrics |= {"adv/mean": float(adv.mean()), "adv/std": float(adv.std(unbiased=False))}
             metrics |= perf_metrics(t_gen, t_train, mask)
         close_rl_step(session, parts, hp, metrics, ro, stats)

@@ -57,7 +57,7 @@ from trainer.loops.rl_common import (
     skip_step,
     to_token_batch,
 )
-from trainer.loops.rollouts import rollout_metrics
+from trainer.loops.rollouts import step_rollout_metrics
 from trainer.loops.session import (
     Start,
     TrainingSession,
@@ -389,7 +389,7 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         ro, t_gen = sample_step(session, parts, hp, greedy_baseline=False)  # ---- rollouts and rewards
         metrics = {"kl/coef": kl_ctl.value, "lr": session.lr, "value/lr": critic_opt.param_groups[0]["lr"]}
         if not ro.completions:  # dynamic sampling found no group with signal: nothing to learn from
-            skip_step(session, metrics | {"perf/gen_s": t_gen})
+            skip_step(session, parts, hp, metrics | {"perf/gen_s": t_gen}, ro)
             continue
 
         t1 = time.perf_counter()  # ---- log-probs, values, advantages, updates
@@ -415,7 +415,7 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         if session.log_due:  # ---- metrics, samples, eval, checkpoint
             metrics |= (
                 to_floats(stats)
-                | rollout_metrics(ro.completions, ro.rewards)
+                | step_rollout_metrics(ro)
                 | value_metrics(batch, actor_lam)
             )
             metrics |= perf_metrics(t_gen, t_train, mask)

@@ -32,6 +32,7 @@ from trainer.loops.rollouts import (
     collect_rollouts,
     evaluate_greedy,
     sample_records,
+    step_rollout_metrics,
 )
 from trainer.loops.session import Start, TrainingSession, accumulate_and_step, eval_rows, is_due
 from trainer.models import load_causal_lm
@@ -218,12 +219,22 @@ def perf_metrics(t_gen: float, t_train: float, mask: Tensor) -> dict[str, float]
     }
 
 
-def skip_step(session: TrainingSession, metrics: dict[str, float]) -> None:
-    """Close a step whose rollouts had no learning signal (dynamic sampling kept no group): no update."""
+def skip_step(
+    session: TrainingSession,
+    parts: RlParts,
+    hp: OnlineRlHyperparameters,
+    metrics: dict[str, float],
+    ro: StepRollouts,
+) -> None:
+    """Close a step whose rollouts had no learning signal (dynamic sampling kept no group): no update,
+    but the rollouts' metrics (over every completion sampled), samples and a due evaluation as any step,
+    so the charts show the rewards exactly when every one was equal."""
     session.reporter.event(
         "warning", f"step {session.step}: every sampled group had equal rewards; no update"
     )
-    session.end_step(metrics)
+    if session.log_due:
+        metrics |= step_rollout_metrics(ro)
+    close_rl_step(session, parts, hp, metrics, ro, {})
 
 
 def close_rl_step(
@@ -248,8 +259,10 @@ def close_rl_step(
             "warning", f"step {session.step}: non-finite loss or gradient; those updates were skipped"
         )
     if hp.sample_every and hp.samples_to_store and is_due(session.step, hp.sample_every, hp.max_steps):
+        # the groups trained on; on a step that kept none, those it sampled
+        shown, rewards = (ro, ro.rewards) if ro.completions else (ro.sampled, ro.sampled_rewards)
         records = sample_records(
-            ro.completions, parts.prompts, ro.prompt_index, ro.rewards, hp.samples_to_store
+            shown.completions, parts.prompts, shown.prompt_index, rewards, hp.samples_to_store
         )
         if annotate is not None:
             annotate(records)

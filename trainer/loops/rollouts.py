@@ -135,17 +135,33 @@ def generate_scored(
 
 
 @dataclass
-class StepRollouts:
-    """The groups a step trains on: completions prompt-major, G per group."""
+class SampledGroups:
+    """Completions prompt-major with their prompts' indices and rewards."""
 
     completions: list[Completion] = field(default_factory=list)
     prompt_index: list[int] = field(default_factory=list)
     total: list[float] = field(default_factory=list)
     components: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, comps: list[Completion], j: int, result: RewardResult, sl: slice) -> None:
+        self.completions += comps
+        self.prompt_index += [j] * len(comps)
+        self.total += result.total[sl]
+        for name, values in result.components.items():
+            self.components.setdefault(name, []).extend(values[sl])
+
+
+@dataclass
+class StepRollouts(SampledGroups):
+    """The groups a step trains on: completions prompt-major, G per group; ``sampled``: every group the
+    step generated, kept for the update or not (dynamic sampling drops those whose rewards are all equal,
+    and a refill round's groups beyond ``prompts_per_step``)."""
+
     failures: int = 0
     baseline: list[float] = field(default_factory=list)  # ReMax: greedy reward of each completion's prompt
     groups_sampled: int = 0
     zero_variance_groups: int = 0
+    sampled: SampledGroups = field(default_factory=SampledGroups)
     # async_rollouts: the seconds they took to generate and score while the previous step trained
     generated_in_background_s: float | None = None
 
@@ -153,14 +169,15 @@ class StepRollouts:
     def rewards(self) -> RewardResult:
         return RewardResult(total=self.total, components=self.components, failures=self.failures)
 
+    @property
+    def sampled_rewards(self) -> RewardResult:
+        s = self.sampled
+        return RewardResult(total=s.total, components=s.components, failures=self.failures)
+
     def add_group(
         self, comps: list[Completion], j: int, result: RewardResult, sl: slice, base: float | None
     ) -> None:
-        self.completions += comps
-        self.prompt_index += [j] * len(comps)
-        self.total += result.total[sl]
-        for name, values in result.components.items():
-            self.components.setdefault(name, []).extend(values[sl])
+        self.add(comps, j, result, sl)
         if base is not None:
             self.baseline += [base] * len(comps)
 
@@ -196,6 +213,7 @@ def collect_rollouts(
         for g, j in enumerate(idx):
             sl = slice(g * G, (g + 1) * G)
             out.groups_sampled += 1
+            out.sampled.add(comps[sl], j, result, sl)
             flat = max(result.total[sl]) == min(result.total[sl])
             out.zero_variance_groups += int(flat)
             if (flat and hp.dynamic_sampling) or len(out.completions) >= hp.prompts_per_step * G:
@@ -203,6 +221,16 @@ def collect_rollouts(
             out.add_group(comps[sl], j, result, sl, baselines[g] if baselines is not None else None)
         if len(out.completions) >= hp.prompts_per_step * G:
             break
+    return out
+
+
+def step_rollout_metrics(ro: StepRollouts) -> dict[str, float]:
+    """A step's ``rollout_metrics`` over every completion it sampled (how the policy does, whatever
+    dynamic sampling then kept), and ``reward/trained_mean``: the mean over the groups kept for the update
+    (absent when none was)."""
+    out = rollout_metrics(ro.sampled.completions, ro.sampled_rewards)
+    if ro.total:
+        out["reward/trained_mean"] = float(torch.tensor(ro.total, dtype=torch.float64).mean())
     return out
 
 
