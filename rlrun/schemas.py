@@ -226,6 +226,17 @@ class RunUpdate(BaseModel):
     )
 
 
+class RunValidation(BaseModel):
+    """``POST /v1/runs?validate_only=true``: what the submit would store for this spec (nothing is stored)."""
+
+    spec: dict[str, Any] = Field(
+        description="The run spec as a run would store it: presets and the default learning rate applied."
+    )
+    total_steps: int | None = Field(description="Optimizer steps the run would make (null: not known yet).")
+    tags: list[str] = Field(description="The tags the run would get (lowercase, repeats dropped).")
+    note: str | None = Field(description="The note the run would get.")
+
+
 class MetricRead(_Read):
     key: str
     step: int

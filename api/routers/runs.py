@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import JSONResponse
+from sqlalchemy.orm import Session
 
 from api import lifecycle
 from api.db import commit_unless_conflict
@@ -15,9 +16,10 @@ from api.errors import InvalidRequest
 from api.pagination import AfterCursor
 from api.services import runs as service
 from api.services.pipelines import cancel_run_and_its_pipeline
-from api.services.references import check_engine
+from api.services.references import check_engine, total_steps
 from api.services.runs import RunSort
 from api.services.runs import run_read as to_read
+from api.settings import Settings
 from rlrun.schemas import (
     MAX_TAGS,
     ErrorBody,
@@ -28,6 +30,7 @@ from rlrun.schemas import (
     Page,
     RunRead,
     RunUpdate,
+    RunValidation,
     SampleRead,
 )
 from trainer.specs import ALGORITHMS, MAX_STEP, RunSpec
@@ -40,7 +43,13 @@ _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code 
 Status = Literal["queued", "running", "paused", "succeeded", "failed", "cancelled"]
 
 
-@router.post("", status_code=201, response_model=RunRead, responses=_ERRORS)
+@router.post(
+    "",
+    status_code=201,
+    response_model=RunRead,
+    responses=_ERRORS
+    | {200: {"model": RunValidation, "description": "`validate_only`: what the submit would store"}},
+)
 def create_run(
     spec: RunSpec,
     session: SessionDep,
@@ -48,8 +57,17 @@ def create_run(
     settings: SettingsDep,
     project_id: ProjectDep,
     idempotency_key: Annotated[str | None, Header(max_length=160)] = None,
-) -> RunRead:
+    validate_only: Annotated[
+        bool,
+        Query(
+            description="A dry run: the same checks and errors, and on success (200) the spec as the run "
+            "would store it with its step count; nothing is stored or queued."
+        ),
+    ] = False,
+) -> Any:
     """Submit a run; it is stored queued, committed, then sent to a worker."""
+    if validate_only:
+        return JSONResponse(dry_run(spec, session, settings, project_id).model_dump(mode="json"))
     # Keys are scoped to the project: another project's identical key is a different request.
     scoped_key = f"{project_id}:{idempotency_key}" if idempotency_key else None
     if scoped_key:
@@ -74,6 +92,25 @@ def create_run(
         return to_read(existing)
     lifecycle.send_committed(session=session, enqueue=enqueue, runs=[run])
     return to_read(run)
+
+
+def dry_run(spec: RunSpec, session: Session, settings: Settings, project_id: uuid.UUID) -> RunValidation:
+    """What ``create_run`` would store for ``spec``, after the same checks (raising the same errors)."""
+    check_engine(spec, settings.engine_python)
+    resolved = service.checked_spec(
+        session=session,
+        spec=spec,
+        roots=settings.resolved_model_roots,
+        allow_hub=settings.allow_hub,
+        project_id=project_id,
+        worker_devices=settings.worker_devices,
+    )
+    return RunValidation(
+        spec=resolved.model_dump(mode="json"),
+        total_steps=total_steps(session, resolved),
+        tags=list(dict.fromkeys(spec.tags or [])),
+        note=spec.note or None,
+    )
 
 
 @router.get("", response_model=Page[RunRead], responses=_ERRORS)

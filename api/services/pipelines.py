@@ -31,13 +31,21 @@ from api.services.references import (
 )
 from api.services.runs import submit_run
 from rlrun.schemas import PipelineRead, StageRead
-from trainer.specs import RunSpec, parse_spec, parse_stage_ref, set_at, spec_references
+from trainer.specs import AnyRunSpec, RunSpec, parse_spec, parse_stage_ref, set_at, spec_references
 
 log = logging.getLogger("rlrun.pipelines")
 
 
 class PipelineNotFound(NotFound):
     code = "pipeline_not_found"
+
+
+def stage_spec_json(spec: AnyRunSpec) -> dict[str, Any]:
+    """A stage's spec as stored until its run is made: the spec's dump plus the run's tags and note (which a
+    run's stored spec leaves out: they live on the run), so the stage's run gets them."""
+    out: dict[str, Any] = spec.model_dump(mode="json")
+    labels = {"tags": spec.tags, "note": spec.note}
+    return out | {k: v for k, v in labels.items() if v is not None}
 
 
 def _stage_refs(spec_json: dict[str, Any]) -> list[tuple[tuple[str | int, ...], str]]:
@@ -86,7 +94,7 @@ def create_pipeline(
         project_id=project_id,
         name=body.name,
         status="running",
-        stages=[{"name": s.name, "spec": s.spec.model_dump(mode="json")} for s in body.stages],
+        stages=[{"name": s.name, "spec": stage_spec_json(s.spec)} for s in body.stages],
         created_at=utcnow(),
     )
     session.add(pipeline)

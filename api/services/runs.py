@@ -57,6 +57,24 @@ def find_by_idempotency_key(*, session: Session, key: str, spec: AnyRunSpec) -> 
     return run
 
 
+def checked_spec(
+    *,
+    session: Session,
+    spec: AnyRunSpec,
+    roots: Sequence[Path] | None,
+    allow_hub: bool,
+    project_id: uuid.UUID,
+    worker_devices: int | None,
+) -> AnyRunSpec:
+    """``spec`` as a run would store it (the default learning rate filled in), after the checks every
+    submit makes: its references against the project, that it can learn, that its devices fit. Raises
+    the submit's errors (each naming its field); stores nothing."""
+    check_references(session=session, spec=spec, project_id=project_id, roots=roots, allow_hub=allow_hub)
+    check_learnable(spec)
+    check_devices(spec, worker_devices)
+    return with_default_learning_rate(session, spec, roots or [])
+
+
 def submit_run(
     *,
     session: Session,
@@ -72,10 +90,14 @@ def submit_run(
 ) -> Run:
     """Store a new queued run (flush only), after every reference in it was checked against the project
     (api/services/references.py). ``roots=None``: plain model names were checked earlier."""
-    check_references(session=session, spec=spec, project_id=project_id, roots=roots, allow_hub=allow_hub)
-    check_learnable(spec)
-    check_devices(spec, worker_devices)
-    spec = with_default_learning_rate(session, spec, roots or [])
+    spec = checked_spec(
+        session=session,
+        spec=spec,
+        roots=roots,
+        allow_hub=allow_hub,
+        project_id=project_id,
+        worker_devices=worker_devices,
+    )
     if max_in_flight is not None:
         in_flight = session.scalar(
             select(func.count())
@@ -102,6 +124,8 @@ def submit_run(
         created_at=utcnow(),
         pipeline_id=pipeline_id,
         stage=stage,
+        tags=stored_tags(list(dict.fromkeys(spec.tags or []))),
+        note=spec.note or None,
     )
     add_queued_run(session, run, {"pipeline_id": str(pipeline_id), "stage": stage} if stage else None)
     log.info("run %s queued (%s)", run.id, spec.algorithm)

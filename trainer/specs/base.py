@@ -8,6 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from rlrun.schemas import MAX_NOTE_LENGTH, MAX_TAG_LENGTH, MAX_TAGS, Tag
 from trainer.lr_defaults import default_learning_rate, preset_params_of
 from trainer.specs.refs import (
     DATASET_REFERENCE,
@@ -202,6 +203,23 @@ class _SpecCore(_Frozen):
         default_factory=ResourcesSpec,
         description="Devices for this one run (several ranks with torch.distributed: DDP or FSDP2).",
     )
+    # The run's labels, set at submit as PATCH /v1/runs/{id} sets them later: kept on the run, never in
+    # its stored spec (excluded from every dump), so a later PATCH leaves no stale copy behind.
+    tags: list[Tag] | None = Field(
+        default=None,
+        max_length=MAX_TAGS,
+        exclude=True,
+        description=f"The run's tags (as PATCH /v1/runs/{{id}} sets them): at most {MAX_TAGS}, each "
+        f"1-{MAX_TAG_LENGTH} characters of a-z, 0-9 and . _ : / + - (stored lowercase, repeats dropped). "
+        "Kept on the run, not in its stored spec.",
+    )
+    note: str | None = Field(
+        default=None,
+        max_length=MAX_NOTE_LENGTH,
+        exclude=True,
+        description=f"The run's note (as PATCH sets it), at most {MAX_NOTE_LENGTH} characters. Kept on the "
+        "run, not in its stored spec.",
+    )
 
     @field_validator("model")
     @classmethod
@@ -212,6 +230,11 @@ class _SpecCore(_Frozen):
     @classmethod
     def _name_without_nul(cls, v: str | None) -> str | None:
         return refuse_nul(v, "name")  # type: ignore[no-any-return]
+
+    @field_validator("note")
+    @classmethod
+    def _note_without_nul(cls, v: str | None) -> str | None:
+        return refuse_nul(v, "note")  # type: ignore[no-any-return]
 
     def rank_split(self) -> tuple[str, int] | None:
         """The batch a multi-rank run splits over its ranks, as (field path, size); None: this run kind
