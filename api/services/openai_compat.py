@@ -218,16 +218,20 @@ def file_user(*, session: Session, dataset: Dataset) -> str | None:
     """What keeps a dataset from being deleted: a run that trains or validates on it, or a running
     pipeline whose later stage will (specs hold dataset ids as text: one LIKE per table finds them)."""
     text = str(dataset.id)
-    run = session.scalars(
+    shown = 5  # runs named in the refusal; more are counted
+    runs = session.scalars(
         select(Run.id)
         .where(
             Run.project_id == dataset.project_id,
             or_(Run.dataset_id == dataset.id, cast(Run.spec, Text).contains(text)),
         )
-        .limit(1)
-    ).first()
-    if run is not None:
-        return f"run {run} ({job_id(run)})"
+        .order_by(Run.created_at, Run.id)
+        .limit(shown + 1)
+    ).all()
+    if runs:
+        named = ", ".join(f"{run} ({job_id(run)})" for run in runs[:shown])
+        more = " and more" if len(runs) > shown else ""
+        return f"run{'s' if len(runs) > 1 else ''} {named}{more} (runs keep the data they trained on)"
     pipeline = session.scalars(
         select(Pipeline.id)
         .where(

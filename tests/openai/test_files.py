@@ -115,7 +115,7 @@ def test_retrieve_and_unknown_ids_answer_404_in_openai_shape(session: Session) -
 
 def test_delete_removes_an_unused_file_and_refuses_a_used_one(session: Session) -> None:
     unused, used = make_dataset(session, kind="sft"), make_dataset(session, kind="preference")
-    make_run(session, used)
+    users = [make_run(session, used) for _ in range(2)]
     with api_client(session) as client:
         gone = client.delete(f"/v1/files/file-{unused.id.hex}")
         again = client.get(f"/v1/files/file-{unused.id.hex}")
@@ -129,6 +129,7 @@ def test_delete_removes_an_unused_file_and_refuses_a_used_one(session: Session) 
     assert session.scalar(select(func.count()).where(DatasetRow.dataset_id == unused.id)) == 0
     error = openai_error(kept)
     assert kept.status_code == 409 and error["code"] == "file_in_use" and "ftjob-" in error["message"]
+    assert all(str(run.id) in error["message"] for run in users)  # every run that keeps it is named
     assert kept.headers["x-should-retry"] == "false"  # the SDK would otherwise retry a 409
     assert session.get(Dataset, used.id) is not None
 
