@@ -196,14 +196,16 @@ def finish(
     status: str,
     error: str | None = None,
     output_path: str | None = None,
+    result: dict[str, float] | None = None,
 ) -> bool:
     """End the run ``status`` (succeeded, failed, cancelled) if ``worker_id`` still holds it; one event
-    says what happened (the error, or the output path)."""
+    says what happened (the error, or the output path). ``result``: the final metrics its loop returned."""
     if status not in FINISHED_STATUSES:
         raise ValueError(f"a run ends succeeded, failed or cancelled, not {status!r}")
     values = {
         "error": error,
         "output_path": output_path,
+        "result": result or None,
         "finished_at": utcnow(),
         "lease_expires_at": None,
         **NO_PHASE,

@@ -204,6 +204,9 @@ class Run(Base):
     model_archived_at: Mapped[datetime | None] = mapped_column(
         UtcDateTime(), nullable=True, doc="When its model was archived (DELETE /v1/models/{model})."
     )
+    result: Mapped[dict[str, float] | None] = mapped_column(
+        JsonType, nullable=True, doc="The final metrics its loop returned, once it succeeded."
+    )
 
 
 class Pipeline(Base):

@@ -192,6 +192,17 @@ class RunRead(_Read):
     output_path: str | None = Field(
         description="Folder of the final model (Hugging Face format) once succeeded."
     )
+    output_model: str | None = Field(
+        default=None,
+        description="The model this run produced, as a spec's `model` or `/v1/chat/completions` names it "
+        "(`run:<id>`), once it succeeded with one; null for an eval and once the model was archived.",
+    )
+    result: dict[str, int | float] | None = Field(
+        default=None,
+        description="Once succeeded: the final metrics its loop returned. An eval's `eval/pass@<k>`, "
+        "`eval/reward_mean` and the like with `eval/prompts` and `eval/reward_failures` as integers; a "
+        "training run's `final/*` (metrics over its training data after the last step).",
+    )
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

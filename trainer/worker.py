@@ -387,6 +387,7 @@ def finish_run(
     status: str,
     error: str | None = None,
     output_path: str | None = None,
+    result: dict[str, float] | None = None,
 ) -> bool:
     """Set the final status if this worker still owns the run (``api.lifecycle.finish``); one event says
     what happened. Tried again for up to ``FINISH_RETRY_SECONDS`` while SQLite is busy: a run must be able
@@ -395,7 +396,7 @@ def finish_run(
     def write() -> bool:
         with session_factory.begin() as session:
             return lifecycle.finish(
-                session, run_id, worker_id, status=status, error=error, output_path=output_path
+                session, run_id, worker_id, status=status, error=error, output_path=output_path, result=result
             )
 
     done = retry_busy(f"run {run_id}: finish", write, seconds=FINISH_RETRY_SECONDS)
@@ -553,7 +554,13 @@ def _execute_claimed(
     if result.status == "cancelled" and _pause_requested(session_factory, run_id):
         pause_claimed_run(session_factory, run_id, worker_id)
         return "paused"
-    finish_run(session_factory, run_id, worker_id, status=result.status, output_path=output)
+    # finite values only: a JSON column (PostgreSQL's JSONB) refuses NaN and infinities
+    final = (
+        {k: v for k, v in result.final_metrics.items() if math.isfinite(v)}
+        if result.status == "succeeded"
+        else None
+    )
+    finish_run(session_factory, run_id, worker_id, status=result.status, output_path=output, result=final)
     advance_pipeline_of(run_id, session_factory, settings)
     status: str = result.status
     return status

@@ -397,6 +397,12 @@ def run_read(run: Run) -> RunRead:
         pause_requested=run.pause_requested,
         error=run.error,
         output_path=run.output_path,
+        output_model=(
+            f"run:{run.id}"
+            if run.status == "succeeded" and run.output_path and run.model_archived_at is None
+            else None
+        ),
+        result=run.result,
         pipeline_id=run.pipeline_id,
         stage=run.stage,
         created_at=run.created_at,

@@ -206,3 +206,29 @@ def test_lost_lease_stops_without_overwriting_the_new_owner(
     )
     run, _, _ = read(committing_factory, run_id)
     assert run.worker_id == "someone-else" and run.status == "running"
+
+
+def test_a_succeeded_runs_answer_carries_its_result_and_names_its_model(
+    committing_factory: sessionmaker[Session], dataset: Dataset, settings: Settings
+) -> None:
+    """The final metrics the loop returned are stored on the run (NaN left out: JSONB refuses it) and
+    answered with the model it produced; a failed run has neither (issue 41 item 3)."""
+    from api.services.runs import run_read
+
+    final = {"final/loss": 0.25, "eval/prompts": 10, "final/kl": float("nan")}
+
+    def finishing(spec: Any, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
+        return LoopResult(status="succeeded", output_path=ctx.checkpoint_dir / "final", final_metrics=final)
+
+    ok = new_run(committing_factory, dataset)
+    failed = new_run(committing_factory, dataset)
+    assert execute_run(ok, session_factory=committing_factory, settings=settings, loops={"dpo": finishing})
+    execute_run(
+        failed, session_factory=committing_factory, settings=settings, loops={"dpo": CountingLoop(fail_at=1)}
+    )
+    answer = run_read(read(committing_factory, ok)[0]).model_dump(mode="json")
+    assert answer["result"] == {"final/loss": 0.25, "eval/prompts": 10}
+    assert isinstance(answer["result"]["eval/prompts"], int)
+    assert answer["output_model"] == f"run:{ok}"
+    gone = run_read(read(committing_factory, failed)[0])
+    assert gone.status == "failed" and gone.result is None and gone.output_model is None

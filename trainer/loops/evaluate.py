@@ -69,8 +69,8 @@ class EvalTally:
             "eval/reward_mean": self.reward_sum / self.samples,
             "eval/response_length": self.length_sum / self.samples,
             "eval/truncated_frac": self.truncated / self.samples,
-            "eval/reward_failures": float(self.failures),
-            "eval/prompts": float(self.prompts),
+            "eval/reward_failures": self.failures,  # counts stay integers in the run's result
+            "eval/prompts": self.prompts,
         }
         for name, total in self.component_sums.items():
             out[f"eval/reward/{name}/mean"] = total / self.samples
