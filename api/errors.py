@@ -213,6 +213,8 @@ _NAMED_IN_MESSAGE = re.compile(r"^Value error, ([a-z_][a-z0-9_.]*): ")
 
 
 def _error_field(error: Any) -> str:
+    if error.get("type") == "json_invalid":  # its loc is ("body", <character offset>): no field at all
+        return "body"
     path = field_path(error.get("loc", ()))
     if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):  # the discriminator itself
         tag = str(error.get("ctx", {}).get("discriminator", "algorithm")).strip("'")
@@ -224,8 +226,19 @@ def _error_field(error: Any) -> str:
     return path
 
 
+def _error_message(error: Any) -> str:
+    message = str(error.get("msg", "invalid"))
+    if error.get("type") == "json_invalid":  # say where: FastAPI's loc holds the character offset
+        where = error.get("loc", ())[-1:]
+        reason = error.get("ctx", {}).get("error")
+        return f"not valid JSON{f' ({reason})' if reason else ''}" + (
+            f" at character {where[0]}" if where and isinstance(where[0], int) else ""
+        )
+    return message
+
+
 def validation_details(errors: Any) -> list[ErrorDetail]:
-    return [ErrorDetail(message=str(e.get("msg", "invalid")), field=_error_field(e)) for e in errors]
+    return [ErrorDetail(message=_error_message(e), field=_error_field(e)) for e in errors]
 
 
 def _respond(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:

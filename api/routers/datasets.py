@@ -22,6 +22,7 @@ from api.errors import (
     validation_details,
 )
 from api.models import Dataset
+from api.multipart import read_form
 from api.pagination import AfterCursor
 from api.schemas import DatasetCreateJson
 from api.services import datasets as service
@@ -90,7 +91,7 @@ async def _read_upload(request: Request, settings: Settings) -> tuple[_Upload, F
     """The upload in ``request`` (multipart JSONL file or JSON body), and the form to close."""
     content_type = request.headers.get("content-type", "")
     if content_type.startswith("multipart/form-data"):
-        form = await request.form(max_files=1, max_fields=10)
+        form = await read_form(request, max_files=1, max_fields=10)
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
             await form.close()

@@ -27,7 +27,8 @@ from trainer.specs import TINY_PRESETS
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
 
-_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": OpenAIErrorBody} for code in (401, 404)}
+# OpenAI's shape: an invalid parameter answers 400 (docs/openai.md)
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": OpenAIErrorBody} for code in (400, 401, 404)}
 
 
 def _unix_seconds(stamp: object) -> int:

@@ -16,6 +16,7 @@ from api.body_limits import limit_body
 from api.db import commit_unless_conflict
 from api.deps import ProjectDep, SessionDep, SessionFactoryDep, SettingsDep
 from api.errors import ApiError, DatasetInvalid, FileInUse, OpenAIErrorBody, UnsupportedMediaType
+from api.multipart import read_form
 from api.schemas_openai import FileDeleted, FileList, FileObject
 from api.services import openai_compat as compat
 from api.services.datasets import MAX_NAME_CHARS, ingest_dataset
@@ -63,7 +64,8 @@ async def create_file(
     request = limit_body(request, settings.max_upload_bytes)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise UnsupportedMediaType("send multipart/form-data with `file` and `purpose` parts", field="file")
-    async with request.form(max_files=1, max_fields=10) as form:  # closes the spooled file
+    form = await read_form(request, max_files=1, max_fields=10)
+    try:
         purpose = form.get("purpose")
         if purpose != "fine-tune":
             raise ApiError(
@@ -95,6 +97,8 @@ async def create_file(
             if isinstance(exc, DatasetInvalid):  # the message names the line; the parameter is the file
                 raise DatasetInvalid(f"{exc.message} (read as {kind} data)", field="file") from None
             raise
+    finally:
+        await form.close()  # the spooled file
     await run_in_threadpool(session.commit)
     return mapping.file_object(dataset)
 

@@ -7,7 +7,6 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Header, Query
 from fastapi.responses import JSONResponse
-from sqlalchemy.orm import Session
 
 from api import lifecycle
 from api.db import commit_unless_conflict
@@ -19,7 +18,6 @@ from api.services.pipelines import cancel_run_and_its_pipeline
 from api.services.references import check_engine, total_steps
 from api.services.runs import RunSort
 from api.services.runs import run_read as to_read
-from api.settings import Settings
 from rlrun.schemas import (
     MAX_TAGS,
     ErrorBody,
@@ -94,7 +92,9 @@ def create_run(
     return to_read(run)
 
 
-def dry_run(spec: RunSpec, session: Session, settings: Settings, project_id: uuid.UUID) -> RunValidation:
+def dry_run(
+    spec: RunSpec, session: SessionDep, settings: SettingsDep, project_id: uuid.UUID
+) -> RunValidation:
     """What ``create_run`` would store for ``spec``, after the same checks (raising the same errors)."""
     check_engine(spec, settings.engine_python)
     resolved = service.checked_spec(

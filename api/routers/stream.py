@@ -53,6 +53,7 @@ def client_of(request: Request, auth: bool, authorization: str | None) -> str:
             "content": {"text/event-stream": {}},
             "description": "SSE: `metrics`, `event`, `status` messages, then `end`",
         },
+        404: {"model": ErrorBody, "description": "No such run in this project"},
         429: {"model": ErrorBody, "description": "Too many streams open for this API key or address"},
     },
 )
