@@ -18,11 +18,12 @@ and in both reference modes (``--modes``), each trainer in the mode that matches
   a pair's values the first time a step uses it and keeps them; TRL's default, every step).
 
 Model FLOPs utilisation (MFU): ``6 * N * tokens`` per step for the policy's forward and backward (N the
-parameter count, tokens the batch's real tokens as the standard layout counts them, each pair's prompt
-twice: ``2P + C + R``), divided by the steady step time and by this machine's fp32 matmul peak, measured
-here with a 2048 x 2048 matmul on all threads. It is the same work for both trainers, so for rlrun, which
-runs each prompt once, it is an effective figure (its real utilisation is lower by ``(P + C + R) / (2P +
-C + R)``, 0.73 on HH); it says how far from the hardware limit each trainer is on the task.
+parameter count) over the steady step time and this machine's fp32 matmul peak (a 2048 x 2048 matmul on
+all threads), with ``tokens`` the real (unpadded) tokens each trainer runs: TRL's standard layout runs each
+pair's prompt twice (``2P + C + R``), rlrun's shared-prompt layout once (``P + C + R``, 0.73 of it on HH).
+The same task's work as a rate, for both trainers alike, is ``std tok/s``: the standard layout's tokens
+per steady second. (Counting rlrun's utilisation in the standard layout's tokens, as this bench did until
+2026-12-06, printed 102% and 95% for its HH precompute cells: work it never did.)
 
 Where the time goes (torch.profiler, rlrun's steady steps, 2026-12-04): on HH per-step, ``aten::mm``
 65% of CPU time (the weight matmuls, forward and backward), SDPA flash attention forward + backward
@@ -129,13 +130,27 @@ def hh_case(tokenizer: Any) -> Case:
     return Case("hh", rows, 512, 256, 20)
 
 
-def tokens_per_pair(case: Case, tokenizer: Any) -> float:
-    """Mean real tokens of a pair's two sequences (prompt + chosen, prompt + rejected), as rlrun tokenises."""
+@dataclass(frozen=True)
+class PairTokens:
+    """Mean real tokens of a pair, as rlrun tokenises it: in the standard layout (prompt + chosen, prompt
+    + rejected: ``2P + C + R``) and in the shared-prompt one (the prompt once: ``P + C + R``)."""
+
+    standard: float
+    shared: float
+
+    def computed_by(self, trainer: str) -> float:
+        """What ``trainer`` runs: rlrun shares each prompt (``shared_prompt``, its default), TRL does not."""
+        return self.shared if trainer == "rlrun" else self.standard
+
+
+def tokens_per_pair(case: Case, tokenizer: Any) -> PairTokens:
     pairs = [
         tokenize_pair(r, tokenizer, max_length=case.max_length, max_prompt_length=case.max_prompt_length)
         for r in case.rows
     ]
-    return sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs) / len(pairs)
+    prompts = sum(len(p.prompt) for p in pairs) / len(pairs)
+    answers = sum(len(p.chosen) + len(p.rejected) for p in pairs) / len(pairs)
+    return PairTokens(standard=2 * prompts + answers, shared=prompts + answers)
 
 
 def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
@@ -296,16 +311,18 @@ def quiet() -> None:
     common.quiet()
 
 
-def print_table(results: list[Timing], mfu: dict[str, float]) -> None:
-    """One row per trainer and cell, then each cell's ratios. ``mfu``: model FLOPs per steady step of each
-    case, over the peak (``main``)."""
+def print_table(results: list[Timing], tokens: dict[str, PairTokens], flops_per_token: float) -> None:
+    """One row per trainer and cell, then each cell's ratios. ``tokens``: each case's tokens per pair;
+    ``flops_per_token``: ``6 N`` over the peak, seconds of peak per token (``main``)."""
     header = f"{'':8}{'data':>9}{'mode':>11}{'steps':>6}{'setup s':>9}{'total s':>9}{'s/step':>9}"
-    header += f"{'steady':>9}{'cpu s/step':>11}{'MFU %':>7}{'loss':>8}{'acc':>6}"
+    header += f"{'steady':>9}{'cpu s/step':>11}{'MFU %':>7}{'std tok/s':>10}{'loss':>8}{'acc':>6}"
     print(header)
     for r in results:
+        computed = tokens[r.case].computed_by(r.name) * BATCH
         row = f"{r.name:8}{r.case:>9}{r.mode:>11}{r.steps:>6}{r.setup_s:>9.2f}{r.total_s:>9.2f}"
         row += f"{r.per_step_s:>9.4f}{r.steady_s:>9.4f}{r.cpu_per_step_s:>11.4f}"
-        row += f"{100 * mfu[r.case] / r.steady_s:>7.2f}{r.loss:>8.4f}{r.accuracy:>6.2f}"
+        row += f"{100 * flops_per_token * computed / r.steady_s:>7.2f}"
+        row += f"{tokens[r.case].standard * BATCH / r.steady_s:>10.0f}{r.loss:>8.4f}{r.accuracy:>6.2f}"
         print(row)
     for cell in dict.fromkeys((r.case, r.mode) for r in results):
         ours = [r for r in results if (r.case, r.mode) == cell and r.name == "rlrun"]
@@ -348,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = matmul_peak_flops()
     print(f"fp32 matmul peak here (2048 x 2048, best of 5): {peak / 1e9:.1f} GFLOP/s")
     results: list[Timing] = []
-    mfu: dict[str, float] = {}
+    tokens: dict[str, PairTokens] = {}
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
         work = Path(tmp)
         model_dir = tiny_model_dir(PRESET, work / "cache")
@@ -360,10 +377,10 @@ def main(argv: list[str] | None = None) -> None:
             if name not in ("addition", "hh"):
                 parser.error(f"unknown --data {name!r}: addition or hh")
             case = addition_case() if name == "addition" else hh_case(tokenizer)
-            tokens = tokens_per_pair(case, tokenizer)
-            mfu[case.name] = 6 * n_params * tokens * BATCH / peak  # seconds of peak per step's model FLOPs
+            tokens[case.name] = pair = tokens_per_pair(case, tokenizer)
             print(
-                f"{case.name}: {len(case.rows)} pairs, {tokens:.0f} tokens/pair, max_length {case.max_length}"
+                f"{case.name}: {len(case.rows)} pairs, {pair.standard:.0f} tokens/pair ({pair.shared:.0f} "
+                f"with the prompt once), max_length {case.max_length}"
             )
             for mode in modes:
                 steps = args.steps or case.steps
@@ -376,10 +393,11 @@ def main(argv: list[str] | None = None) -> None:
                         out = work / f"{case.name}-{mode}-{round_}"
                         results.append(run(model_dir, case, mode, steps, out))
                         gc.collect()
-    print_table(results, mfu)
+    print_table(results, tokens, 6 * n_params / peak)
     print(
         "note: the reference pass (precompute: all pairs before step 1; per-step: a step's pairs) is in each "
-        "trainer's time; MFU counts the policy's forward and backward only (6 N tokens per step)."
+        "trainer's time; MFU counts the policy's forward and backward only (6 N per token each trainer "
+        "runs: the prompt once for rlrun, twice for TRL); std tok/s is the same task's tokens for both."
     )
 
 
