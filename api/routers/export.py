@@ -6,6 +6,7 @@ base). The resume-only files of a checkpoint (the trainer state, a pickle with t
 retention metrics) are left out. The API only streams files it already has: merging an adapter into
 its base needs torch, so ``format=hf`` of an adapter run streams the folder of a succeeded ``merge`` run
 of it (a worker job, trainer/loops/merge.py), and answers 409 ``merge_required`` until there is one.
+Either carries a model card as its ``README.md`` (api/model_card.py): what produced it.
 """
 
 from __future__ import annotations
@@ -88,5 +89,6 @@ def export_model(
         )
     if format == "hf" and is_adapter:
         folder = merged_folder(session, run)
+    card = service.export_model_card(session=session, run=run, adapter=format == "adapter", folder=folder)
     name = f"{run.id}-{format}"
-    return tar_response(folder, name, skip=RESUME_ONLY)
+    return tar_response(folder, name, skip=RESUME_ONLY, extra={"README.md": card.encode()})

@@ -24,7 +24,18 @@ from api.lifecycle import pause_run as pause_run
 from api.lifecycle import resume_run as resume_run
 from api.lifecycle import send_committed as send_committed
 from api.metric_store import chart_points, point_times
-from api.models import DEFAULT_PROJECT_ID, Event, Metric, Run, RunSample, run_tags, stored_tags, utcnow
+from api.model_card import card_datasets, model_card
+from api.models import (
+    DEFAULT_PROJECT_ID,
+    Dataset,
+    Event,
+    Metric,
+    Run,
+    RunSample,
+    run_tags,
+    stored_tags,
+    utcnow,
+)
 from api.pagination import Keyset, Slice, paginate
 from api.services.references import (
     check_devices,
@@ -308,6 +319,20 @@ def merge_state(*, session: Session, run: Run) -> tuple[Path | None, Run | None]
         if merge.status == "succeeded" and merge.output_path and Path(merge.output_path).is_dir():
             return Path(merge.output_path), None
     return None, next((m for m in merges if m.status in ("queued", "running", "paused")), None)
+
+
+def export_model_card(*, session: Session, run: Run, adapter: bool, folder: Path) -> str:
+    """The ``README.md`` an export of ``run``'s model carries (api/model_card.py): its datasets read
+    here, and the merge run that made ``folder`` when it is a merge's output."""
+    lookup = {}
+    for key in ("dataset_id", "validation_dataset_id"):
+        if value := run.spec.get(key):
+            lookup[str(value)] = session.get(Dataset, uuid.UUID(str(value)))
+    merged_by = next(
+        (m for m in merges_of(session=session, run=run) if m.output_path and Path(m.output_path) == folder),
+        None,
+    )
+    return model_card(run, card_datasets(run, lookup), adapter=adapter, merged_by=merged_by)
 
 
 def metric_keys(*, session: Session, run_id: uuid.UUID) -> list[str]:

@@ -26,3 +26,15 @@ def test_the_stream_is_a_tar_of_the_announced_length(tmp_path: Path) -> None:
     with tarfile.open(fileobj=io.BytesIO(stream)) as tar:
         got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
     assert got == {f"model/{k}": v for k, v in files.items() if k != "trainer_state.pt"}
+
+
+def test_files_made_here_join_the_stream_and_replace_the_folders_own(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_bytes(b"{}")
+    (tmp_path / "README.md").write_bytes(b"the folder's own card")
+    card = "# a card made at export: é\n".encode() * 30  # not a multiple of 512
+    entries = tar_entries(tmp_path, "model", extra={"README.md": card})
+    stream = b"".join(tar_chunks(entries))
+    assert len(stream) == tar_length(entries)
+    with tarfile.open(fileobj=io.BytesIO(stream)) as tar:
+        got = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+    assert got == {"model/config.json": b"{}", "model/README.md": card}

@@ -104,6 +104,11 @@ def test_download_exports_a_folder_from_pretrained_loads(
     folder = tmp_path / "out" / f"{dpo_run.id}-hf"
     assert "config.json" in {Path(n).name for n in names}
     assert not (folder / "trainer_state.pt").exists()  # resume-only files stay on the server
+    card = (folder / "README.md").read_text()  # the model card: what produced it
+    assert (
+        f"run `{dpo_run.id}`" in card and "algorithm `dpo`" in card and "library_name: transformers" in card
+    )
+    assert f"| training | `{dpo_run.dataset_id}` |" in card and "## Final metrics" in card
     model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True)
     assert sum(p.numel() for p in model.parameters()) > 0
     with pytest.raises(ApiError) as not_adapter:

@@ -139,6 +139,7 @@ def test_every_run_kind_trains_an_adapter_with_accumulation(
     with tarfile.open(fileobj=io.BytesIO(exported.content)) as tar:
         tar.extractall(folder, filter="data")
     (root,) = [p.parent for p in folder.rglob("config.json")]
+    assert f"merged into its base by merge run `{made.json()['id']}`" in (root / "README.md").read_text()
     adapter_folder = client.get(f"/v1/runs/{sft_run}").json()["output_path"]
     base = AutoModelForCausalLM.from_pretrained(base_of(adapter_folder))
     ids = torch.tensor([[1, 5, 9, 14, 20]])
