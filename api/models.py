@@ -15,6 +15,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
     Uuid,
@@ -108,6 +109,20 @@ class DatasetSkippedLine(Base):
     line: Mapped[int] = mapped_column(Integer, primary_key=True)
     reason: Mapped[str] = mapped_column(Text)
     field: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class DatasetSource(Base):
+    """The bytes an OpenAI file upload sent (``client.files.content`` answers them), gzip-compressed and
+    cut into chunks of at most ``SOURCE_CHUNK`` compressed bytes, in order (``seq``), so neither writing
+    nor reading holds a whole upload in memory. Deleted with its dataset (ON DELETE CASCADE)."""
+
+    __tablename__ = "dataset_sources"
+
+    dataset_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("datasets.id", ondelete="CASCADE"), primary_key=True
+    )
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 def _spec_name(context: Any) -> str:

@@ -19,6 +19,7 @@ from api.errors import ApiError, DatasetInvalid, FileInUse, OpenAIErrorBody, Uns
 from api.multipart import read_form
 from api.schemas_openai import FileDeleted, FileList, FileObject
 from api.services import openai_compat as compat
+from api.services.dataset_sources import has_source, source_bytes, store_source
 from api.services.datasets import MAX_NAME_CHARS, ingest_dataset
 from rlrun.formats import text_problem, upload_lines
 
@@ -92,6 +93,8 @@ async def create_file(
                 project_id=project_id,
                 kind_detected=True,  # a file's kind is always read from its first line
             )
+            # the bytes as sent, for files.content (compressed: JSONL shrinks ~5-10x)
+            await run_in_threadpool(store_source, session=session, dataset_id=dataset.id, fileobj=upload.file)
         except Exception as exc:
             await run_in_threadpool(session.rollback)  # atomic: a refused upload leaves no dataset, no row
             if isinstance(exc, DatasetInvalid):  # the message names the line; the parameter is the file
@@ -150,15 +153,16 @@ def retrieve_file(file_id: FileIdPath, session: SessionDep, project_id: ProjectD
     | {
         200: {
             "content": {"text/csv": {}, "application/jsonl": {}},
-            "description": "A result file's CSV, or an upload's rows as JSON lines.",
+            "description": "A result file's CSV, or an uploaded file's bytes as sent.",
         }
     },
 )
 def file_content(file_id: FileIdPath, factory: SessionFactoryDep, project_id: ProjectDep) -> Response:
     """A file's content (`client.files.content`): a job's result file is its metrics as CSV, one line per
     step (`step`, OpenAI's `train_loss`, `train_accuracy`, `valid_loss`, `valid_mean_token_accuracy`, then
-    every rlrun metric); an uploaded file gives its rows as stored (validated and normalised, in upload
-    order) as JSON lines, not the uploaded bytes."""
+    every rlrun metric); an uploaded file gives the bytes uploaded, as OpenAI does (a dataset uploaded
+    through /v1/datasets, which keeps no copy of its bytes, gives its rows as stored: validated and
+    normalised JSON lines, in upload order)."""
     # Brief sessions only: a request session would hold its connection (SQLite's only one) while the rows
     # stream, and the stream's own reads would wait for it.
     with factory() as session:
@@ -167,10 +171,13 @@ def file_content(file_id: FileIdPath, factory: SessionFactoryDep, project_id: Pr
             return Response("".join(compat.result_csv(session=session, run=run)), media_type="text/csv")
         dataset = compat.get_file(session=session, file=file_id, project_id=project_id, param="file_id")
         dataset_id = dataset.id
-    return StreamingResponse(
-        iterate_in_threadpool(compat.dataset_lines(factory=factory, dataset_id=dataset_id)),
-        media_type="application/jsonl",
+        uploaded = has_source(session=session, dataset_id=dataset_id)
+    content = (
+        source_bytes(factory=factory, dataset_id=dataset_id)
+        if uploaded
+        else compat.dataset_lines(factory=factory, dataset_id=dataset_id)
     )
+    return StreamingResponse(iterate_in_threadpool(content), media_type="application/jsonl")
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=_ERRORS)

@@ -21,6 +21,7 @@ TABLES = {
     "datasets",
     "dataset_rows",
     "dataset_skipped_lines",
+    "dataset_sources",
     "runs",
     "metrics",
     "metric_tiers",

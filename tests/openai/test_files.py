@@ -149,20 +149,53 @@ def test_delete_refuses_a_file_used_only_as_validation_data(session: Session) ->
     assert resp.status_code == 409 and openai_error(resp)["code"] == "file_in_use"
 
 
-def test_content_gives_every_stored_row_in_order_across_pages(session: Session) -> None:
-    lines = chat_lines(2_345)  # more than two of dataset_lines' 1,000-row pages
+def test_content_gives_the_bytes_uploaded_in_every_format(session: Session) -> None:
+    """SFT, DPO and reinforcement files, as written by hand (spacing, key order, a blank line, CRLF, a
+    non-ASCII answer): `files.content` answers exactly the bytes sent, as OpenAI does (issue 41 item 3);
+    the normalised rows stay on the datasets API."""
+    rft = {"messages": [{"role": "user", "content": "2+2="}], "answer": "4", "level": 1}
+    uploads = {
+        "sft": b'{"messages": [{"role": "user", "content": "hi"},'
+        b' {"role": "assistant", "content": "h\u00e9"}]}\r\n'
+        + b"\n"
+        + jsonl(chat_lines(3)),
+        "preference": jsonl(dpo_lines(4)) + b'{ "input":{"messages":[{"role":"user","content":"q"}]},'
+        b' "preferred_output":[{"role":"assistant","content":"a"}],'
+        b' "non_preferred_output":[{"role":"assistant","content":"b"}] }',
+        "prompts": json.dumps(rft, indent=None, separators=(", ", ":")).encode() + b"\n",
+    }
     with api_client(session) as client:
-        body = upload_file(client, jsonl(lines)).json()
+        for kind, data in uploads.items():
+            body = upload_file(client, data).json()
+            dataset = session.get(Dataset, uuid.UUID(hex=body["id"].removeprefix("file-")))
+            assert dataset is not None and dataset.kind == kind, (kind, body)
+            got = client.get(f"/v1/files/{body['id']}/content")
+            assert got.status_code == 200 and got.content == data, kind
+        rows = client.get(f"/v1/datasets/{dataset.id}/rows").json()["data"]
+    assert rows[0]["data"]["answer"] == "4"  # the normalised rows, still there
+
+
+def test_content_of_a_large_upload_streams_back_every_byte(session: Session) -> None:
+    lines = chat_lines(20_000)  # over a MiB: several read blocks
+    data = jsonl(lines)
+    with api_client(session) as client:
+        body = upload_file(client, data).json()
         resp = client.get(f"/v1/files/{body['id']}/content")
         missing = client.get(f"/v1/files/file-{uuid.uuid4().hex}/content")
         no_results = client.get(f"/v1/files/file-results-{uuid.uuid4().hex}/content")
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/jsonl")
-    rows = [json.loads(line) for line in resp.text.splitlines()]
-    dataset_id = uuid.UUID(hex=body["id"].removeprefix("file-"))
-    stored = session.scalars(
-        select(DatasetRow.data).where(DatasetRow.dataset_id == dataset_id).order_by(DatasetRow.index)
-    ).all()
-    assert len(rows) == 2_345 and rows == list(stored)
-    assert rows[7]["completion"] == lines[7]["messages"][-1]["content"]  # the upload's order
+    assert len(data) > 1 << 20 and resp.content == data
     assert missing.status_code == no_results.status_code == 404
     assert openai_error(missing)["code"] and openai_error(no_results)["param"] == "file_id"
+
+
+def test_content_of_a_dataset_uploaded_elsewhere_gives_its_rows_in_order_across_pages(
+    session: Session,
+) -> None:
+    """A dataset made through /v1/datasets keeps no copy of its bytes: its rows as stored, every page."""
+    rows = [{"prompt": f"{i}+{i}=", "completion": str(2 * i)} for i in range(2_345)]
+    dataset = make_dataset(session, rows=rows, kind="sft")
+    with api_client(session) as client:
+        resp = client.get(f"/v1/files/file-{dataset.id.hex}/content")
+    assert resp.status_code == 200
+    assert [json.loads(line) for line in resp.text.splitlines()] == rows
