@@ -24,6 +24,17 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
     return logp, old, adv, mask
 
 
+def assert_same_value_and_gradient(
+    ours: torch.Tensor, paper: torch.Tensor, logp: torch.Tensor
+) -> torch.Tensor:
+    """The two losses and their gradients with respect to ``logp`` are equal; returns ours' gradient."""
+    (grad_ours,) = torch.autograd.grad(ours, logp)
+    (grad_paper,) = torch.autograd.grad(paper, logp)
+    torch.testing.assert_close(ours, paper)
+    torch.testing.assert_close(grad_ours, grad_paper)
+    return grad_ours
+
+
 def gspo_paper(logp, old, adv, mask, low, high):  # type: ignore[no-untyped-def]
     """-J_GSPO: for each sequence s_i = exp(mean_t log(pi/pi_old)), min(s A, clip(s) A), mean over i."""
     total = torch.zeros((), dtype=F64)
@@ -39,11 +50,7 @@ def test_gspo_value_and_gradient_are_the_papers(seed: int, low: float, high: flo
     logp, old, adv, mask = batch(seed)
     out = gspo(logp, old, adv, mask, clip=ClipParams(low, high))
     ours = aggregate(out.per_token, mask, "seq_mean_token_mean")
-    (grad_ours,) = torch.autograd.grad(ours, logp)
-    paper = gspo_paper(logp, old, adv, mask, low, high)
-    (grad_paper,) = torch.autograd.grad(paper, logp)
-    torch.testing.assert_close(ours, paper)
-    torch.testing.assert_close(grad_ours, grad_paper)
+    grad_ours = assert_same_value_and_gradient(ours, gspo_paper(logp, old, adv, mask, low, high), logp)
     assert grad_ours[mask == 0].abs().max() == 0
 
 
@@ -95,11 +102,7 @@ def test_gspo_with_token_advantages_is_gspo_token(seed: int, low: float, high: f
     adv = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed + 10), dtype=F64)
     out = gspo(logp, old, adv, mask, clip=ClipParams(low, high))
     ours = aggregate(out.per_token, mask, "seq_mean_token_mean")
-    (grad_ours,) = torch.autograd.grad(ours, logp)
-    paper = gspo_token_paper(logp, old, adv, mask, low, high)
-    (grad_paper,) = torch.autograd.grad(paper, logp)
-    torch.testing.assert_close(ours, paper)
-    torch.testing.assert_close(grad_ours, grad_paper)
+    assert_same_value_and_gradient(ours, gspo_token_paper(logp, old, adv, mask, low, high), logp)
     # by hand, sequence 3 (one valid token, on the unclipped side or not): -A_30 clip-or-not(s_3) / 4
     s_3 = math.exp(float((logp[3, 0] - old[3, 0]).detach()))
     a = float(adv[3, 0])
@@ -129,11 +132,7 @@ def test_cispo_value_and_gradient_are_the_papers(seed: int, low: float, high: fl
     logp, old, adv, mask = batch(seed)
     out = cispo(logp, old, adv, mask, clip=ClipParams(low, high))
     ours = aggregate(out.per_token, mask, "token_mean")
-    (grad_ours,) = torch.autograd.grad(ours, logp)
-    paper = cispo_paper(logp, old, adv, mask, low, high)
-    (grad_paper,) = torch.autograd.grad(paper, logp)
-    torch.testing.assert_close(ours, paper)
-    torch.testing.assert_close(grad_ours, grad_paper)
+    assert_same_value_and_gradient(ours, cispo_paper(logp, old, adv, mask, low, high), logp)
 
 
 def test_cispo_keeps_the_gradient_of_tokens_ppo_clips() -> None:
