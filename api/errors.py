@@ -212,6 +212,9 @@ def field_path(loc: tuple[int | str, ...] | list[int | str]) -> str:
 _NAMED_IN_MESSAGE = re.compile(r"^Value error, ([a-z_][a-z0-9_.]*): ")
 
 
+FASTAPI_BODY_ERROR = "There was an error parsing the body"  # fastapi/routing.py's 400 detail
+
+
 def _error_field(error: Any) -> str:
     if error.get("type") == "json_invalid":  # its loc is ("body", <character offset>): no field at all
         return "body"
@@ -313,6 +316,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:
+            # FastAPI's answer to a body it could not even decode (JSON bytes that are not UTF-8): the
+            # same request error as malformed JSON, with its documented status and the field named
+            return await _validation(
+                request,
+                RequestValidationError(
+                    [{"type": "json_invalid", "loc": ("body",), "msg": "", "ctx": {"error": "not UTF-8"}}]
+                ),
+            )
         codes = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
         code = codes.get(exc.status_code, "http_error")
         headers = dict(exc.headers or {})

@@ -33,12 +33,27 @@ def test_a_malformed_json_body_is_a_documented_422_naming_the_body(session: Sess
                 "/v1/webhooks", content=b'{"url": ', headers={"content-type": "application/json"}
             ),
         }
+        # bytes that are not UTF-8 at all (FastAPI's own answer was an undocumented 400)
+        not_utf8 = {
+            ("patch", "/v1/runs/{run_id}"): client.patch(
+                f"/v1/runs/{uuid.uuid4()}",
+                content=b"\xff\xfeDq\n",
+                headers={"content-type": "application/json"},
+            ),
+            ("post", "/v1/webhooks"): client.post(
+                "/v1/webhooks", content=b"\xff\xc9\xa9\x80", headers={"content-type": "application/json"}
+            ),
+        }
         listed = {key: documented(client, *key) for key in answers}
     for key, answer in answers.items():
         assert answer.status_code == 422 and "422" in listed[key], (key, answer.text)
         error = answer.json()["error"]
         assert error["field"] == "body" and "not valid JSON" in error["message"], error
         assert "at character" in error["message"]
+    for key, answer in not_utf8.items():
+        assert answer.status_code == 422 and "422" in listed[key], (key, answer.text)
+        error = answer.json()["error"]
+        assert error["field"] == "body" and "not valid JSON (not UTF-8)" in error["message"], error
 
 
 def test_a_multipart_over_its_field_limit_is_a_documented_422_and_stores_nothing(session: Session) -> None:
