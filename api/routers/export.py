@@ -41,12 +41,12 @@ class MergeRequired(ExportRefused):
     code = "merge_required"
 
 
-def merged_folder(session: SessionDep, run: Run) -> Path:
-    """The folder of the newest succeeded merge run of ``run``'s adapter, or 409 ``merge_required``
+def merge_of(session: SessionDep, run: Run) -> Run:
+    """The newest succeeded merge run of ``run``'s adapter (its folder on disk), or 409 ``merge_required``
     saying how to make one (or which merge is on its way)."""
-    folder, pending = service.merge_state(session=session, run=run)
-    if folder is not None:
-        return folder
+    merge, pending = service.merge_state(session=session, run=run)
+    if merge is not None:
+        return merge
     if pending is not None:
         raise MergeRequired(
             f"run {run.id}'s adapter is being merged into its base by run {pending.id} ({pending.status}): "
@@ -87,8 +87,11 @@ def export_model(
         raise ExportRefused(
             f"run {run.id} trained the whole model (no adapter): export it with format=hf", field="format"
         )
-    if format == "hf" and is_adapter:
-        folder = merged_folder(session, run)
-    card = service.export_model_card(session=session, run=run, adapter=format == "adapter", folder=folder)
+    merged_by = merge_of(session, run) if format == "hf" and is_adapter else None
+    if merged_by is not None and merged_by.output_path:
+        folder = Path(merged_by.output_path)
+    card = service.export_model_card(
+        session=session, run=run, adapter=format == "adapter", merged_by=merged_by
+    )
     name = f"{run.id}-{format}"
     return tar_response(folder, name, skip=RESUME_ONLY, extra={"README.md": card.encode()})

@@ -311,27 +311,23 @@ def merges_of(*, session: Session, run: Run) -> list[Run]:
     return [m for m in session.scalars(stmt) if m.spec.get("model") == f"run:{run.id}"]
 
 
-def merge_state(*, session: Session, run: Run) -> tuple[Path | None, Run | None]:
-    """The model folder of the newest succeeded merge of ``run``'s adapter still on disk (None: none), and
-    a merge still on its way (queued, running or paused; None: none)."""
+def merge_state(*, session: Session, run: Run) -> tuple[Run | None, Run | None]:
+    """The newest succeeded merge of ``run``'s adapter whose model folder is still on disk (None: none),
+    and a merge still on its way (queued, running or paused; None: none)."""
     merges = merges_of(session=session, run=run)
     for merge in merges:
         if merge.status == "succeeded" and merge.output_path and Path(merge.output_path).is_dir():
-            return Path(merge.output_path), None
+            return merge, None
     return None, next((m for m in merges if m.status in ("queued", "running", "paused")), None)
 
 
-def export_model_card(*, session: Session, run: Run, adapter: bool, folder: Path) -> str:
-    """The ``README.md`` an export of ``run``'s model carries (api/model_card.py): its datasets read
-    here, and the merge run that made ``folder`` when it is a merge's output."""
+def export_model_card(*, session: Session, run: Run, adapter: bool, merged_by: Run | None) -> str:
+    """The ``README.md`` an export of ``run``'s model carries (api/model_card.py), its datasets read here;
+    ``merged_by``: the merge run whose folder is exported, when one is."""
     lookup = {}
     for key in ("dataset_id", "validation_dataset_id"):
         if value := run.spec.get(key):
             lookup[str(value)] = session.get(Dataset, uuid.UUID(str(value)))
-    merged_by = next(
-        (m for m in merges_of(session=session, run=run) if m.output_path and Path(m.output_path) == folder),
-        None,
-    )
     return model_card(run, card_datasets(run, lookup), adapter=adapter, merged_by=merged_by)
 
 
