@@ -9,7 +9,15 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Generic, Literal, TypeVar, get_args
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    model_validator,
+)
 
 T = TypeVar("T")
 DatasetKind = Literal["preference", "sft", "ranking", "prompts", "unpaired"]
@@ -217,6 +225,8 @@ Tag = Annotated[
     BeforeValidator(lambda v: v.strip().lower() if isinstance(v, str) else v),  # before the pattern
     StringConstraints(min_length=1, max_length=MAX_TAG_LENGTH, pattern=TAG_PATTERN),
 ]
+# A run's tags as given, repeats dropped (after each was lowercased), first occurrence first.
+Tags = Annotated[list[Tag], AfterValidator(lambda tags: list(dict.fromkeys(tags)))]
 
 
 class RunUpdate(BaseModel):
@@ -224,7 +234,7 @@ class RunUpdate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tags: list[Tag] | None = Field(
+    tags: Tags | None = Field(
         default=None,
         max_length=MAX_TAGS,
         description=f"At most {MAX_TAGS} tags, each 1-{MAX_TAG_LENGTH} characters of a-z, 0-9 and "

@@ -108,7 +108,7 @@ def dry_run(
     return RunValidation(
         spec=resolved.model_dump(mode="json"),
         total_steps=total_steps(session, resolved),
-        tags=list(dict.fromkeys(spec.tags or [])),
+        tags=spec.tags or [],
         note=spec.note or None,
     )
 

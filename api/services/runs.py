@@ -135,7 +135,7 @@ def submit_run(
         created_at=utcnow(),
         pipeline_id=pipeline_id,
         stage=stage,
-        tags=stored_tags(list(dict.fromkeys(spec.tags or []))),
+        tags=stored_tags(spec.tags or []),
         note=spec.note or None,
     )
     add_queued_run(session, run, {"pipeline_id": str(pipeline_id), "stage": stage} if stage else None)
@@ -225,7 +225,7 @@ def update_run(*, session: Session, run: Run, update: RunUpdate) -> Run:
     """Replace the run's tags and/or note (the fields ``update`` sets); any status."""
     given = update.model_fields_set
     if "tags" in given:
-        run.tags = stored_tags(list(dict.fromkeys(update.tags or [])))
+        run.tags = stored_tags(update.tags or [])
     if "note" in given:
         run.note = update.note or None
     session.flush()

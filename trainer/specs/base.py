@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from rlrun.schemas import MAX_NOTE_LENGTH, MAX_TAG_LENGTH, MAX_TAGS, Tag
+from rlrun.schemas import MAX_NOTE_LENGTH, MAX_TAG_LENGTH, MAX_TAGS, Tags
 from trainer.lr_defaults import default_learning_rate, preset_params_of
 from trainer.specs.refs import (
     DATASET_REFERENCE,
@@ -205,7 +205,7 @@ class _SpecCore(_Frozen):
     )
     # The run's labels, set at submit as PATCH /v1/runs/{id} sets them later: kept on the run, never in
     # its stored spec (excluded from every dump), so a later PATCH leaves no stale copy behind.
-    tags: list[Tag] | None = Field(
+    tags: Tags | None = Field(
         default=None,
         max_length=MAX_TAGS,
         exclude=True,
