@@ -33,6 +33,7 @@ transactions"), and a failed send leaves a warning event.
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -199,13 +200,14 @@ def finish(
     result: dict[str, float] | None = None,
 ) -> bool:
     """End the run ``status`` (succeeded, failed, cancelled) if ``worker_id`` still holds it; one event
-    says what happened (the error, or the output path). ``result``: the final metrics its loop returned."""
+    says what happened (the error, or the output path). ``result``: the final metrics its loop returned
+    (its finite values: a JSON column, PostgreSQL's JSONB, refuses NaN and infinities)."""
     if status not in FINISHED_STATUSES:
         raise ValueError(f"a run ends succeeded, failed or cancelled, not {status!r}")
     values = {
         "error": error,
         "output_path": output_path,
-        "result": result or None,
+        "result": {k: v for k, v in (result or {}).items() if math.isfinite(v)} or None,
         "finished_at": utcnow(),
         "lease_expires_at": None,
         **NO_PHASE,

@@ -554,12 +554,7 @@ def _execute_claimed(
     if result.status == "cancelled" and _pause_requested(session_factory, run_id):
         pause_claimed_run(session_factory, run_id, worker_id)
         return "paused"
-    # finite values only: a JSON column (PostgreSQL's JSONB) refuses NaN and infinities
-    final = (
-        {k: v for k, v in result.final_metrics.items() if math.isfinite(v)}
-        if result.status == "succeeded"
-        else None
-    )
+    final = result.final_metrics if result.status == "succeeded" else None
     finish_run(session_factory, run_id, worker_id, status=result.status, output_path=output, result=final)
     advance_pipeline_of(run_id, session_factory, settings)
     status: str = result.status
