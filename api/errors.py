@@ -317,14 +317,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:
-            # FastAPI's answer to a body it could not even decode (JSON bytes that are not UTF-8): the
+            # FastAPI's answer to a body it could not even decode (JSON bytes that are not UTF-8, say): the
             # same request error as malformed JSON, with its documented status and the field named
-            return await _validation(
-                request,
-                RequestValidationError(
-                    [{"type": "json_invalid", "loc": ("body",), "msg": "", "ctx": {"error": "not UTF-8"}}]
-                ),
-            )
+            cause = exc.__cause__
+            reason = "not UTF-8" if isinstance(cause, UnicodeDecodeError) else type(cause).__name__
+            error = {"type": "json_invalid", "loc": ("body",), "msg": "", "ctx": {"error": reason}}
+            return await _validation(request, RequestValidationError([error]))
         codes = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
         code = codes.get(exc.status_code, "http_error")
         headers = dict(exc.headers or {})
