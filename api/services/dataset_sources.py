@@ -54,7 +54,8 @@ def has_source(*, session: Session, dataset_id: uuid.UUID) -> bool:
 def source_bytes(
     *, factory: Callable[[], AbstractContextManager[Session]], dataset_id: uuid.UUID
 ) -> Iterator[bytes]:
-    """The upload's bytes as sent, decompressed chunk by chunk in order."""
+    """The upload's bytes as sent, in order, at most ``READ_BLOCK`` at a time: a stored chunk of very
+    repetitive lines can hold a hundred times its size, so it is inflated a block at a time."""
     decompressor = zlib.decompressobj(GZIP)
     seq = 0
     while True:
@@ -66,8 +67,10 @@ def source_bytes(
             )
         if chunk is None:
             break
-        if out := decompressor.decompress(chunk):
-            yield out
+        while chunk:
+            if out := decompressor.decompress(chunk, READ_BLOCK):
+                yield out
+            chunk = decompressor.unconsumed_tail
         seq += 1
     if tail := decompressor.flush():
         yield tail
