@@ -462,6 +462,7 @@ let chartPages = 0; // numbers each page's cursor-sync group
 const COLORS = ["#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377", "#bbbbbb"];
 const DASHES = [[], [7, 4], [2, 3], [9, 3, 2, 3], [14, 4], [4, 2, 1, 2, 1, 2], [1, 5]];
 const ZOOM_POINTS_MAX = 2000; // max_points of a zoomed range (about the chart's width in pixels)
+const ZOOM_SPAN_MIN = 1e-4; // a pinch zooms x in to at most this fraction of the whole range
 const TABLE_ROWS = 200; // a chart's table view shows the last this many steps
 const STEP_INCRS = [1, 2, 5, 10, 20, 25, 50, 100, 200, 250, 500, 1e3, 2e3, 2500, 5e3, 1e4, 2e4, 25e3, 5e4,
   1e5, 2e5, 25e4, 5e5, 1e6];
@@ -554,20 +555,26 @@ function chartControls(view, onChange) {
       onchange: (e) => { view.log = e.target.checked; onChange("log"); } }), " log y"),
     h("label", {}, h("input", { type: "checkbox", "data-testid": "chart-zero", checked: view.zero,
       onchange: (e) => { view.zero = e.target.checked; onChange("zero"); } }), " y from 0"),
-    h("span", { class: "muted small hint" }, "drag across a chart to zoom, double-click to reset"));
+    h("span", { class: "muted small hint", "data-testid": "chart-hint" }, "drag across a chart to zoom, double-click "
+      + "to reset; on a touch screen pinch to zoom, drag sideways to pan, double-tap to reset"));
 }
 
 /** One line chart on uPlot. Each series is drawn twice: its raw values faint, and smoothed on top (with
     smoothing 0 only the raw line, at full strength). Test hooks: the plot has data-testid=<testid>, the
     figure data-chart=<testid> (and data-zoom / data-fetched while zoomed), each legend item
     data-series=<id> data-points=<points loaded>; figure._chart is this object (figure._chart.u the uPlot).
-    `fetchRange(ids, minStep, maxStep, maxPoints)` -> Map(id -> Cols): a zoomed range at full resolution. */
+    `fetchRange(ids, minStep, maxStep, maxPoints)` -> Map(id -> Cols): a zoomed range at full resolution.
+    Zoom: a mouse drags across the plot (uPlot's select); on a touch screen two fingers pinch and one finger
+    pans a zoomed chart (onPointer). Either way zoomTo() sets the range and fetches it. */
 class Chart {
   constructor({ testid, title, yLabel = title, view, height = 220, fetchRange = null }) {
     Object.assign(this, { testid, title, yLabel, view, height, fetchRange });
     this.defs = [];
     this.full = new Map(); // id -> Cols: the whole run (what the page holds)
     this.zoom = null; // {min, max, data: Map | null} in x units
+    this.fingers = new Map(); // pointerId -> clientX of each finger on the plot (touch screens)
+    this.touch = null; // {xs, min, max, lo, hi}: fingers' clientX and x range when a finger last came or went
+    this.moved = null; // {min, max}: the x range the fingers have moved to, shown live; zoomTo() when they lift
     this.u = null;
     this.shape = "";
     this.frame = 0;
@@ -575,9 +582,12 @@ class Chart {
     this.resetBtn = h("button", { type: "button", class: "chart-reset", hidden: true, "data-testid": "reset-zoom",
       "aria-label": `reset zoom of ${title}`, onclick: () => this.resetZoom() }, "reset zoom");
     this.plot = h("div", { class: "chart-plot", tabindex: 0, role: "group", "data-testid": testid,
-      "aria-label": `${title} chart: drag to zoom, double-click to reset; Left and Right arrow keys move the `
-        + "cursor point by point, Home and End jump to the ends, Escape hides it",
-      onkeydown: (e) => this.onKey(e) });
+      "aria-label": `${title} chart: drag to zoom, double-click to reset (on a touch screen: pinch to zoom, drag `
+        + "sideways to pan, double-tap to reset); Left and Right arrow keys move the cursor point by point, Home "
+        + "and End jump to the ends, Escape hides it",
+      onkeydown: (e) => this.onKey(e), onpointerdown: (e) => this.onPointer(e),
+      onpointermove: (e) => this.onPointer(e), onpointerup: (e) => this.onPointer(e),
+      onpointercancel: (e) => this.onPointer(e) });
     this.legend = h("div", { class: "legend" });
     this.note = h("p", { class: "chart-note muted small", "data-testid": "chart-note", hidden: true });
     this.said = h("div", { class: "sr-only", "aria-live": "polite", "data-testid": "chart-said" });
@@ -619,6 +629,9 @@ class Chart {
   }
 
   current() { return (this.zoom && this.zoom.data) || this.full; }
+
+  /** The x range to show: where the fingers have moved it, else the zoom's, else null (the whole run). */
+  shown() { return this.moved || this.zoom; }
 
   /** Redraw at the next frame (data appended, settings or size changed); several calls, one redraw. */
   schedule() {
@@ -698,8 +711,9 @@ class Chart {
       if (u.cursor.left >= 0 && u.cursor.idx !== null && u.cursor.idx !== undefined) {
         this.hold = { x: u.data[0][u.cursor.idx], kb: Boolean(this.kb && this.kb.left === u.cursor.left) };
       }
-      u.setData(data, !this.zoom);
-      if (this.zoom) u.setScale("x", { min: this.zoom.min, max: this.zoom.max });
+      const range = this.shown();
+      u.setData(data, !range);
+      if (range) u.setScale("x", { min: range.min, max: range.max });
     }
     if (this.u.cursor.idx === null || this.u.cursor.idx === undefined) this.showValues(null);
   }
@@ -748,7 +762,8 @@ class Chart {
         draw: [(u) => this.afterDraw(u)],
       },
     }, data, this.plot);
-    if (this.zoom) this.u.setScale("x", { min: this.zoom.min, max: this.zoom.max });
+    const range = this.shown();
+    if (range) this.u.setScale("x", { min: range.min, max: range.max });
   }
 
   afterDraw(u) {
@@ -765,6 +780,80 @@ class Chart {
     const min = u.posToVal(left, "x"), max = u.posToVal(left + width, "x");
     u.setSelect({ left: 0, top: 0, width: 0, height: 0 }, false);
     this.zoomTo(min, max);
+  }
+
+  /** Touch (Pointer Events from fingers; a mouse or pen is left to uPlot). Two fingers pinch: the x under each
+      stays under it, so x zooms around their centre and follows it. One finger drags a zoomed chart sideways
+      (a vertical swipe is the browser's: it scrolls the page and cancels the pointer). The scale follows the
+      fingers, clamped to the run's x extent; once they lift, zoomTo() commits the range and fetches it at full
+      resolution (or resetZoom(), when pinched back out to the whole run). A double tap arrives as dblclick. */
+  onPointer(e) {
+    if (e.pointerType !== "touch" || !this.u) return;
+    const fingers = this.fingers;
+    if (e.type === "pointermove") {
+      if (!fingers.has(e.pointerId)) return;
+      fingers.set(e.pointerId, e.clientX);
+      this.follow();
+      return;
+    }
+    if (e.type === "pointerdown") fingers.set(e.pointerId, e.clientX);
+    else if (!fingers.delete(e.pointerId)) return;
+    if (fingers.size) this.holdFingers();
+    else this.lift();
+  }
+
+  /** Fingers came or went: the x range and where the fingers are now are what later moves are measured from. */
+  holdFingers() {
+    const scale = this.u.scales.x;
+    const [lo, hi] = this.extent();
+    this.touch = { xs: [...this.fingers.values()].slice(0, 2), min: scale.min, max: scale.max, lo, hi };
+  }
+
+  /** Fingers moved: the x range they ask for, shown at once (this.moved). */
+  follow() {
+    const t = this.touch, u = this.u;
+    const xs = [...this.fingers.values()].slice(0, 2);
+    if (!t || xs.length !== t.xs.length || !(t.hi > t.lo)) return;
+    const whole = t.hi - t.lo, span = t.max - t.min;
+    if (xs.length === 1 && span >= whole) return; // the whole run is shown: nothing to pan to
+    const left = u.over.getBoundingClientRect().left, width = u.over.clientWidth || 1;
+    const mid = (ys) => (ys.length > 1 ? (ys[0] + ys[1]) / 2 : ys[0]) - left; // px from the plot's left
+    const apart = (ys) => Math.max(1, Math.abs(ys[0] - ys[1]));
+    const at = t.min + (mid(t.xs) / width) * span; // the x that was under the fingers' centre
+    const want = xs.length > 1 ? (span * apart(t.xs)) / apart(xs) : span;
+    const newSpan = Math.min(whole, Math.max(whole * ZOOM_SPAN_MIN, want));
+    const min = Math.min(Math.max(at - (mid(xs) / width) * newSpan, t.lo), t.hi - newSpan);
+    const max = min + newSpan;
+    if (min === u.scales.x.min && max === u.scales.x.max) return;
+    if (this.zoom && this.zoom.data && (min < this.zoom.min || max > this.zoom.max)) {
+      // past the range fetched at full resolution: the whole run's points, until the fingers lift
+      this.zoom = { ...this.zoom, data: null };
+      u.setData(this.aligned(), false);
+    }
+    this.moved = { min, max };
+    u.setScale("x", { min, max });
+  }
+
+  /** The last finger lifted: commit the range the fingers moved to (pinched out to the whole run: reset). */
+  lift() {
+    const moved = this.moved, t = this.touch;
+    this.moved = null;
+    this.touch = null;
+    if (!moved) return;
+    if (moved.max - moved.min >= t.hi - t.lo) this.resetZoom();
+    else this.zoomTo(moved.min, moved.max);
+  }
+
+  /** The x extent of the whole run's points: [lo, hi] (lo > hi when there are none). */
+  extent() {
+    const key = this.view.x === "time" ? "time" : "step";
+    let lo = Infinity, hi = -Infinity;
+    for (const d of this.defs) {
+      for (const x of (this.full.get(d.id) || NO_COLS)[key]) {
+        if (x !== null) { lo = Math.min(lo, x); hi = Math.max(hi, x); }
+      }
+    }
+    return [lo, hi];
   }
 
   /** Zoom x to [min, max] (x units), then fetch that range of every series at full resolution. */
