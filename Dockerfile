@@ -6,7 +6,7 @@ COPY trainer trainer
 COPY rlrun rlrun
 COPY migrations migrations
 COPY examples examples
-RUN pip install --no-cache-dir -e .
+RUN pip install --no-cache-dir -e '.[sinks]'
 ENV RLRUN_HOME=/data
 EXPOSE 8000
 CMD ["rlrun", "serve", "--host", "0.0.0.0"]

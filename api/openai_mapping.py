@@ -42,6 +42,7 @@ from trainer.lr_defaults import default_learning_rate, preset_params_of
 from trainer.specs import DpoHyperparameters as DpoSpecHyperparameters
 from trainer.specs import DpoSpec, GroupRlSpec, SftSpec
 from trainer.specs import SftHyperparameters as SftSpecHyperparameters
+from trainer.specs.sinks import WandbSinkSpec
 
 JOB_ALGORITHMS = ("sft", "dpo", "grpo")  # grpo: only runs made as reinforcement jobs (job_filter)
 FILE_KINDS = ("sft", "preference", "prompts")
@@ -210,8 +211,6 @@ def file_object(dataset: Dataset) -> FileObject:
 
 def _requested(body: FineTuningJobCreate) -> tuple[str, SupervisedMethodHyperparameters, str]:
     """The method type, its hyperparameters as given, and the parameter path they came from."""
-    if body.integrations:
-        raise ApiError("integrations are not supported by rlrun", field="integrations")
     method = body.method or Method(type="supervised")
     for other in ("supervised", "dpo", "reinforcement"):
         if other != method.type and getattr(method, other) is not None:
@@ -263,6 +262,35 @@ def _spec_param(loc: Sequence[int | str], hp_param: str) -> str:
     return f"{hp_param}.{name}" if name else hp_param
 
 
+def wandb_sinks(integrations: Sequence[dict[str, Any]] | None) -> list[WandbSinkSpec]:
+    """OpenAI's ``integrations`` (``{"type": "wandb", "wandb": {project, name, entity, tags}}``, the one type
+    OpenAI has) as the run's W&B metric sinks, online: the worker sends with its own WANDB_API_KEY."""
+    sinks: list[WandbSinkSpec] = []
+    for i, item in enumerate(integrations or []):
+        if not isinstance(item, dict) or item.get("type") != "wandb":
+            raise ApiError("the one integration type is 'wandb'", field=f"integrations[{i}].type")
+        given = item.get("wandb")
+        if not isinstance(given, dict):
+            raise ApiError("give the W&B run as an object: {project, ...}", field=f"integrations[{i}].wandb")
+        try:
+            sinks.append(WandbSinkSpec.model_validate({**given, "type": "wandb", "mode": "online"}))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ApiError(f"{first['msg']}", field=f"integrations[{i}].wandb.{where}") from None
+    return sinks
+
+
+def integrations_of(spec: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A run's W&B sinks as OpenAI's ``integrations`` (None: it has none)."""
+    found = [
+        {"type": "wandb", "wandb": {k: v for k, v in s.items() if k in ("project", "name", "entity", "tags")}}
+        for s in spec.get("metric_sinks") or []
+        if s.get("type") == "wandb"
+    ]
+    return found or None
+
+
 def plan_job(
     body: FineTuningJobCreate,
     *,
@@ -279,12 +307,13 @@ def plan_job(
     ``max_steps = ceil(n_epochs * rows / batch_size)``. Raises ``ApiError`` naming the OpenAI parameter.
     """
     method_type, given, hp_param = _requested(body)
+    sinks = wandb_sinks(body.integrations)
     _check_kind(training, method_type, "training_file")
     if validation is not None:
         _check_kind(validation, method_type, "validation_file")
     if method_type == "reinforcement":
         assert body.method is not None and body.method.reinforcement is not None
-        return plan_reinforcement(
+        rft, rft_method = plan_reinforcement(
             body,
             body.method.reinforcement,
             training=training,
@@ -292,6 +321,7 @@ def plan_job(
             seed=seed,
             n_params=n_params if n_params is not None else preset_params_of(body.model),
         )
+        return rft.model_copy(update={"metric_sinks": sinks or None}), rft_method
     spec_cls: type[SftSpec] | type[DpoSpec] = SftSpec if method_type == "supervised" else DpoSpec
     algorithm = "sft" if method_type == "supervised" else "dpo"
     defaults = (
@@ -325,6 +355,7 @@ def plan_job(
                 "validation_dataset_id": validation.id if validation is not None else None,
                 "name": body.suffix,
                 "hyperparameters": hp,
+                "metric_sinks": sinks or None,
             }
         )
     except ValidationError as exc:
@@ -432,6 +463,7 @@ def job_object(run: Run, method: Method | None = None, trained_tokens: int | Non
         validation_file=file_id(uuid.UUID(validation)) if validation else None,
         metadata=run.user_metadata,
         user_provided_suffix=spec.get("name"),
+        integrations=integrations_of(spec),
     )
 
 

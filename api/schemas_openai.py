@@ -195,7 +195,13 @@ class FineTuningJobCreate(_In):
     metadata: dict[MetadataKey, MetadataValue] | None = Field(
         default=None, max_length=16, description="Up to 16 string pairs, stored with the run."
     )
-    integrations: list[dict[str, Any]] | None = Field(default=None, description="Not supported by rlrun.")
+    integrations: list[dict[str, Any]] | None = Field(
+        default=None,
+        max_length=4,
+        description='W&B only, as OpenAI has it: `{"type": "wandb", "wandb": {"project": ..., "name": ..., '
+        '"entity": ..., "tags": [...]}}`. The run mirrors its metrics to that W&B run from the worker, '
+        "online, with the worker's WANDB_API_KEY (a run spec's `metric_sinks`).",
+    )
 
 
 class JobError(BaseModel):

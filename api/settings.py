@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainer.specs.sinks import MetricSinks
+
 
 class Settings(BaseSettings):
     """Everything the API and the worker read from the environment."""
@@ -140,6 +142,11 @@ class Settings(BaseSettings):
     )
     broker_polling_interval: float = Field(
         default=0.05, description="Seconds between queue polls of the SQL broker (kombu's default is 1 s)."
+    )
+    metric_sinks: MetricSinks = Field(
+        default_factory=list,
+        description="The worker's default metric sinks (JSON, as a spec's `metric_sinks`), for runs whose "
+        'spec leaves them null: e.g. `[{"type": "mlflow", "tracking_uri": "http://mlflow:5000"}]`.',
     )
     webhook_allowed_hosts: list[str] = Field(
         default_factory=list,

@@ -132,6 +132,26 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "run, made and waited for when there is none); adapter: an adapter run's LoRA adapter",
     )
     download.set_defaults(func=_command(cmd_runs_download))
+    export = runs_sub.add_parser(
+        "export-metrics",
+        parents=[common],
+        help="send a run's metrics, spec and paths to MLflow and/or W&B, after the fact",
+        description="Every metric point of the run (read from the server at full resolution), its stored "
+        "spec as params/config and its output path, to an MLflow tracking server and/or a W&B run; a "
+        "run mirrored live before continues in the same MLflow run, which gets only the points it lacks. "
+        "Needs `mlflow` and/or `wandb` "
+        "installed here.",
+    )
+    export.add_argument("run_id")
+    export.add_argument("--mlflow-uri", default=None, help="MLflow tracking URI (http(s)://... or file:...)")
+    export.add_argument("--mlflow-experiment", default="rlrun", help="MLflow experiment (default: rlrun)")
+    export.add_argument("--wandb-project", default=None, help="W&B project")
+    export.add_argument("--wandb-entity", default=None, help="W&B entity")
+    export.add_argument("--wandb-mode", choices=("online", "offline"), default="online")
+    export.add_argument(
+        "--wandb-dir", default=".", help="folder an offline W&B run is written under (default: here)"
+    )
+    export.set_defaults(func=_command(cmd_runs_export_metrics))
 
     models = sub.add_parser("models", help="list models; import a GGUF file, a folder or a catalog model")
     models_sub = models.add_subparsers(dest="models_command", required=True)
@@ -487,6 +507,72 @@ def cmd_runs_download(args: argparse.Namespace, client: Client) -> int:
         on_merge=merging,
     )
     print(f"{output} ({written} bytes; `tar -xf {output}` gives a folder from_pretrained loads)")
+    return 0
+
+
+EXPORT_PAGE = 10_000  # metric rows a page (the API's largest)
+
+
+def cmd_runs_export_metrics(args: argparse.Namespace, client: Client) -> int:
+    """Read every point of the run, page by page, and send them to each sink named (trainer/metric_sinks.py:
+    the clients the worker's live mirror uses); a sink's failure is an error here, nothing half-said."""
+    from pydantic import ValidationError
+
+    from trainer.metric_sinks import MlflowSink, Point, RunIdentity, make_sink
+    from trainer.specs.sinks import MetricSinkSpec, MlflowSinkSpec, WandbSinkSpec
+
+    specs: list[MetricSinkSpec] = []
+    try:
+        if args.mlflow_uri:
+            specs.append(
+                MlflowSinkSpec(type="mlflow", tracking_uri=args.mlflow_uri, experiment=args.mlflow_experiment)
+            )
+        if args.wandb_project:
+            specs.append(
+                WandbSinkSpec(
+                    type="wandb", project=args.wandb_project, entity=args.wandb_entity, mode=args.wandb_mode
+                )
+            )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise CliError(f"{first['loc'][0] if first['loc'] else 'sink'}: {first['msg']}") from None
+    if not specs:
+        raise CliError("name a sink: --mlflow-uri and/or --wandb-project")
+    run = client.runs.get(args.run_id)
+    points: list[Point] = []
+    after: str | None = None
+    while True:
+        page = client.runs.metrics(run.id, limit=EXPORT_PAGE, after=after)
+        points += [
+            Point(m.key, m.step, m.value, m.logged_at.timestamp() if m.logged_at else time.time())
+            for m in page.data
+        ]
+        if not page.has_more:
+            break
+        after = page.next_cursor
+    identity = RunIdentity(
+        run_id=run.id,
+        name=run.name,
+        spec=run.spec,
+        artifacts_dir=Path(args.wandb_dir),
+        tags={"rlrun.algorithm": run.algorithm, "rlrun.model": str(run.spec.get("model", ""))},
+    )
+    for spec in specs:
+        sink = make_sink(spec, identity)
+        try:
+            sink.open()
+            sending = sink.missing(points) if isinstance(sink, MlflowSink) else points
+            sink.log(sending)
+            if run.output_path:
+                sink.tag("output_path", run.output_path)
+            sink.close(run.status)
+        except ImportError as exc:
+            raise CliError(
+                f"{sink.label}: {exc.name or exc} is not installed here (pip install {sink.label})"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - any client's failure: one line, exit 1
+            raise CliError(f"{sink.label} at {sink.where}: {type(exc).__name__}: {exc}") from None
+        print(f"run {run.id}: {len(sending)} points sent to {sink.label} at {sink.where}")
     return 0
 
 

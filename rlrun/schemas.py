@@ -151,7 +151,7 @@ class Progress(BaseModel):
 
 
 # The run-health rules' codes (trainer/run_health.py WARNING_CODES, held equal by tests/test_run_health.py).
-WarningCode = Literal[
+HealthCode = Literal[
     "zero_advantage",
     "loss_diverging",
     "kl_diverging",
@@ -159,7 +159,17 @@ WarningCode = Literal[
     "chosen_falling",
     "nonfinite_skipped",
 ]
-WARNING_CODES = get_args(WarningCode)
+HEALTH_CODES = get_args(HealthCode)
+# The metric mirror's codes (trainer/sink_mirror.py): a sink failed (it is retried), and a sink was left
+# with points it never received (rlrun keeps them). Held equal by tests/worker/test_metric_sinks.py.
+SinkWarningCode = Literal[
+    "metric_sink_mlflow",
+    "metric_sink_wandb",
+    "metric_sink_mlflow_incomplete",
+    "metric_sink_wandb_incomplete",
+]
+SINK_WARNING_CODES = get_args(SinkWarningCode)
+WarningCode = Literal[HealthCode, SinkWarningCode]
 
 
 class RunWarningRead(BaseModel):

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from rlrun.schemas import WARNING_CODES as SCHEMA_CODES
+from rlrun.schemas import HEALTH_CODES as SCHEMA_CODES
 from trainer.run_health import FLAT, KL_LIMIT, WARNING_CODES, WINDOW, RunHealth, RunWarning
 
 NAN, INF = math.nan, math.inf

@@ -36,8 +36,10 @@ from api.queue import TASK_NAME, CeleryEnqueue, make_celery
 from api.services.datasets import load_rows
 from api.services.pipelines import advance
 from api.settings import Settings, get_settings
+from trainer.metric_sinks import Point, RunIdentity, make_sink
 from trainer.phases import Phase, RunStopped
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
+from trainer.sink_mirror import SinkMirror
 from trainer.specs import (
     AnyRunSpec,
     EvalSpec,
@@ -47,6 +49,7 @@ from trainer.specs import (
     parse_spec,
     without_nul,
 )
+from trainer.specs.sinks import MetricSinkSpec
 from trainer.stop_watch import StopWatch
 
 log = logging.getLogger("rlrun.worker")
@@ -151,6 +154,28 @@ class DbReporter:
         self.last_flush = time.monotonic()
         self.watch = StopWatch(self.should_stop, self.write_progress)
         self.progress_events: dict[str, float] = {}  # phase -> when its last progress event was written
+        self.mirror: SinkMirror | None = None  # the run's metric sinks, fed after each flush
+
+    def attach_sinks(self, run: RunIdentity, sinks: list[MetricSinkSpec]) -> None:
+        """Mirror every flushed point, the latest checkpoint's path and the output path to ``sinks``
+        (``trainer/sink_mirror.py``: a thread; a sink's failure is a warning of this run, never an error)."""
+        if not sinks or self.mirror is not None:
+            return
+        self.mirror = SinkMirror(
+            [make_sink(spec, run) for spec in sinks],
+            self.warn,
+            lambda message: self.event("info", message),
+        )
+        self.mirror.start()
+
+    def close_sinks(self, status: str, output_path: str | None = None) -> None:
+        """The run's end as the sinks record it (after a last try to send what is pending); idempotent."""
+        mirror, self.mirror = self.mirror, None
+        if mirror is None:
+            return
+        if output_path:
+            mirror.tag("output_path", output_path)
+        mirror.close(status)
 
     progress_event_seconds = 10.0
 
@@ -234,6 +259,10 @@ class DbReporter:
         retry_busy(f"run {self.run_id}: metrics flush", write)
         self.buffer.clear()
         self.last_flush = time.monotonic()
+        if self.mirror is not None:
+            self.mirror.put(
+                [Point(r["key"], r["step"], r["value"], r["logged_at"].timestamp()) for r in rows]
+            )
 
     def event(self, kind: str, message: str, data: dict[str, Any] | None = None) -> None:
         def write() -> None:
@@ -269,6 +298,8 @@ class DbReporter:
                 )
 
         retry_busy(f"run {self.run_id}: checkpoint", write)
+        if self.mirror is not None:
+            self.mirror.tag("last_checkpoint", str(path))
 
     def checkpoint_removed(self, step: int) -> None:
         def write() -> None:
@@ -364,14 +395,35 @@ class LeaseKeeper(threading.Thread):
         self.stopped.set()
 
 
-def rank_zero_reporter(database_url: str, run_id: str, worker_id: str, lease_seconds: int) -> Reporter:
+def rank_zero_reporter(
+    database_url: str,
+    run_id: str,
+    worker_id: str,
+    lease_seconds: int,
+    sinks: tuple[RunIdentity, list[MetricSinkSpec]] | None = None,
+) -> Reporter:
     """Rank 0's reporter: the run's database reporter, its phases shown but never interrupted inside the
-    rank (every rank must stop at the same point: step boundaries, or the worker ends them all)."""
+    rank (every rank must stop at the same point: step boundaries, or the worker ends them all). Rank 0
+    logs the metrics, so it feeds the run's metric sinks (``sinks``), closed by ``rank_zero_result``."""
     factory = make_session_factory(make_engine(database_url))
     reporter = DbReporter(factory, uuid.UUID(run_id), worker_id, lease_seconds)
     reporter.watch = StopWatch(lambda: False, reporter.write_progress)
     reporter.watch.start()
+    if sinks is not None:
+        reporter.attach_sinks(*sinks)
     return reporter
+
+
+def run_identity(run: Run, settings: Settings) -> RunIdentity:
+    """What the run's metric sinks are told about it: id, name, stored spec, its artifacts folder."""
+    spec: dict[str, Any] = dict(run.spec)
+    return RunIdentity(
+        run_id=run.id,
+        name=spec.get("name"),
+        spec=spec,
+        artifacts_dir=settings.resolved_artifacts_dir / "runs" / str(run.id),
+        tags={"rlrun.algorithm": run.algorithm, "rlrun.model": str(spec.get("model", ""))},
+    )
 
 
 def one_line(exc: BaseException) -> str:
@@ -476,6 +528,7 @@ def execute_run(
     try:
         return _execute_claimed(run_id, session_factory, settings, loops, worker_id, reporter)
     finally:
+        reporter.close_sinks("failed")  # a path that ended without closing them (closed ones: no-op)
         reporter.watch.close()
         keeper.stop()
 
@@ -500,6 +553,10 @@ def _execute_claimed(
             assert run is not None
             spec = parse_spec(run.spec)  # re-validated: the stored JSON may predate this code
             data = load_run_data(session, spec)
+            identity = run_identity(run, settings)
+        # null: the worker's default (RLRUN_METRIC_SINKS), where tracking servers and credentials are known
+        chosen = settings.metric_sinks if spec.metric_sinks is None else spec.metric_sinks
+        sinks = (identity, list(chosen)) if chosen else None
         cache_dir = settings.resolved_cache_dir
         ctx = LoopContext(
             cache_dir=cache_dir,
@@ -524,11 +581,14 @@ def _execute_claimed(
                     str(run_id),
                     worker_id,
                     settings.lease_seconds,
+                    sinks,
                 ),
                 session_factory=session_factory,
                 run_id=run_id,
             )
         else:
+            if sinks is not None:
+                reporter.attach_sinks(*sinks)
             result = loops[spec.algorithm](spec, data, reporter, ctx)
         reporter.flush()
     except RunStopped:  # a cancel or pause landed inside a long phase: nothing to keep since the last save
@@ -537,6 +597,7 @@ def _execute_claimed(
         result = LoopResult(status="cancelled", output_path=None)
     except LeaseLost as exc:
         log.warning("run %s: %s; stopping without touching it", run_id, exc)
+        reporter.close_sinks("failed")
         return None
     except RankFailed as exc:  # the lost-worker path, at once: requeued to resume, or failed at last
         log.warning("run %s: %s", run_id, exc)
@@ -547,10 +608,12 @@ def _execute_claimed(
             reporter.flush()  # keep the metrics logged before the failure
         except Exception:  # noqa: BLE001 - the failure below is what matters
             log.warning("run %s: could not flush metrics after failure", run_id)
+        reporter.close_sinks("failed")
         finish_run(session_factory, run_id, worker_id, status="failed", error=one_line(exc))
         advance_pipeline_of(run_id, session_factory, settings)
         return "failed"
     output = str(result.output_path) if result.output_path else None
+    reporter.close_sinks(result.status, output)
     if result.status == "cancelled" and _pause_requested(session_factory, run_id):
         pause_claimed_run(session_factory, run_id, worker_id)
         return "paused"

@@ -72,10 +72,13 @@ def rank_context(
 
 
 def rank_zero_result(reporter: Reporter, result: LoopResult) -> dict[str, Any]:
-    """What rank 0 hands back to the worker, its metrics written first."""
+    """What rank 0 hands back to the worker, its metrics written (and its metric sinks closed) first."""
     flush = getattr(reporter, "flush", None)
     if callable(flush):
         flush()
+    close_sinks = getattr(reporter, "close_sinks", None)
+    if callable(close_sinks):
+        close_sinks(result.status, str(result.output_path) if result.output_path else None)
     watch = getattr(reporter, "watch", None)
     if watch is not None:
         watch.close()

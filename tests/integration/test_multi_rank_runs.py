@@ -9,6 +9,7 @@ import math
 import os
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from fastapi.testclient import TestClient
 from tests.factories import jsonl
 from tests.integration.flow import FINISHED, all_metrics, pg_redis_worker, wait_for
 from tests.loops.addition_rows import pairs
+from tests.tracker_readers import wandb_records
 
 pytestmark = [
     pytest.mark.integration,
@@ -42,7 +44,7 @@ def client(home: Path) -> Iterator[TestClient]:
         yield c
 
 
-def submit(client: TestClient, sharding: str, **hp: Any) -> str:
+def submit(client: TestClient, sharding: str, extra: dict[str, Any] | None = None, **hp: Any) -> str:
     resp = client.post("/v1/datasets", files={"file": ("d.jsonl", jsonl(PAIRS))}, data={"kind": "preference"})
     assert resp.status_code == 201, resp.text
     spec = {
@@ -51,6 +53,7 @@ def submit(client: TestClient, sharding: str, **hp: Any) -> str:
         "dataset_id": resp.json()["id"],
         "resources": {"devices": 2, "sharding": sharding},
         "hyperparameters": {"batch_size": 4, "learning_rate": 1e-3, **hp},
+        **(extra or {}),
     }
     resp = client.post("/v1/runs", json=spec)
     assert resp.status_code == 201, resp.text
@@ -79,7 +82,9 @@ def rank_pids(home: Path) -> list[int]:
 
 
 def test_killing_a_rank_requeues_the_run_which_resumes_and_finishes(client: TestClient, home: Path) -> None:
-    run_id = submit(client, "fsdp", max_steps=24, checkpoint_every=3)
+    # rank 0 logs the metrics, so it feeds the run's metric sinks: an offline W&B run, continued by the resume
+    wandb = {"metric_sinks": [{"type": "wandb", "project": "ranks", "mode": "offline"}]}
+    run_id = submit(client, "fsdp", wandb, max_steps=24, checkpoint_every=3)
     deadline = time.monotonic() + 180
     while max(losses(client, run_id), default=0) < 4:  # a checkpoint (step 3) exists
         assert time.monotonic() < deadline, "the run never reached step 4"
@@ -98,3 +103,14 @@ def test_killing_a_rank_requeues_the_run_which_resumes_and_finishes(client: Test
     assert loss[1] == pytest.approx(math.log(2), abs=1e-4)  # policy == reference at step 1, on every rank
     checkpoints = client.get(f"/v1/runs/{run_id}/checkpoints").json()
     assert max(c["step"] for c in checkpoints) == 24  # rank 0 wrote the final one, the whole model gathered
+    attempts = sorted(home.rglob(f"offline-run-*-{uuid.UUID(run_id).hex}"))
+    # one W&B run id, written by each attempt's rank 0 (the first may be killed before its mirror opened it)
+    assert 1 <= len(attempts) <= 2
+    mirrored = {}
+    for record in wandb_records(attempts[-1]):
+        item = record.get("history", {}).get("item", {})
+        if "loss" in item:
+            mirrored[int(item["rlrun_step"])] = float(item["loss"])
+    resumed = min(mirrored)
+    assert 4 <= resumed and sorted(mirrored) == list(range(resumed, 25))
+    assert all(mirrored[s] == pytest.approx(loss[s], rel=1e-6) for s in mirrored)

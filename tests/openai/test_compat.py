@@ -130,7 +130,10 @@ def test_refusals_name_the_openai_parameter() -> None:
     assert rft_on_sft.field == "training_file" and "ending in a user turn" in rft_on_sft.message
     assert refusal(request(sft, method={"type": "supervised", "dpo": {}}), sft).field == "method.dpo"
     assert refusal(request(sft, model="tiny:nope"), sft).field == "model"
-    assert refusal(request(sft, integrations=[{"type": "wandb"}]), sft).field == "integrations"
+    assert refusal(request(sft, integrations=[{"type": "wandb"}]), sft).field == "integrations[0].wandb"
+    assert refusal(request(sft, integrations=[{"type": "mlflow"}]), sft).field == "integrations[0].type"
+    no_project = refusal(request(sft, integrations=[{"type": "wandb", "wandb": {"name": "x"}}]), sft)
+    assert no_project.field == "integrations[0].wandb.project"
     too_fast = refusal(request(sft, hyperparameters={"learning_rate_multiplier": 2e3}), sft)
     assert too_fast.field == "hyperparameters.learning_rate_multiplier"
     assert "learning rate is 2" in too_fast.message  # 2e3 x 1e-3 (a tiny preset's SFT rate) = 2 > 1
@@ -145,6 +148,31 @@ def test_refusals_name_the_openai_parameter() -> None:
         dataset("sft", 1_000_000),
     )
     assert too_long.field == "method.supervised.hyperparameters.n_epochs"
+
+
+def test_a_wandb_integration_becomes_the_runs_online_wandb_sink_and_reads_back() -> None:
+    sft = dataset("sft", 40)
+    given = {"project": "ft-tests", "name": "adder", "entity": "team-a", "tags": ["first"]}
+    spec, _ = mapping.plan_job(
+        request(sft, integrations=[{"type": "wandb", "wandb": given}]), training=sft, validation=None, seed=0
+    )
+    stored = spec.model_dump(mode="json")
+    assert stored["metric_sinks"] == [{"type": "wandb", "mode": "online", **given}]
+    run = Run(
+        id=uuid.uuid4(),
+        project_id=DEFAULT_PROJECT_ID,
+        algorithm="sft",
+        status="queued",
+        spec=stored,
+        created_at=NOW,
+        pause_requested=False,
+        cancel_requested=False,
+    )
+    job = mapping.job_object(run).model_dump(mode="json")
+    SdkJob.model_validate(job)
+    assert job["integrations"] == [{"type": "wandb", "wandb": given}]
+    plain, _ = mapping.plan_job(request(sft), training=sft, validation=None, seed=0)
+    assert plain.metric_sinks is None  # none asked: the worker's default applies
 
 
 def test_request_body_refuses_unknown_fields_and_out_of_range_values() -> None:

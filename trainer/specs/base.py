@@ -18,6 +18,7 @@ from trainer.specs.refs import (
     refuse_nul,
     spec_references,
 )
+from trainer.specs.sinks import METRIC_SINKS_DOC, MetricSinks
 
 # Names of the algorithm registries in trainer/algorithms; a test checks they match the registry keys.
 PreferenceLossName = Literal["sigmoid", "cdpo", "robust", "ipo", "hinge", "simpo"]
@@ -203,6 +204,7 @@ class _SpecCore(_Frozen):
         default_factory=ResourcesSpec,
         description="Devices for this one run (several ranks with torch.distributed: DDP or FSDP2).",
     )
+    metric_sinks: MetricSinks | None = Field(default=None, description=METRIC_SINKS_DOC)
     # The run's labels, set at submit as PATCH /v1/runs/{id} sets them later: kept on the run, never in
     # its stored spec (excluded from every dump), so a later PATCH leaves no stale copy behind.
     tags: Tags | None = Field(
