@@ -14,7 +14,9 @@ the worker's own writes. Now:
   then a status change. A status comes from a feed poll that started after the subscriber last read the
   database itself, so a subscriber never goes back to an older status.
 - Subscribers in step (the same cursor) share one encoding of each poll's news. One-off reads (a stream's
-  first read, catch-ups) run at most ``ONE_OFF_READS`` at a time.
+  first read, catch-ups) run at most ``ONE_OFF_READS`` at a time. Streams that open at once from the same
+  cursor share their first read too (one query, one encoding, made in the thread pool): 200 dashboards
+  opening a run's history together cost one read of it, not 200 encodings on the event loop.
 - ``StreamHub`` also counts open streams per client (API key, or address when auth is off) and answers
   429 ``too_many_streams`` above the cap.
 
@@ -201,7 +203,7 @@ class RunFeed:
     status_poll: int = 0  # the poll that read status_data
     done_poll: int = 0  # the last poll, if it found the run ended and everything read
     subscribers: set[Subscriber] = field(default_factory=set)
-    encoded: dict[tuple[Any, ...], tuple[str, Cursor]] = field(default_factory=dict)  # this poll's takes
+    encoded: dict[tuple[Any, ...], tuple[bytes, Cursor]] = field(default_factory=dict)  # this poll's takes
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
@@ -214,15 +216,16 @@ class RunFeed:
         """Whether the buffer holds everything after ``cur`` that this feed has read."""
         return cur.event_id >= self.event_floor and _at_or_after(cur.metric_pos(), self.metric_floor)
 
-    def take(self, cur: Cursor, sub: Subscriber) -> str:
-        """SSE text of what the buffer holds after ``cur`` (which ``covers``), advancing it. Subscribers
-        in step (the same cursor) share one encoding per poll: 200 streams of a busy run cost one."""
+    def take(self, cur: Cursor, sub: Subscriber) -> bytes:
+        """SSE bytes of what the buffer holds after ``cur`` (which ``covers``), advancing it. Subscribers
+        in step (the same cursor) share one encoding per poll, to bytes (a str chunk would be encoded again
+        for each response): 200 streams of a busy run cost one."""
         fresh = self.status_data is not None and self.status_poll > sub.status_after
         key = (cur.event_id, cur.logged_at, cur.key, cur.step, cur.status, fresh)
         shared = self.encoded.get(key)
         if shared is None:
             after = replace(cur)
-            text = "".join(sse(*m) for m in self._messages(after, fresh))
+            text = "".join(sse(*m) for m in self._messages(after, fresh)).encode()
             shared = self.encoded[key] = (text, after)
         text, after = shared
         cur.event_id, cur.logged_at, cur.key, cur.step, cur.status = (
@@ -327,6 +330,26 @@ class StreamHub:
         self.feeds: dict[uuid.UUID, RunFeed] = {}
         self.open: Counter[str] = Counter()
         self._reads: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+        self._first: dict[tuple[uuid.UUID, str, uuid.UUID | None], asyncio.Task[FirstRead]] = {}
+
+    async def first_read(
+        self, factory: SessionFactory, run_id: uuid.UUID, cur: Cursor, project_id: uuid.UUID | None
+    ) -> FirstRead:
+        """A stream's first read: the SSE bytes of what lies after ``cur``, the cursor after it, and whether
+        the run has ended with nothing left (RunNotFound outside ``project_id``). Streams opening from the
+        same cursor while a read is under way wait for that one (a task of its own: a client that goes
+        away does not cancel it for the others)."""
+        key = (run_id, cur.encode(), project_id)
+        loop = asyncio.get_running_loop()
+        task = self._first.get(key)
+        if task is None or task.get_loop() is not loop:
+            task = loop.create_task(self.one_off(_first_read, factory, run_id, replace(cur), project_id))
+            self._first[key] = task
+            task.add_done_callback(
+                lambda t: self._first.pop(key, None) if self._first.get(key) is t else None
+            )
+        data, after, done = await asyncio.shield(task)
+        return data, replace(after), done
 
     async def one_off(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the thread pool, at most ``ONE_OFF_READS`` at once (a stream's first read,
@@ -380,7 +403,7 @@ class Subscription:
             self.closed = True
             self.hub.leave(self.feed, self.sub)
 
-    async def follow(self, factory: SessionFactory, cur: Cursor) -> AsyncGenerator[str, None]:
+    async def follow(self, factory: SessionFactory, cur: Cursor) -> AsyncGenerator[str | bytes, None]:
         """SSE text of the feed after ``cur`` (advancing it) once per poll, a keep-alive comment when
         nothing was new, until the run has ended and everything was sent (then an ``end``). A client
         that goes away cancels the response (Starlette listens for the disconnect), which ``close``s."""
@@ -395,6 +418,7 @@ class Subscription:
                     if early > sub.interval / 2:  # woken for a faster subscriber: keep this one's pace
                         await asyncio.sleep(early)
                 wake = feed.wake
+                text: str | bytes
                 if feed.covers(cur):
                     text, done, behind = feed.take(cur, sub), feed.ended_for(sub), False
                 else:  # behind the buffer's start: a one-off query of its own, then look again
@@ -409,6 +433,17 @@ class Subscription:
                     return
         finally:
             self.close()
+
+
+FirstRead = tuple[bytes, Cursor, bool]  # SSE bytes, the cursor after it, whether the stream is done
+
+
+def _first_read(
+    factory: SessionFactory, run_id: uuid.UUID, cur: Cursor, project_id: uuid.UUID | None
+) -> FirstRead:
+    with factory() as session:
+        messages, done = poll(session, run_id, cur, project_id)
+    return "".join(sse(*m) for m in messages).encode(), cur, done
 
 
 def _catch_up(factory: SessionFactory, run_id: uuid.UUID, cur: Cursor) -> tuple[list[Message], bool]:

@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from api.deps import BriefProjectDep, SessionFactoryDep, SettingsDep
-from api.stream_hub import Cursor, Message, StreamHub, end_message, poll, sse
+from api.stream_hub import Cursor, StreamHub, end_message, sse
 from rlrun.schemas import ErrorBody
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"])
@@ -72,20 +72,16 @@ async def stream_run(
     cursor = Cursor.decode(last_event_id)
     slot = hub.acquire(client_of(request, settings.auth, authorization), settings.max_streams_per_client)
 
-    def first_poll() -> tuple[list[Message], bool]:
-        with factory() as session:
-            return poll(session, run_id, cursor, project_id)
-
-    try:
-        messages, done = await hub.one_off(first_poll)  # a missing run answers 404 before streaming
+    try:  # a missing run answers 404 before streaming
+        first, cursor, done = await hub.first_read(factory, run_id, cursor, project_id)
     except BaseException:
         slot.release()
         raise
     sub = None if done else hub.join(run_id, factory, cursor, poll_seconds)
 
-    async def body() -> AsyncGenerator[str, None]:
-        for message in messages:
-            yield sse(*message)
+    async def body() -> AsyncGenerator[str | bytes, None]:
+        if first:
+            yield first
         if sub is None:
             yield sse(*end_message(cursor))
             return
@@ -105,7 +101,7 @@ class EventStream(StreamingResponse):
     a client that went away (the body generator is then left suspended; its ``finally`` would run only
     when it is garbage-collected, holding the stream's place until then)."""
 
-    def __init__(self, content: AsyncGenerator[str, None], *, on_close: Callable[[], None]):
+    def __init__(self, content: AsyncGenerator[str | bytes, None], *, on_close: Callable[[], None]):
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         super().__init__(content, media_type="text/event-stream", headers=headers)
         self.on_close = on_close

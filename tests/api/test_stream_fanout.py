@@ -274,3 +274,35 @@ def test_with_auth_on_the_cap_counts_per_api_key(
         assert open_stream(stack, client, run_a, Authorization=f"Bearer {key_a}") == 200
         assert open_stream(stack, client, run_a, Authorization=f"Bearer {key_a}") == 429
         assert open_stream(stack, client, run_b, Authorization=f"Bearer {key_b}") == 200
+
+
+def test_streams_opening_at_once_from_one_cursor_share_their_first_read(
+    committing_factory: sessionmaker[Session], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_id = new_run(committing_factory)
+    write_metrics(committing_factory, run_id, range(1, 31))
+    finish(committing_factory, run_id)
+    first_reads: list[str] = []
+    real_poll = stream_hub.poll
+
+    def slow_poll(session: Session, rid: uuid.UUID, cur: Any, project_id: Any = None) -> Any:
+        first_reads.append(cur.encode())  # a first read (the run has ended: no feed, no catch-up)
+        time.sleep(0.5)  # long enough for every stream below to arrive while it runs
+        return real_poll(session, rid, cur, project_id)
+
+    monkeypatch.setattr(stream_hub, "poll", slow_poll)
+    with app_client(committing_factory, Settings(home=tmp_path)) as client:
+        at_once = [Reader(client, run_id) for _ in range(5)]
+        for r in at_once:
+            r.start()
+        for r in at_once:
+            r.join(20)
+        assert len(first_reads) == 1  # five streams, one query
+        cut = at_once[0].messages[at_once[0].kinds().index("metrics")]
+        resumed = Reader(client, run_id, last_event_id=cut["id"])
+        resumed.run()  # another cursor: a read of its own
+    assert len(first_reads) == 2 and first_reads[1] != first_reads[0]
+    for r in at_once:
+        assert r.status_code == 200 and r.points() == list(range(1, 31)) and r.kinds()[-1] == "end"
+    assert [m["id"] for m in at_once[1].messages] == [m["id"] for m in at_once[0].messages]
+    assert resumed.points() == [p for p in at_once[0].points() if p > cut["data"][-1]["step"]]
