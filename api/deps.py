@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Path, Request
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from api.models import DEFAULT_PROJECT_ID, Dataset, Run
 from api.queue import Enqueue
@@ -60,16 +61,22 @@ def get_project_id(
 ProjectDep = Annotated[uuid.UUID, Depends(get_project_id)]
 
 
-def get_project_id_briefly(
+async def get_project_id_briefly(
     factory: SessionFactoryDep, settings: SettingsDep, authorization: Annotated[str | None, Header()] = None
 ) -> uuid.UUID:
     """``ProjectDep`` for long responses (the SSE stream): the key is looked up in a session that ends at
     once. A request session would stay open as long as the response, and on SQLite, where every
-    transaction takes the write lock (api/db.py), it would block every other writer meanwhile."""
+    transaction takes the write lock (api/db.py), it would block every other writer meanwhile. A coroutine:
+    with auth off it answers on the event loop, so 200 streams opening at once take no worker threads from
+    the API's other requests; a key is looked up in the thread pool."""
     if not settings.auth:
         return DEFAULT_PROJECT_ID
-    with factory() as session:
-        return project_of_key(session=session, authorization=authorization)
+
+    def lookup() -> uuid.UUID:
+        with factory() as session:
+            return project_of_key(session=session, authorization=authorization)
+
+    return await run_in_threadpool(lookup)
 
 
 BriefProjectDep = Annotated[uuid.UUID, Depends(get_project_id_briefly)]

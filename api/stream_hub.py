@@ -51,6 +51,10 @@ log = logging.getLogger("rlrun.api.stream")
 BATCH = 2000  # rows of each kind per query (and metric points per message)
 KEEP_EVENTS = 1000
 KEEP_POINTS = 20_000
+# Between two polls of a feed that is behind. Back-to-back reads would hold the database for the whole
+# catch-up: on SQLite every transaction takes the write lock (api/db.py) and a waiting request sleeps in
+# SQLite's busy handler (up to 100 ms a try), so it kept missing the moments the lock was free.
+CATCH_UP_PAUSE = 0.05
 ONE_OFF_READS = 4  # first reads and catch-ups at once per process: 200 clients connecting at once would
 # otherwise take every worker thread of the pool (the API's sync routes wait for one) and queue on the
 # database (on SQLite each read holds the write lock, so the trainer's writes queue behind them)
@@ -304,8 +308,10 @@ class RunFeed:
             self.wake = asyncio.Event()
             if self.done_poll and all(s.status_after < self.done_poll for s in self.subscribers):
                 break
-            if drained:  # behind (a burst over BATCH rows): read on at once
+            if drained:
                 await asyncio.sleep(min(s.interval for s in self.subscribers) if self.subscribers else 0)
+            else:  # behind (a burst over BATCH rows, a history replayed): read on after a breath
+                await asyncio.sleep(CATCH_UP_PAUSE)
         self.task = None
 
 
