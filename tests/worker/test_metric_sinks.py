@@ -205,6 +205,17 @@ def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         log.close()
 
 
+def trained(factory: sessionmaker[Session], settings: Settings, spec: dict[str, Any]) -> Run:
+    """``spec`` (its dataset made of ROWS) run to success by the worker's own execute_run and real loop."""
+    with factory.begin() as s:
+        ds = make_dataset(s, rows=ROWS)
+        spec["dataset_id"] = str(ds.id)
+        run_id = make_run(s, ds, spec=spec).id
+    assert execute_run(run_id, session_factory=factory, settings=settings) == "succeeded"
+    with factory() as s:
+        return s.get_one(Run, run_id)
+
+
 def rlrun_points(factory: sessionmaker[Session], run_id: uuid.UUID) -> dict[tuple[str, int], float]:
     with factory() as s:
         rows = s.scalars(select(Metric).where(Metric.run_id == run_id))
@@ -246,13 +257,8 @@ def test_a_real_run_mirrors_every_point_to_mlflow_and_wandb(
             {"type": "wandb", "project": "rlrun-tests", "mode": "offline", "tags": ["ci"]},
         ],
     }
-    with committing_factory.begin() as s:
-        ds = make_dataset(s, rows=ROWS)
-        spec["dataset_id"] = str(ds.id)
-        run_id = make_run(s, ds, spec=spec).id
-    assert execute_run(run_id, session_factory=committing_factory, settings=settings) == "succeeded"
-    with committing_factory() as s:
-        run = s.get_one(Run, run_id)
+    run = trained(committing_factory, settings, spec)
+    run_id = run.id
     ours = rlrun_points(committing_factory, run_id)
     keys = {k for k, _ in ours}
     assert {"loss", "eval/loss"} <= keys and {s for _, s in ours} == {1, 2, 3}
@@ -295,13 +301,8 @@ def test_a_sink_on_a_closed_port_warns_and_export_metrics_sends_the_run_later(
     settings = Settings(home=tmp_path)
     closed = f"http://127.0.0.1:{free_port()}"
     spec = dpo_spec(uuid.uuid4()) | {"metric_sinks": [{"type": "mlflow", "tracking_uri": closed}]}
-    with committing_factory.begin() as s:
-        ds = make_dataset(s, rows=ROWS)
-        spec["dataset_id"] = str(ds.id)
-        run_id = make_run(s, ds, spec=spec).id
-    assert execute_run(run_id, session_factory=committing_factory, settings=settings) == "succeeded"
-    with committing_factory() as s:
-        run = s.get_one(Run, run_id)
+    run = trained(committing_factory, settings, spec)
+    run_id = run.id
     codes = [w["code"] for w in run.warnings]
     assert codes == ["metric_sink_mlflow", "metric_sink_mlflow_incomplete"]
     assert closed in run.warnings[0]["message"]
