@@ -15,7 +15,8 @@ import logging
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from rlrun.client import Client
     from rlrun.errors import ApiError
     from rlrun.schemas import DatasetRead, RunRead
+    from trainer.metric_sinks import Point, Sink
 
 Handler = Callable[[argparse.Namespace, "Client"], int]
 SPARK_WIDTH = 32
@@ -514,11 +516,12 @@ EXPORT_PAGE = 10_000  # metric rows a page (the API's largest)
 
 
 def cmd_runs_export_metrics(args: argparse.Namespace, client: Client) -> int:
-    """Read every point of the run, page by page, and send them to each sink named (trainer/metric_sinks.py:
-    the clients the worker's live mirror uses); a sink's failure is an error here, nothing half-said."""
+    """Send the run's points to each sink named, a page of the API's rows at a time (memory bounded by
+    the page, not the run), with the clients the worker's live mirror uses (trainer/metric_sinks.py). A
+    sink's failure ends the export with one error line; run it again: MLflow gets only what it lacks."""
     from pydantic import ValidationError
 
-    from trainer.metric_sinks import MlflowSink, Point, RunIdentity, make_sink
+    from trainer.metric_sinks import MlflowSink, RunIdentity, make_sink
     from trainer.specs.sinks import MetricSinkSpec, MlflowSinkSpec, WandbSinkSpec
 
     specs: list[MetricSinkSpec] = []
@@ -539,41 +542,58 @@ def cmd_runs_export_metrics(args: argparse.Namespace, client: Client) -> int:
     if not specs:
         raise CliError("name a sink: --mlflow-uri and/or --wandb-project")
     run = client.runs.get(args.run_id)
-    points: list[Point] = []
+    identity = RunIdentity(run.id, run.algorithm, run.spec, Path(args.wandb_dir))
+    sinks = [make_sink(spec, identity) for spec in specs]
+    held: list[set[tuple[str, int]]] = []  # per sink: the (key, step) pairs it has already
+    for sink in sinks:
+        with _sink_failure_as_cli_error(sink):
+            sink.open()
+            held.append(
+                sink.logged(client.runs.metric_keys(run.id)) if isinstance(sink, MlflowSink) else set()
+            )
+    sent = [0] * len(sinks)
+    for points in _metric_pages(client, run.id):
+        for i, sink in enumerate(sinks):
+            fresh = [p for p in points if (p.key, p.step) not in held[i]]
+            with _sink_failure_as_cli_error(sink):
+                sink.log(fresh)
+            sent[i] += len(fresh)
+    for i, sink in enumerate(sinks):
+        with _sink_failure_as_cli_error(sink):
+            if run.output_path:
+                sink.tag("output_path", run.output_path)
+            sink.close(run.status)
+        print(f"run {run.id}: {sent[i]} points sent to {sink.label} at {sink.where}")
+    return 0
+
+
+def _metric_pages(client: Client, run_id: Any) -> Iterator[list[Point]]:
+    """Every metric point of the run, a page of EXPORT_PAGE rows at a time, in step order."""
+    from trainer.metric_sinks import Point
+
     after: str | None = None
     while True:
-        page = client.runs.metrics(run.id, limit=EXPORT_PAGE, after=after)
-        points += [
+        page = client.runs.metrics(run_id, limit=EXPORT_PAGE, after=after)
+        yield [
             Point(m.key, m.step, m.value, m.logged_at.timestamp() if m.logged_at else time.time())
             for m in page.data
         ]
         if not page.has_more:
-            break
+            return
         after = page.next_cursor
-    identity = RunIdentity(
-        run_id=run.id,
-        name=run.name,
-        spec=run.spec,
-        artifacts_dir=Path(args.wandb_dir),
-        tags={"rlrun.algorithm": run.algorithm, "rlrun.model": str(run.spec.get("model", ""))},
-    )
-    for spec in specs:
-        sink = make_sink(spec, identity)
-        try:
-            sink.open()
-            sending = sink.missing(points) if isinstance(sink, MlflowSink) else points
-            sink.log(sending)
-            if run.output_path:
-                sink.tag("output_path", run.output_path)
-            sink.close(run.status)
-        except ImportError as exc:
-            raise CliError(
-                f"{sink.label}: {exc.name or exc} is not installed here (pip install {sink.label})"
-            ) from None
-        except Exception as exc:  # noqa: BLE001 - any client's failure: one line, exit 1
-            raise CliError(f"{sink.label} at {sink.where}: {type(exc).__name__}: {exc}") from None
-        print(f"run {run.id}: {len(sending)} points sent to {sink.label} at {sink.where}")
-    return 0
+
+
+@contextmanager
+def _sink_failure_as_cli_error(sink: Sink) -> Iterator[None]:
+    """A sink's client missing or failing: one ``error:`` line naming the sink, never a traceback."""
+    try:
+        yield
+    except ImportError as exc:
+        raise CliError(
+            f"{sink.label}: {exc.name or exc} is not installed here (pip install {sink.label})"
+        ) from None
+    except Exception as exc:  # noqa: BLE001 - any client's failure: one line, exit 1
+        raise CliError(f"{sink.label} at {sink.where}: {type(exc).__name__}: {exc}") from None
 
 
 def cmd_runs_watch(args: argparse.Namespace, client: Client) -> int:

@@ -15,7 +15,7 @@ import re
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -41,10 +41,18 @@ class RunIdentity:
     """What every sink is told about the rlrun run it mirrors."""
 
     run_id: uuid.UUID
-    name: str | None
+    algorithm: str
     spec: dict[str, Any]  # the resolved spec, as stored: the params/config
-    artifacts_dir: Path  # the run's folder (<artifacts>/runs/<id>): where an offline W&B run is written
-    tags: dict[str, str] = field(default_factory=dict)
+    folder: Path  # where an offline W&B run is written (the worker: the run's <artifacts>/runs/<id>)
+
+    @property
+    def name(self) -> str | None:
+        name: str | None = self.spec.get("name")
+        return name
+
+    @property
+    def tags(self) -> dict[str, str]:
+        return {"rlrun.algorithm": self.algorithm, "rlrun.model": str(self.spec.get("model", ""))}
 
 
 class Sink(Protocol):
@@ -147,16 +155,14 @@ class MlflowSink:
                 raise
             return str(again.experiment_id)
 
-    def missing(self, points: Sequence[Point]) -> list[Point]:
-        """The points whose (key, step) the MLflow run lacks: what an export after a live mirror (a sink
-        down for a while, say) still has to send. One history read per key."""
-        keys = {p.key for p in points}
-        have = {
+    def logged(self, keys: Sequence[str]) -> set[tuple[str, int]]:
+        """The (key, step) pairs the MLflow run holds already: what an export after a live mirror (a sink
+        down for a while, say) need not send again. One history read per key."""
+        return {
             (key, m.step)
             for key in keys
             for m in self.client.get_metric_history(self.mlflow_run_id, mlflow_name(key))
         }
-        return [p for p in points if (p.key, p.step) not in have]
 
     def log(self, points: Sequence[Point]) -> None:
         from mlflow.entities import Metric
@@ -183,9 +189,9 @@ class WandbSink:
 
     label = "wandb"
 
-    def __init__(self, spec: WandbSinkSpec, run: RunIdentity, directory: Path | None = None):
+    def __init__(self, spec: WandbSinkSpec, run: RunIdentity):
         self.spec, self.run = spec, run
-        self.directory = directory or run.artifacts_dir
+        self.directory = run.folder
         self.wb_run: Any = None
 
     @property
@@ -237,7 +243,7 @@ class WandbSink:
         self.wb_run.finish(exit_code=1 if status in ("failed", "cancelled") else 0)
 
 
-def make_sink(spec: MetricSinkSpec, run: RunIdentity, *, wandb_dir: Path | None = None) -> Sink:
+def make_sink(spec: MetricSinkSpec, run: RunIdentity) -> Sink:
     if isinstance(spec, MlflowSinkSpec):
         return MlflowSink(spec, run)
-    return WandbSink(spec, run, wandb_dir)
+    return WandbSink(spec, run)

@@ -14,6 +14,13 @@ from trainer.phases import Counter, Phase, RunStopped
 from trainer.ranks import Ranks
 
 
+def one_line(exc: BaseException, limit: int | None = None) -> str:
+    """``Type: first line of the message`` (that line cut at ``limit`` characters): a failure as a run's
+    error or warning shows it."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:limit]}" if text else type(exc).__name__
+
+
 class Reporter(Protocol):
     """What a loop may tell the outside world, and the one thing it asks."""
 

@@ -19,16 +19,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from trainer.metric_sinks import Point, Sink
+from trainer.reporting import one_line
 
 log = logging.getLogger("rlrun.sinks")
 
 Warn = Callable[[str, int, str], None]  # (code, step, message): Reporter.warn
 Notify = Callable[[str], None]  # an info event
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
 
 
 @dataclass
@@ -39,7 +35,6 @@ class _SinkState:
     opened: bool = False
     failures: int = 0
     next_try: float = 0.0
-    sent: int = 0
     dropped: int = 0
 
 
@@ -63,6 +58,7 @@ class SinkMirror(threading.Thread):
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.closing = threading.Event()
+        self.final_status = "failed"  # what close() says the run ended as
         self.step = 0
 
     # -- the training side: never blocks on a sink -------------------------------------------------
@@ -121,7 +117,6 @@ class SinkMirror(threading.Thread):
                 with self.lock:  # sent: never sent twice, whatever fails next
                     for _ in range(len(batch)):
                         st.pending.popleft()
-                st.sent += len(batch)
             for name, value in tags.items():
                 st.sink.tag(name, value)
                 with self.lock:
@@ -143,14 +138,14 @@ class SinkMirror(threading.Thread):
             self.warn(
                 f"metric_sink_{st.sink.label}",
                 self.step,
-                f"{st.sink.label} sink at {st.sink.where} failed: {one_line(exc)}; retrying, and rlrun "
+                f"{st.sink.label} sink at {st.sink.where} failed: {one_line(exc, 300)}; retrying, and rlrun "
                 "keeps every point",
             )
 
     def _finish(self, st: _SinkState) -> None:
         if st.opened:
             try:
-                st.sink.close(getattr(self, "final_status", "failed"))
+                st.sink.close(self.final_status)
             except Exception as exc:  # noqa: BLE001
                 log.warning("%s sink: close failed: %s", st.sink.label, exc)
         left = len(st.pending) + st.dropped

@@ -38,7 +38,7 @@ from api.services.pipelines import advance
 from api.settings import Settings, get_settings
 from trainer.metric_sinks import Point, RunIdentity, make_sink
 from trainer.phases import Phase, RunStopped
-from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
+from trainer.reporting import LoopContext, LoopResult, Reporter, RunData, one_line
 from trainer.sink_mirror import SinkMirror
 from trainer.specs import (
     AnyRunSpec,
@@ -414,23 +414,6 @@ def rank_zero_reporter(
     return reporter
 
 
-def run_identity(run: Run, settings: Settings) -> RunIdentity:
-    """What the run's metric sinks are told about it: id, name, stored spec, its artifacts folder."""
-    spec: dict[str, Any] = dict(run.spec)
-    return RunIdentity(
-        run_id=run.id,
-        name=spec.get("name"),
-        spec=spec,
-        artifacts_dir=settings.resolved_artifacts_dir / "runs" / str(run.id),
-        tags={"rlrun.algorithm": run.algorithm, "rlrun.model": str(spec.get("model", ""))},
-    )
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
 def finish_run(
     session_factory: SessionFactory,
     run_id: uuid.UUID,
@@ -553,7 +536,9 @@ def _execute_claimed(
             assert run is not None
             spec = parse_spec(run.spec)  # re-validated: the stored JSON may predate this code
             data = load_run_data(session, spec)
-            identity = run_identity(run, settings)
+            identity = RunIdentity(
+                run.id, run.algorithm, dict(run.spec), settings.resolved_artifacts_dir / "runs" / str(run.id)
+            )
         # null: the worker's default (RLRUN_METRIC_SINKS), where tracking servers and credentials are known
         chosen = settings.metric_sinks if spec.metric_sinks is None else spec.metric_sinks
         sinks = (identity, list(chosen)) if chosen else None
