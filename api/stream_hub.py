@@ -351,9 +351,14 @@ class StreamHub:
         if task is None or task.get_loop() is not loop:
             task = loop.create_task(self.one_off(_first_read, factory, run_id, replace(cur), project_id))
             self._first[key] = task
-            task.add_done_callback(
-                lambda t: self._first.pop(key, None) if self._first.get(key) is t else None
-            )
+
+            def forget(done: asyncio.Task[FirstRead]) -> None:
+                if self._first.get(key) is done:
+                    del self._first[key]
+                if not done.cancelled():
+                    done.exception()  # retrieved: every waiter may have gone (its error is theirs, a 404)
+
+            task.add_done_callback(forget)
         data, after, done = await asyncio.shield(task)
         return data, replace(after), done
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import mlflow  # the dev extra's full package: its client here, its server in the fixture
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -34,8 +35,6 @@ from trainer.metric_sinks import MlflowSink, Point, WandbSink, flat_params, mlfl
 from trainer.ports import free_port
 from trainer.sink_mirror import SinkMirror
 from trainer.worker import execute_run
-
-mlflow = pytest.importorskip("mlflow")  # the dev extra installs it; the server needs the full package
 
 ROWS = [
     {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
