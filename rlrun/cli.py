@@ -7,6 +7,8 @@ import argparse
 import logging
 import sys
 
+from pydantic import ValidationError
+
 from rlrun.commands import add_client_commands
 from rlrun.server_commands import add_server_commands
 
@@ -25,7 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     args = build_parser().parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except ValidationError as exc:
+        if exc.title != "Settings":  # not the environment's fault: a bug, with its traceback
+            raise
+        for error in exc.errors():  # an RLRUN_* variable the server cannot use: named, no traceback
+            field = ".".join(str(p) for p in error["loc"])
+            head, _, rest = field.partition(".")
+            print(f"error: RLRUN_{head.upper()}{'.' + rest if rest else ''}: {error['msg']}", file=sys.stderr)
+        return 2
     return result
 
 

@@ -209,3 +209,23 @@ def test_the_client_and_its_commands_import_no_server_machinery() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_setting_the_server_cannot_use_is_named_without_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from api.settings import get_settings
+
+    monkeypatch.setenv("RLRUN_HOME", str(tmp_path))
+    monkeypatch.setenv("RLRUN_METRIC_SINKS", '[{"type": "mlflow", "tracking_uri": "ftp://x"}]')
+    monkeypatch.setenv("RLRUN_WEBHOOK_MAX_ATTEMPTS", "0")
+    get_settings.cache_clear()  # read the environment above, not a copy cached by an earlier test
+    try:
+        assert main(["worker"]) == 2
+    finally:
+        get_settings.cache_clear()
+    assert capsys.readouterr().err.splitlines() == [
+        "error: RLRUN_METRIC_SINKS.0.mlflow.tracking_uri: Value error, tracking_uri must start with http://, "
+        "https:// or file:",
+        "error: RLRUN_WEBHOOK_MAX_ATTEMPTS: Input should be greater than or equal to 1",
+    ]
