@@ -152,7 +152,8 @@ class DbReporter:
         self.buffer: dict[tuple[str, int], dict[str, Any]] = {}
         self.step = 0
         self.last_flush = time.monotonic()
-        self.watch = StopWatch(self.should_stop, self.write_progress)
+        self.stopping = False  # the loop was told to stop: it is keeping its work, then returns
+        self.watch = StopWatch(self.stop_interrupts, self.write_progress)
         self.progress_events: dict[str, float] = {}  # phase -> when its last progress event was written
         self.mirror: SinkMirror | None = None  # the run's metric sinks, fed after each flush
 
@@ -336,8 +337,21 @@ class DbReporter:
         retry_busy(f"run {self.run_id}: samples", write)
 
     def should_stop(self) -> bool:
-        """Whether a cancel or pause was asked for. While SQLite stays busy past the retries the answer is
-        "not yet" (logged): the loop asks again next step, and training goes on meanwhile."""
+        """The loop's question: whether a cancel or pause was asked for. Once it answers yes the loop stops
+        on its own, keeping its work first (a checkpoint of the steps since the last one), so the phase
+        watcher leaves the phases it opens meanwhile alone (``stop_interrupts``): it interrupted that very
+        save when it took longer than the watcher's grace, and the run lost the steps it was keeping."""
+        stop = self.stop_requested()
+        self.stopping = self.stopping or stop
+        return stop
+
+    def stop_interrupts(self) -> bool:
+        """The phase watcher's question: a stop the loop has not been told of yet."""
+        return not self.stopping and self.stop_requested()
+
+    def stop_requested(self) -> bool:
+        """Whether the run's cancel or pause flag is set. While SQLite stays busy past the retries the
+        answer is "not yet" (logged): the loop asks again next step, and training goes on meanwhile."""
 
         def read() -> bool:
             with self.sf() as session:

@@ -74,6 +74,38 @@ def test_a_stop_lands_inside_a_long_phase_within_seconds(
     assert any("stopped during a long phase" in e.message for e in events)
 
 
+class StopsAtTheBoundary:
+    """Logs step 1, waits (pure Python) until ``should_stop`` says yes at a step boundary, then keeps its
+    work in a ``checkpoint`` phase longer than the watcher's grace, as ``stop_requested`` does."""
+
+    def __init__(self, save_seconds: float):
+        self.save_seconds, self.saved = save_seconds, False
+
+    def __call__(self, spec: Any, data: RunData, reporter: Reporter, ctx: LoopContext) -> LoopResult:
+        reporter.log_metrics(1, {"loss": 1.0})
+        deadline = time.monotonic() + 30
+        while not reporter.should_stop():
+            assert time.monotonic() < deadline, "the pause never arrived"
+            busy(0.05)
+        with reporter.phase("checkpoint") as progress:
+            busy(self.save_seconds)
+            progress.advance()
+        self.saved = True
+        return LoopResult(status="cancelled", output_path=None)
+
+
+def test_the_save_a_loop_makes_to_honour_a_stop_is_not_interrupted_by_it(
+    committing_factory: sessionmaker[Session], dataset: Dataset, settings: Settings
+) -> None:
+    run_id = new_run(committing_factory, dataset)
+    loop = StopsAtTheBoundary(save_seconds=2.5)  # the watcher's grace is 1 s: it would interrupt it
+    flag_later(committing_factory, run_id, "pause_requested", after=0.3)
+    status = execute_run(run_id, session_factory=committing_factory, settings=settings, loops={"dpo": loop})
+    assert status == "paused" and loop.saved
+    _, events, _ = read(committing_factory, run_id)
+    assert not any("stopped during a long phase" in e.message for e in events)
+
+
 def test_a_long_phase_shows_on_the_run_with_its_progress(
     committing_factory: sessionmaker[Session], dataset: Dataset, settings: Settings
 ) -> None:
