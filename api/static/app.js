@@ -1779,7 +1779,8 @@ async function runPage(ctx, main, runId) {
         h("td", { class: "num" }, x.step),
         h("td", { class: "num" }, h("b", {}, fmtNum(x.reward))),
         h("td", {}, h("div", { class: "text" }, visible(x.prompt))),
-        h("td", {}, h("div", { class: "text" }, visible(x.completion))),
+        h("td", {}, x.data && Array.isArray(x.data.transcript)
+          ? transcriptView(x.data.transcript) : h("div", { class: "text" }, visible(x.completion))),
         withRef ? h("td", { "data-testid": "sample-reference" }, x.data && known(x.data.reference)
           ? h("div", { class: "text" }, textValue(x.data.reference)) : "–") : null,
         h("td", { class: "small muted" }, sampleDetails(x.data))))))));
@@ -1891,11 +1892,26 @@ function modelRef(model) {
   return h("span", { class: "mono" }, "run:", h("a", { href: `#/runs/${m[1]}`, title: m[1] }, shortId(m[1])), m[2] || "");
 }
 
+/** A multi-turn episode's turns: the model's (with the tool calls it made), then each tool's result
+    (an error marked as one); the last assistant turn is the answer the rewards scored. */
+function transcriptView(messages) {
+  return h("ol", { class: "transcript", "data-testid": "sample-transcript" }, messages.map((m) => {
+    const tool = m.role === "tool";
+    const label = tool ? `tool ${m.name || ""}${m.error ? " (error)" : ""}` : "model";
+    const calls = !tool && Array.isArray(m.tool_calls) && m.tool_calls.length
+      ? h("div", { class: "small muted" }, "calls " + m.tool_calls.map((c) => `${c.name}(${JSON.stringify(c.arguments)})`).join(", "))
+      : null;
+    return h("li", { class: tool ? (m.error ? "tool error" : "tool") : "model", "data-role": m.role },
+      h("span", { class: "small muted" }, label), h("div", { class: "text" }, visible(m.content)), calls);
+  }));
+}
+
 function sampleDetails(data) {
   if (!data) return "";
   const parts = [];
   if (data.components) for (const [k, v] of Object.entries(data.components)) parts.push(`${k} ${fmtNum(v)}`);
-  for (const [k, v] of Object.entries(data)) if (k !== "components" && k !== "reference") parts.push(`${k}: ${typeof v === "object" ? JSON.stringify(v) : v}`);
+  const shown = new Set(["components", "reference", "transcript"]);
+  for (const [k, v] of Object.entries(data)) if (!shown.has(k)) parts.push(`${k}: ${typeof v === "object" ? JSON.stringify(v) : v}`);
   return parts.join(" · ");
 }
 

@@ -56,6 +56,31 @@ REASON = "CUDA out of memory while computing the reference log-probs"
 WARNING = {"code": "loss_diverging", "step": 9, "message": "loss 41.2 is 10x its early median"}
 
 
+# A multi-turn tool episode's sample (trainer/loops/rollouts.py sample_records): a call that failed, a
+# retry, the tool's answer, the final answer.
+TRANSCRIPT_SAMPLE: dict[str, Any] = {
+    "step": 3,
+    "prompt": "What is 17*23?",
+    "completion": "...",
+    "reward": 1.0,
+    "data": {
+        "answer": "391",
+        "ended": "answer",
+        "transcript": [
+            {"role": "assistant", "content": "<tool_call>{bad}</tool_call>", "tool_calls": []},
+            {"role": "tool", "name": "", "content": "error: the tool call is not valid JSON", "error": True},
+            {
+                "role": "assistant",
+                "content": '<tool_call>{"name": "mul", "arguments": {"a": 17, "b": 23}}</tool_call>',
+                "tool_calls": [{"name": "mul", "arguments": {"a": 17, "b": 23}}],
+            },
+            {"role": "tool", "name": "mul", "content": "391", "error": False},
+            {"role": "assistant", "content": "391"},
+        ],
+    },
+}
+
+
 @dataclass(frozen=True)
 class Seeded:
     client: httpx.Client
@@ -63,7 +88,7 @@ class Seeded:
     alpha: str  # succeeded, lr 1e-3 seed 0, metrics loss and reward/mean, samples at steps 0 and 5
     beta: str  # succeeded with a loss_diverging warning, lr 2e-3 seed 1
     gamma: str  # failed (a failed status event with its reason, and a cancel_requested event)
-    delta: str  # cancelled, tagged "seeded"
+    delta: str  # cancelled, tagged "seeded", one multi-turn tool episode's sample
 
     @property
     def ids(self) -> set[str]:
@@ -132,6 +157,7 @@ def seeded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seeded]:
                         data={"reference": ref},
                     )
                 )
+            conn.execute(insert(RunSample).values(run_id=uuid.UUID(delta), **TRANSCRIPT_SAMPLE))
         try:
             yield Seeded(client, db, alpha, beta, gamma, delta)
         finally:
@@ -528,6 +554,31 @@ def test_failed_event_reason_and_samples(seeded: Seeded, browser: WebDriver, wid
     assert [r.get_attribute("data-step") for r in rows] == [str(s["step"]) for s in api_rows] == ["5"]
     no_horizontal_scroll(browser)
     assert_no_console_errors(browser)
+
+
+@pytest.mark.parametrize("width", ["desktop", "phone"])
+def test_a_tool_episode_sample_shows_its_turns(seeded: Seeded, browser: WebDriver, width: str) -> None:
+    browser.set_window_size(WIDTHS[width], 1000)
+    open_page(browser, seeded.client, f"/runs/{seeded.delta}")
+    turns = wait(
+        browser,
+        lambda: browser.find_elements(By.CSS_SELECTOR, '[data-testid="sample-transcript"] > li'),
+        what="no transcript",
+    )
+    assert [t.get_attribute("data-role") for t in turns] == [
+        "assistant",
+        "tool",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
+    labels = [t.find_element(By.CSS_SELECTOR, "span").text for t in turns]
+    assert labels == ["model", "tool (error)", "model", "tool mul", "model"]  # an error in words
+    assert 'calls mul({"a":17,"b":23})' in turns[2].text
+    assert turns[3].find_element(By.CSS_SELECTOR, ".text").text == "391"
+    details = browser.find_element(By.CSS_SELECTOR, '[data-testid="sample-row"] td:last-child').text
+    assert "ended: answer" in details and "transcript" not in details
+    no_horizontal_scroll(browser)
 
 
 def test_contrast_and_accessible_names_in_both_themes(seeded: Seeded, browser: WebDriver) -> None:

@@ -24,7 +24,7 @@ from trainer.loops import LOOPS
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.phases import RunStopped
 from trainer.reporting import MemoryReporter, RunData
-from trainer.rollout.base import SamplingParams
+from trainer.rollout.base import Completion, SamplingParams
 from trainer.rollout.engine_process import (
     EngineOptions,
     EngineProcess,
@@ -34,6 +34,8 @@ from trainer.rollout.engine_process import (
 )
 from trainer.rollout.hf_engine import HFEngine
 from trainer.rollout.served_engine import ServedEngine, start_served_engine
+from trainer.rollout.tool_episodes import EpisodeLimits, ToolEpisodes
+from trainer.rollout.tool_turns import ToolTurnFormat
 from trainer.specs import parse_spec
 from trainer.stop_watch import raise_in_thread
 
@@ -114,6 +116,66 @@ def test_sampled_log_probs_are_the_trainers_after_a_sync(
             logits = moved(ids).logits[0, len(c.prompt_ids) - 1 : -1] / temperature
         mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
         assert torch.allclose(mine, torch.tensor(c.logprobs), atol=LOGPROB_TOLERANCE), (mine, c.logprobs)
+
+
+class FirstTurnCalls:
+    """Turn 1 of every episode is a fixed tool call (a policy trained to call, standing in); every later
+    turn is ``engine``'s own generation."""
+
+    def __init__(self, engine: Any, tokenizer: Any):
+        self.engine, self.tokenizer = engine, tokenizer
+
+    def generate(self, prompts: list[list[int]], n: int, params: SamplingParams) -> list[Any]:
+        if params.row_ids is not None:  # a later turn
+            return self.engine.generate(prompts, n, params)
+        call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+        ids = self.tokenizer(call, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
+        return [
+            Completion(k // n, list(prompts[k // n]), ids, call, "eos", [-1.0] * len(ids))
+            for k in range(len(prompts) * n)
+        ]
+
+    def sync_weights(self, model: Any) -> None:
+        self.engine.sync_weights(model)
+
+    def close(self) -> None: ...
+
+
+def test_tool_episodes_continue_through_the_engine_as_through_transformers(
+    engine: ServedEngine, tiny: tuple[Any, Any], prompts: list[list[int]]
+) -> None:
+    model, tokenizer = tiny
+    engine.sync_weights(model)
+
+    def episodes(inner: Any) -> ToolEpisodes:
+        return ToolEpisodes(
+            FirstTurnCalls(inner, tokenizer),
+            tokenizer,
+            ["add"],
+            lambda calls: [(str(a["a"] + a["b"]), None) for _, a in calls],
+            ToolTurnFormat(tokenizer),
+            EpisodeLimits(max_turns=2, max_tokens=MAX_MODEL_LEN - max(map(len, prompts))),
+        )
+
+    got = episodes(engine).generate(prompts, 1, greedy())
+    expected = episodes(HFEngine(model, tokenizer)).generate(prompts, 1, greedy())
+    assert [(c.token_ids, c.token_mask) for c in got] == [(c.token_ids, c.token_mask) for c in expected]
+    assert all(c.episode is not None and c.episode.turns == 2 for c in got)
+
+    # sampled second turns: the engine's log-probs are the trainer's on the whole episode, tool tokens
+    # included in the context and excluded from the mask
+    temperature = 0.7
+    sampled = episodes(engine).generate(prompts, 2, SamplingParams(max_new_tokens=8, temperature=temperature))
+    for c in sampled:
+        assert c.logprobs is not None and c.token_mask is not None and len(c.logprobs) == len(c.token_ids)
+        second = [i for i in range(c.token_mask.index(0), len(c.token_ids)) if c.token_mask[i]]
+        assert second  # the engine's own turn
+        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(c.prompt_ids) - 1 : -1] / temperature
+        mine = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        engine_lp = torch.tensor([c.logprobs[i] for i in second])
+        assert torch.allclose(mine[second], engine_lp, atol=LOGPROB_TOLERANCE), (mine[second], engine_lp)
 
 
 def test_an_adapter_policy_syncs_only_its_lora_and_the_sampler_follows_it(

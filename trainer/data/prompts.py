@@ -6,12 +6,16 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def render_prompt(prompt: str | list[dict[str, str]], tokenizer: Any) -> str:
-    """A chat prompt goes through the tokenizer's chat template (or a plain role: content fallback)."""
+def render_prompt(
+    prompt: str | list[dict[str, str]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+) -> str:
+    """A chat prompt goes through the tokenizer's chat template (or a plain role: content fallback);
+    ``tools`` (OpenAI's shape) go to the template, which lists them to the model where it knows how."""
     if isinstance(prompt, str):
         return prompt
     if getattr(tokenizer, "chat_template", None):
-        text: str = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        extra = {"tools": tools} if tools else {}
+        text: str = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **extra)
         return text
     return "".join(f"{m['role']}: {m['content']}\n" for m in prompt) + "assistant: "
 
@@ -25,7 +29,12 @@ class PromptSet:
     ids: list[list[int]]
 
 
-def tokenize_prompts(rows: list[dict[str, Any]], tokenizer: Any, max_prompt_length: int) -> PromptSet:
-    texts = [render_prompt(r["prompt"], tokenizer) for r in rows]
+def tokenize_prompts(
+    rows: list[dict[str, Any]],
+    tokenizer: Any,
+    max_prompt_length: int,
+    tools: list[dict[str, Any]] | None = None,
+) -> PromptSet:
+    texts = [render_prompt(r["prompt"], tokenizer, tools) for r in rows]
     ids = [tokenizer(t).input_ids[-max_prompt_length:] for t in texts]
     return PromptSet(rows=rows, texts=texts, ids=ids)

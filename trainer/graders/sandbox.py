@@ -1,4 +1,5 @@
-"""Running a user's ``grade(sample, item)`` source (a ``python`` grader) where it can harm nothing.
+"""Running a user's Python where it can harm nothing: a ``python`` grader's ``grade(sample, item)``
+(``run_grader``) or a run's tool functions (``run_tools``, trainer/rollout/tool_episodes.py).
 
 One sandbox process per batch of calls, started by ``unshare`` (util-linux) in new network, process, mount,
 IPC and UTS namespaces (and a user namespace when this process is not root). Inside, before any user code
@@ -12,8 +13,8 @@ runs, a boot script (``BOOT``, stdlib only):
    ``fork`` fails, so a fork bomb cannot start), file size and open files;
 4. drops to user ``nobody`` (65534) when it started as root;
 5. points stdout and stderr at ``/dev/null`` (a flood of prints goes nowhere), compiles the source, and
-   calls ``grade`` on each sample under a per-call timer (``setitimer``), writing one JSON result per call
-   to a kept descriptor.
+   calls ``grade`` on each sample (or the named tool function with each call's arguments) under a
+   per-call timer (``setitimer``), writing one JSON result per call to a kept descriptor.
 
 The network namespace has only a loopback interface, down: no connection goes anywhere. The parent reads at
 most ``MAX_RESULT_BYTES``, kills the whole process group (and with it the namespace's init, which takes every
@@ -111,22 +112,32 @@ def on_alarm(*_):
     raise CallTimeout()
 signal.signal(signal.SIGALRM, on_alarm)
 sys.stdout = sys.stderr = open(os.devnull, "w")
-namespace = {"__name__": "grader"}
+tools = payload["mode"] == "tools"
+namespace = {"__name__": "tools" if tools else "grader"}
 try:
     signal.setitimer(signal.ITIMER_REAL, payload["call_seconds"])
-    exec(compile(payload["source"], "<grader>", "exec"), namespace)
+    exec(compile(payload["source"], "<tools>" if tools else "<grader>", "exec"), namespace)
     signal.setitimer(signal.ITIMER_REAL, 0)
-    grade = namespace["grade"]
+    grade = None if tools else namespace["grade"]
 except BaseException as exc:
     signal.setitimer(signal.ITIMER_REAL, 0)
     emit({"setup_error": f"{type(exc).__name__}: {exc}"[:500]})
     os._exit(0)
-for sample, item in payload["calls"]:
+def as_text(value):
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text[: payload["max_text_chars"]]
+for first, second in payload["calls"]:
     try:
         signal.setitimer(signal.ITIMER_REAL, payload["call_seconds"])
-        value = grade(sample, item)
+        if tools:
+            fn = namespace.get(first)
+            if not callable(fn):
+                raise NameError(f"no function {first!r} in the tools' source")
+            value = as_text(fn(**second))
+        else:
+            value = float(grade(first, second))
         signal.setitimer(signal.ITIMER_REAL, 0)
-        emit({"score": float(value)})
+        emit({"text": value} if tools else {"score": value})
     except CallTimeout:
         emit({"error": "timed out"})
     except BaseException as exc:
@@ -175,9 +186,43 @@ def run_grader(
     """``grade(sample, item)`` of ``source`` on each call, in the sandbox; a result per call, in order."""
     if not calls:
         return []
+    out, reason = _run_batch(source, "grade", calls, limits)
+    return _results(out, len(calls), reason)
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """One tool call: the text it returned (a non-string value as JSON), or why it has none."""
+
+    text: str | None
+    error: str | None = None
+
+
+def run_tools(
+    source: str,
+    calls: list[tuple[str, dict[str, Any]]],
+    limits: Limits = DEFAULT_LIMITS,
+    max_text_chars: int = 4096,
+) -> list[ToolResult]:
+    """``name(**arguments)`` of the functions ``source`` defines, for each ``(name, arguments)`` call, in
+    one sandbox (the same isolation and limits as python graders; a call that raises, runs past
+    ``limits.call_seconds`` or exhausts the memory limit fails alone); a result per call, in order, each
+    text cut to ``max_text_chars``."""
+    if not calls:
+        return []
+    out, reason = _run_batch(source, "tools", calls, limits, max_text_chars)
+    return _tool_results(out, len(calls), reason)
+
+
+def _run_batch(
+    source: str, mode: str, calls: list[Any], limits: Limits, max_text_chars: int = 0
+) -> tuple[bytes, str]:
+    """Run one batch of calls in a fresh sandbox: the result lines it wrote, and (when it did not end by
+    itself) why it was stopped."""
     payload = json.dumps(
         {
             "source": source,
+            "mode": mode,
             "calls": calls,
             "binds": _binds(),
             "call_seconds": limits.call_seconds,
@@ -185,6 +230,7 @@ def run_grader(
             "memory_bytes": limits.memory_bytes,
             "file_bytes": limits.file_bytes,
             "tmp_bytes": limits.tmp_bytes,
+            "max_text_chars": max_text_chars,
             "drop_to": NOBODY if os.geteuid() == 0 else None,
         }
     ).encode()
@@ -198,7 +244,7 @@ def run_grader(
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
         )
     except OSError as exc:
-        return [CallResult(None, f"the sandbox did not start: {exc}")] * len(calls)
+        return b"", f"the sandbox did not start: {exc}"
     out, err = bytearray(), bytearray()
     overflow = threading.Event()
     readers = [
@@ -227,7 +273,7 @@ def run_grader(
     proc.wait()
     for r in readers:
         r.join(timeout=5)
-    return _results(bytes(out), len(calls), killed or _stderr_reason(bytes(err), proc.returncode))
+    return bytes(out), killed or _stderr_reason(bytes(err), proc.returncode)
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
@@ -244,13 +290,7 @@ def _stderr_reason(err: bytes, code: int | None) -> str:
 
 def _results(out: bytes, n: int, reason: str) -> list[CallResult]:
     results: list[CallResult] = []
-    for line in out.decode(errors="replace").splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            break
-        if not isinstance(obj, dict):
-            break
+    for obj in _result_lines(out)[:n]:
         if "setup_error" in obj:
             return [CallResult(None, f"the source failed to load: {obj['setup_error']}")] * n
         score = obj.get("score")
@@ -258,10 +298,32 @@ def _results(out: bytes, n: int, reason: str) -> list[CallResult]:
             results.append(CallResult(float(score)))
         else:
             results.append(CallResult(None, str(obj.get("error") or f"grade returned {score!r}")))
-        if len(results) == n:
-            break
     missing = n - len(results)
     return results + [CallResult(None, reason or "no result")] * missing
+
+
+def _result_lines(out: bytes) -> list[dict[str, Any]]:
+    """The sandbox's result objects, up to the first line that is not one."""
+    lines: list[dict[str, Any]] = []
+    for line in out.decode(errors="replace").splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            break
+        if not isinstance(obj, dict):
+            break
+        lines.append(obj)
+    return lines
+
+
+def _tool_results(out: bytes, n: int, reason: str) -> list[ToolResult]:
+    results: list[ToolResult] = []
+    for obj in _result_lines(out)[:n]:
+        if "setup_error" in obj:
+            return [ToolResult(None, f"the tools' source failed to load: {obj['setup_error']}")] * n
+        text = obj.get("text")
+        results.append(ToolResult(text) if isinstance(text, str) else ToolResult(None, str(obj.get("error"))))
+    return results + [ToolResult(None, reason or "no result")] * (n - len(results))
 
 
 @cache

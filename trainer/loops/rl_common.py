@@ -41,6 +41,8 @@ from trainer.reporting import LoopContext, RunData
 from trainer.rewards.composite import CompositeReward
 from trainer.rollout.base import Completion, RolloutEngine
 from trainer.rollout.factory import make_engine
+from trainer.rollout.tool_episodes import EpisodeLimits, ToolEpisodes, sandbox_runner
+from trainer.rollout.tool_turns import ToolTurnFormat
 from trainer.specs import GroupRlSpec, OnlineRlHyperparameters, PpoSpec
 
 
@@ -95,20 +97,23 @@ def prepare_rl(
             # an adapter run's engine loads the frozen base and takes the adapter as a LoRA at each sync
             model_path=start.start_path if has_adapter(policy) else start.model_path,
             synced_gpus=ctx.ranks.active and is_sharded(policy),
-            max_model_len=hp.max_prompt_length + hp.max_new_tokens,
+            max_model_len=hp.max_prompt_length + completion_tokens(spec),
             on_restart=lambda message: start.reporter.event("warning", message),
             threads=engine_threads,
         )
         ctx.cleanup.callback(engine.close)
+        if spec.tools is not None:
+            engine = tool_episodes(spec, engine, tokenizer, data, start)
         reward = build_reward(spec.rewards, ctx.resolve_model, start.device)
         eval_reward = (
             build_reward(spec.eval_rewards, ctx.resolve_model, start.device) if spec.eval_rewards else reward
         )
     held_out = [data.validation[i] for i in eval_rows(len(data.validation), hp.eval_max_rows, hp.seed)]
+    tools = spec.tools.template_tools() if spec.tools is not None else None
     with start.reporter.phase("tokenize", len(data.train) + len(held_out)) as progress:
-        prompts = tokenize_prompts(data.train, tokenizer, hp.max_prompt_length)
+        prompts = tokenize_prompts(data.train, tokenizer, hp.max_prompt_length, tools)
         progress.advance(len(data.train))
-        val_prompts = tokenize_prompts(held_out, tokenizer, hp.max_prompt_length)
+        val_prompts = tokenize_prompts(held_out, tokenizer, hp.max_prompt_length, tools)
     parts = RlParts(
         reference=reference,
         engine=engine,
@@ -122,6 +127,42 @@ def prepare_rl(
         ctx.cleanup.callback(prefetch.close)  # before the engine's close (the stack is last in, first out)
         parts = dataclasses.replace(parts, prefetch=prefetch)
     return parts
+
+
+def completion_tokens(spec: GroupRlSpec | PpoSpec) -> int:
+    """The most tokens after a prompt: one completion's, or with tools an episode's (every turn and tool
+    result)."""
+    hp = spec.hyperparameters
+    return hp.max_new_tokens if spec.tools is None else spec.tools.episode_tokens(hp.max_new_tokens)
+
+
+def tool_episodes(
+    spec: GroupRlSpec | PpoSpec, engine: RolloutEngine, tokenizer: Any, data: RunData, start: Start
+) -> ToolEpisodes:
+    """``engine`` playing multi-turn tool episodes (trainer/rollout/tool_episodes.py), its tool turns in
+    the chat template's markup when the prompts are chat messages and the template can write them."""
+    tools = spec.tools
+    assert tools is not None
+    chat = any(not isinstance(r["prompt"], str) for r in data.train[:64])
+    turn_format = ToolTurnFormat(tokenizer, use_template=chat)
+    how = (
+        "the chat template's tool messages"
+        if turn_format.uses_template
+        else (f"plain 'tool: ...' lines ({turn_format.why_plain})")
+    )
+    start.reporter.event(
+        "info",
+        f"tools {', '.join(tools.names)}: up to {tools.max_turns} turns and "
+        f"{completion_tokens(spec)} tokens per episode; results are written as {how}",
+    )
+    return ToolEpisodes(
+        engine,
+        tokenizer,
+        tools.names,
+        sandbox_runner(tools.source, tools.max_result_chars),
+        turn_format,
+        EpisodeLimits(max_turns=tools.max_turns, max_tokens=completion_tokens(spec)),
+    )
 
 
 def split_cores_for_overlap(ctx: LoopContext) -> int:
@@ -280,7 +321,9 @@ class TokenBatch:
 
     input_ids: Tensor
     attention_mask: Tensor
-    response_mask: Tensor  # (N, W), float, 1 where input_ids[:, offset + k + 1] is a generated token
+    # (N, W), float, 1 where input_ids[:, offset + k + 1] is a generated token (of a multi-turn episode: one
+    # the model sampled, not a tool result or the template's markup between turns)
+    response_mask: Tensor
     offset: int = 0
 
     @property
@@ -303,6 +346,11 @@ def to_token_batch(completions: Sequence[Completion], pad_id: int, device: torch
         ids[i, : len(p) + len(t)] = torch.tensor(p + t, dtype=torch.long)
         attn[i, : len(p) + len(t)] = 1
         resp[i, len(p) : len(p) + len(t)] = 1.0
+    for i, c in enumerate(completions):  # a multi-turn episode: only the model's own tokens
+        if c.token_mask is not None:
+            resp[i, len(c.prompt_ids) : len(c.prompt_ids) + len(c.token_ids)] = torch.tensor(
+                c.token_mask, dtype=torch.float32
+            )
     return TokenBatch(ids.to(device), attn.to(device), resp[:, offset + 1 :].to(device), offset)
 
 

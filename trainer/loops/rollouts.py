@@ -86,9 +86,9 @@ def score(
     samples = [
         Sample(
             prompt=prompts.texts[j],
-            completion=c.text,
+            completion=c.answer,  # an episode's final answer; else the whole completion
             row=prompts.rows[j],
-            n_tokens=len(c.token_ids),
+            n_tokens=c.model_tokens,
             max_new_tokens=max_new_tokens,
             truncated=c.finish_reason == "length",
         )
@@ -235,9 +235,10 @@ def step_rollout_metrics(ro: StepRollouts) -> dict[str, float]:
 
 
 def rollout_metrics(completions: Sequence[Completion], rewards: RewardResult) -> dict[str, float]:
-    """reward/*, response/* for one step's rollouts (plain floats: called at log time)."""
+    """reward/*, response/* (and episode/* for multi-turn rollouts) for one step's rollouts (plain floats:
+    called at log time). A response's length counts the tokens the model produced."""
     total = torch.tensor(rewards.total, dtype=torch.float64)
-    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float64)
+    lengths = torch.tensor([c.model_tokens for c in completions], dtype=torch.float64)
     out = {
         "reward/mean": float(total.mean()),
         "reward/std": float(total.std(unbiased=False)),
@@ -250,7 +251,28 @@ def rollout_metrics(completions: Sequence[Completion], rewards: RewardResult) ->
     }
     for name, values in rewards.components.items():
         out[f"reward/{name}/mean"] = float(torch.tensor(values, dtype=torch.float64).mean())
-    return out
+    return out | episode_metrics(completions)
+
+
+def episode_metrics(completions: Sequence[Completion], prefix: str = "episode") -> dict[str, float]:
+    """Multi-turn episodes' turns, tool calls and endings, as means over the episodes (none: {}):
+    ``turns_mean``, ``tool_calls_mean``, ``tool_call_rate`` (the fraction that called a tool at least once),
+    ``tool_errors`` (calls that failed, summed), ``tool_error_rate`` (failed / made), ``max_turns_frac`` and
+    ``length_frac`` (episodes that ended still calling tools, or out of tokens, rather than answering)."""
+    episodes = [c.episode for c in completions if c.episode is not None]
+    if not episodes:
+        return {}
+    n, calls = len(episodes), sum(e.tool_calls for e in episodes)
+    errors = sum(e.tool_errors for e in episodes)
+    return {
+        f"{prefix}/turns_mean": sum(e.turns for e in episodes) / n,
+        f"{prefix}/tool_calls_mean": calls / n,
+        f"{prefix}/tool_call_rate": sum(e.tool_calls > 0 for e in episodes) / n,
+        f"{prefix}/tool_errors": float(errors),
+        f"{prefix}/tool_error_rate": errors / calls if calls else 0.0,
+        f"{prefix}/max_turns_frac": sum(e.ended == "max_turns" for e in episodes) / n,
+        f"{prefix}/length_frac": sum(e.ended == "length" for e in episodes) / n,
+    }
 
 
 def sample_records(
@@ -275,6 +297,10 @@ def sample_records(
         }
         if prompts.rows[j].get("answer") is not None:
             record["reference"] = prompts.rows[j]["answer"]
+        if c.episode is not None:  # the whole exchange: turns, tool calls, tool results; what was scored
+            record["transcript"] = list(c.episode.messages)
+            record["answer"] = c.episode.answer
+            record["ended"] = c.episode.ended
         out.append(record)
     return out
 
@@ -294,8 +320,8 @@ def evaluate_greedy(
     params = sampling_params(hp, seed=seed, greedy=True)
     every = range(len(prompts.ids))
     completions, result = generate_scored(engine, prompts, every, 1, params, reward, hp.max_new_tokens, ranks)
-    lengths = [len(c.token_ids) for c in completions]
+    lengths = [c.model_tokens for c in completions]
     return {
         "eval/accuracy": sum(result.total) / len(result.total),
         "eval/response_length": sum(lengths) / len(lengths),
-    }
+    } | {k: v for k, v in episode_metrics(completions, "eval").items() if "frac" not in k}

@@ -19,6 +19,8 @@ class SamplingParams:
     and the row's global index, ``first_row`` + its index in the call (trainer/rollout/row_sampling.py):
     a prompt's samples do not depend on the batch around it, so ranks that each generate a share of a
     step's prompts (passing their share's first row) sample what one process sampling them all would.
+    ``row_ids``, when given, names each prompt's global row instead (rows that are not consecutive: the
+    episodes of a multi-turn rollout still going at a later turn); it needs ``n == 1``.
     """
 
     max_new_tokens: int = 64
@@ -28,6 +30,7 @@ class SamplingParams:
     greedy: bool = False
     seed: int | None = None
     first_row: int = 0
+    row_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -40,6 +43,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.first_row < 0:
             raise ValueError(f"first_row must be >= 0, got {self.first_row}")
+        if self.row_ids is not None and any(r < 0 for r in self.row_ids):
+            raise ValueError("row_ids must be >= 0")
 
     @property
     def is_greedy(self) -> bool:
@@ -62,6 +67,35 @@ class Completion:
     text: str
     finish_reason: FinishReason
     logprobs: list[float] | None = None
+    # Multi-turn episodes (trainer/rollout/tool_episodes.py): 1 where the model produced the token, 0 for
+    # tool results and template markup between its turns (None: every token is the model's)
+    token_mask: list[int] | None = None
+    episode: Episode | None = None
+
+    @property
+    def answer(self) -> str:
+        """The text the rewards score: an episode's final answer, else the whole completion."""
+        return self.episode.answer if self.episode is not None else self.text
+
+    @property
+    def model_tokens(self) -> int:
+        """How many of ``token_ids`` the model produced."""
+        return len(self.token_ids) if self.token_mask is None else sum(self.token_mask)
+
+
+@dataclass(frozen=True)
+class Episode:
+    """What a multi-turn rollout did: its transcript after the prompt (assistant turns with their tool
+    calls, tool results), the final answer (the last assistant turn's text), and counts. ``ended``:
+    ``answer`` (a turn without tool calls), ``max_turns`` (still calling tools at the last turn) or
+    ``length`` (the token budget ran out)."""
+
+    messages: tuple[dict[str, Any], ...]
+    answer: str
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    ended: Literal["answer", "max_turns", "length"]
 
 
 class RolloutEngine(Protocol):
@@ -80,10 +114,13 @@ class RolloutEngine(Protocol):
         ...
 
 
-def check_generate_args(prompts: Sequence[list[int]], n: int) -> None:
-    """The argument checks every engine shares: ``n >= 1`` and no empty prompt (nothing to condition on)."""
+def check_generate_args(prompts: Sequence[list[int]], n: int, params: SamplingParams | None = None) -> None:
+    """The argument checks every engine shares: ``n >= 1``, no empty prompt (nothing to condition on), and
+    one ``row_ids`` entry per prompt (with ``n == 1``) where given."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if params is not None and params.row_ids is not None and (n != 1 or len(params.row_ids) != len(prompts)):
+        raise ValueError(f"row_ids needs n == 1 and one row per prompt ({len(prompts)}), got n={n}")
     for i, ids in enumerate(prompts):
         if len(ids) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")

@@ -156,7 +156,7 @@ class HFEngine:
         ``batch_size``, and the global torch RNG is neither read nor moved (without a seed, one draw from it
         seeds the call). Greedy with ``n > 1`` returns ``n`` identical copies.
         """
-        check_generate_args(prompts, n)
+        check_generate_args(prompts, n, params)
         if params.seed is None and not params.is_greedy:
             params = dataclasses.replace(params, seed=int(torch.randint(0, 2**62, ()).item()))
         per_chunk = max(1, self.batch_size // n)
@@ -165,12 +165,15 @@ class HFEngine:
             for start in range(0, len(prompts), per_chunk):
                 chunk = [list(p) for p in prompts[start : start + per_chunk]]
                 first = params.first_row + start * n
-                done = self._generate_chunk(chunk, n, params, range(first, first + len(chunk) * n))
+                rows: Sequence[int] = range(first, first + len(chunk) * n)
+                if params.row_ids is not None:
+                    rows = params.row_ids[start : start + len(chunk)]
+                done = self._generate_chunk(chunk, n, params, rows)
                 out += [dataclasses.replace(c, prompt_index=c.prompt_index + start) for c in done]
         return out
 
     def _generate_chunk(
-        self, chunk: list[list[int]], n: int, params: SamplingParams, rows: range
+        self, chunk: list[list[int]], n: int, params: SamplingParams, rows: Sequence[int]
     ) -> list[Completion]:
         # Repeating rows ourselves (rather than num_return_sequences) gives the same prompt-major order and
         # also works for greedy decoding, where generate refuses num_return_sequences > 1.

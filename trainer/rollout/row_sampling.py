@@ -17,6 +17,7 @@ step. vLLM's sampler draws seeded requests the same way (a generator per request
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -58,7 +59,7 @@ class RowNoise:
         return scores - q.log().to(scores.dtype)
 
 
-def row_processors(params: SamplingParams, rows: range, device: torch.device) -> list[Any]:
+def row_processors(params: SamplingParams, rows: Sequence[int], device: torch.device) -> list[Any]:
     """The processors that turn greedy decoding of the rows ``rows`` (global indices) into sampling from
     ``params``' distribution: transformers' temperature, top-k and top-p warpers (its sampling order), then
     ``RowNoise``. Without ``params.seed`` the streams are seeded from torch's global RNG (one draw)."""

@@ -34,6 +34,7 @@ from trainer.specs.refs import (
     check_model_ref,
     refuse_nul,
 )
+from trainer.specs.tools import ToolsSpec
 
 PRESET_MARK = "x-rlrun-preset"
 # Completion tokens per sample, for online RL and for eval runs alike, so an eval before and after a run
@@ -435,7 +436,27 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
         description="Held-out metric on the validation prompts (greedy), e.g. exact_match; logged as "
         "`eval/accuracy` every `eval_every` steps. Default: the training rewards.",
     )
+    tools: ToolsSpec | None = Field(
+        default=None,
+        description="Multi-turn tool rollouts: Python functions the policy may call; each sample becomes an "
+        "episode of up to `tools.max_turns` turns, its tool results appended as tool messages and never "
+        "trained on; the rewards score the final answer (docs/algorithms.md, 'Multi-turn tool rollouts'). "
+        "Default: one turn, no tools.",
+    )
     dataset_kinds: ClassVar[tuple[str, ...]] = ("prompts",)
+
+    @model_validator(mode="after")
+    def _episode_fits(self) -> _OnlineRlSpecBase:
+        hp: OnlineRlHyperparameters = self.hyperparameters  # type: ignore[attr-defined]
+        if self.tools is not None:
+            budget = self.tools.episode_tokens(hp.max_new_tokens)
+            if hp.max_prompt_length + budget > hp.max_length:
+                raise ValueError(
+                    f"max_prompt_length + the episode's tokens ({hp.max_prompt_length} + {budget}: "
+                    "tools.max_episode_tokens, default max_turns x max_new_tokens) must not exceed "
+                    f"hyperparameters.max_length ({hp.max_length})"
+                )
+        return self
 
     @model_validator(mode="after")
     def _engine_takes_the_adapter(self) -> _OnlineRlSpecBase:

@@ -1,0 +1,82 @@
+"""A run's tools are checked at submit (issue 39 item 1): bad Python names its line, a tool its source
+does not define, a name that is not an identifier, an episode that cannot fit `max_length`; nothing is
+stored for a refused run, and an accepted run keeps its tools in its resolved spec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from api.models import Run
+from tests.factories import api_client, make_dataset
+from trainer.graders.sandbox import isolation_problem
+
+pytestmark = pytest.mark.skipif(isolation_problem() is not None, reason=str(isolation_problem()))
+
+SOURCE = "def add(a, b):\n    return a + b\n"
+ADD = {"type": "function", "function": {"name": "add", "description": "a + b"}}
+
+
+def spec(dataset_id: Any, algorithm: str = "grpo", hp: dict[str, Any] | None = None, **tools: Any) -> dict:
+    return {
+        "algorithm": algorithm,
+        "model": "tiny:llama-0.4m",
+        "dataset_id": str(dataset_id),
+        "rewards": [{"name": "exact_match"}],
+        "tools": {"source": SOURCE, "definitions": [ADD], **tools},
+        "hyperparameters": {"max_steps": 2, "max_new_tokens": 16, "max_prompt_length": 32, **(hp or {})},
+    }
+
+
+def count(session: Session) -> int:
+    return int(session.scalar(select(func.count()).select_from(Run)) or 0)
+
+
+@pytest.mark.parametrize(
+    ("tools", "hp", "field", "words"),
+    [
+        ({"source": "def add(a, b):\n    return a +\n"}, {}, "tools.source", "not valid Python"),
+        (
+            {"source": "def sub(a, b):\n    return a - b\n"},
+            {},
+            "tools.source",
+            "defines no top-level function 'add'",
+        ),
+        (
+            {"definitions": [{"type": "function", "function": {"name": "add me"}}]},
+            {},
+            "tools.definitions.0.function.name",
+            "not a Python identifier",
+        ),
+        ({"definitions": [ADD, ADD]}, {}, "tools.definitions", "each tool needs its own name"),
+        ({"max_turns": 1}, {}, "tools.max_turns", "greater than or equal to 2"),
+        ({"max_turns": 8}, {"max_new_tokens": 64}, None, "must not exceed hyperparameters.max_length (256)"),
+    ],
+)
+def test_bad_tools_are_refused_naming_the_field(
+    session: Session, tools: dict[str, Any], hp: dict[str, Any], field: str | None, words: str
+) -> None:
+    prompts = make_dataset(session, rows=[{"prompt": "1+1=", "answer": "2"}], kind="prompts")
+    before = count(session)
+    with api_client(session) as client:
+        resp = client.post("/v1/runs", json=spec(prompts.id, hp=hp, **tools))
+    assert resp.status_code == 422, resp.text
+    error = resp.json()["error"]
+    assert words in error["message"], error
+    if field is not None:
+        assert error["field"] == field, error
+    assert count(session) == before
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "remax", "ppo"])
+def test_tools_are_kept_in_the_resolved_spec(session: Session, algorithm: str) -> None:
+    prompts = make_dataset(session, rows=[{"prompt": "1+1=", "answer": "2"}], kind="prompts")
+    with api_client(session) as client:
+        resp = client.post("/v1/runs", json=spec(prompts.id, algorithm, max_turns=3))
+    assert resp.status_code == 201, resp.text
+    tools = resp.json()["spec"]["tools"]
+    assert tools["source"] == SOURCE and tools["max_turns"] == 3 and tools["max_episode_tokens"] is None
+    assert tools["definitions"][0]["function"]["parameters"] == {"type": "object", "properties": {}}

@@ -1,0 +1,130 @@
+"""Online RL with tools, through the loops: episodes of a scripted calculator-calling policy run through
+the real sandbox, the GRPO and PPO loops train on them, and the metrics and samples tell what happened."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.loop_context import loop_ctx
+from trainer.graders.sandbox import isolation_problem
+from trainer.loops import rl_common
+from trainer.loops.group_rl import run_group_rl
+from trainer.loops.ppo import run_ppo
+from trainer.models import load_causal_lm, tiny_model_dir
+from trainer.reporting import MemoryReporter, RunData
+from trainer.rollout.base import Completion, SamplingParams
+from trainer.specs import parse_spec
+
+pytestmark = pytest.mark.skipif(isolation_problem() is not None, reason=str(isolation_problem()))
+
+ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(3) for b in range(3)]
+TOOLS = {
+    "source": "def add(a, b):\n    return a + b\n",
+    "definitions": [{"type": "function", "function": {"name": "add", "description": "a + b"}}],
+    "max_turns": 3,
+    "max_episode_tokens": 160,
+}
+
+
+class CalculatorPolicy:
+    """Stands in for a policy that calls ``add`` on its prompt's numbers, then answers what the tool said
+    (sample ``k`` of a call adds ``k % 2``: half the answers are wrong, so groups have reward variance)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.contexts: list[str] = []
+
+    def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+        out = []
+        for p, ids in enumerate(prompts):
+            context = self.tokenizer.decode(ids, skip_special_tokens=True)
+            self.contexts.append(context)
+            for k in range(n):
+                said = re.findall(r"tool: (\d+)", context)
+                if said:
+                    row = params.row_ids[p] if params.row_ids else params.first_row + p * n + k
+                    text = str(int(said[-1]) + row % 2)
+                else:
+                    a, b = re.match(r"(\d+)\+(\d+)=", context).groups()  # type: ignore[union-attr]
+                    text = f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
+                tokens = self.tokenizer(text, add_special_tokens=False).input_ids + [
+                    self.tokenizer.eos_token_id
+                ]
+                out.append(Completion(p, list(ids), tokens, text, "eos"))
+        return out
+
+    def sync_weights(self, model: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def spec_of(algorithm: str, **hp: Any) -> Any:
+    return parse_spec(
+        {
+            "algorithm": algorithm,
+            "model": "tiny:llama-0.4m",
+            "dataset_id": str(uuid.uuid4()),
+            "rewards": [{"name": "exact_match"}],
+            "tools": TOOLS,
+            "hyperparameters": {
+                "max_steps": 2,
+                "prompts_per_step": 2,
+                "samples_per_prompt": 2,
+                "max_new_tokens": 64,
+                "max_length": 256,
+                "max_prompt_length": 16,
+                "learning_rate": 1e-2,
+                "sample_every": 1,
+                "samples_to_store": 2,
+                "eval_every": 2,
+                **hp,
+            },
+        }
+    )
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_tool_episodes_train_and_report(
+    algorithm: str, tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, tokenizer = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    policy = CalculatorPolicy(tokenizer)
+    monkeypatch.setattr(rl_common, "make_engine", lambda name, **_: policy)
+    reporter = MemoryReporter()
+    run = run_group_rl if algorithm == "grpo" else run_ppo
+    extra = {"dynamic_sampling": False} if algorithm == "grpo" else {}
+    result = run(
+        spec_of(algorithm, **extra),
+        RunData(train=ROWS, validation=ROWS[:2]),
+        reporter,
+        loop_ctx(tiny_cache, tmp_path),
+    )
+    assert result.status == "succeeded", reporter.events
+
+    # every episode: a call, the sandbox's sum, an answer (right for even rows, one more for odd rows)
+    metrics = {(s, k): v for s, k, v in reporter.metrics}
+    for step in (1, 2):
+        assert metrics[(step, "episode/turns_mean")] == 2.0
+        assert metrics[(step, "episode/tool_call_rate")] == 1.0
+        assert metrics[(step, "episode/tool_errors")] == 0.0
+        assert metrics[(step, "reward/mean")] == 0.5
+        assert metrics[(step, "response/length_mean")] < 64  # the model's own tokens only
+    assert metrics[(2, "eval/tool_calls_mean")] == 1.0 and metrics[(2, "eval/turns_mean")] == 2.0
+    assert any("tool: " in c for c in policy.contexts)
+    (_, record), *_ = reporter.samples
+    transcript = record["transcript"]
+    assert [m["role"] for m in transcript] == ["assistant", "tool", "assistant"]
+    a, b = re.match(r"(\d+)\+(\d+)=", record["prompt"]).groups()  # type: ignore[union-attr]
+    assert transcript[1]["content"] == str(int(a) + int(b)) and record["answer"] == transcript[2]["content"]
+    assert transcript[0]["tool_calls"] == [{"name": "add", "arguments": {"a": int(a), "b": int(b)}}]
+    assert any("tools add: up to 3 turns and 160 tokens" in m for _, m, _ in reporter.events)
+    trained, _ = load_causal_lm(str(result.output_path))
+    start, _ = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    assert not torch.equal(trained.lm_head.weight, start.lm_head.weight)
