@@ -53,6 +53,19 @@ def count(session: Session) -> int:
         ),
         ({"definitions": [ADD, ADD]}, {}, "tools.definitions", "each tool needs its own name"),
         ({"max_turns": 1}, {}, "tools.max_turns", "greater than or equal to 2"),
+        ({"source": SOURCE + "# \x00\n"}, {}, "tools.source", "contains a NUL character"),
+        (
+            {"definitions": [{"type": "function", "function": {"name": "add", "description": "a\x00"}}]},
+            {},
+            "tools.definitions.0.function.description",
+            "contains a NUL character",
+        ),
+        (
+            {"definitions": [{"type": "function", "function": {"name": "add", "parameters": {"k": "\x00"}}}]},
+            {},
+            "tools.definitions.0.function.parameters",
+            "contains a NUL character",
+        ),
         ({"max_turns": 8}, {"max_new_tokens": 64}, None, "must not exceed hyperparameters.max_length (256)"),
     ],
 )

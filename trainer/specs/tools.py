@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 
 from trainer.specs.base import _Frozen
 from trainer.specs.graders import MAX_SOURCE_CHARS
+from trainer.specs.refs import refuse_nul
 
 TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -37,6 +38,11 @@ class ToolFunction(_Frozen):
         if not TOOL_NAME.match(v):
             raise ValueError(f"{v!r} is not a Python identifier")
         return v
+
+    @field_validator("description", "parameters")
+    @classmethod
+    def _without_nul(cls, v: Any) -> Any:
+        return refuse_nul(v)
 
 
 class ToolDefinition(_Frozen):
@@ -80,6 +86,7 @@ class ToolsSpec(_Frozen):
     @field_validator("source")
     @classmethod
     def _compiles(cls, v: str) -> str:
+        refuse_nul(v, "source")
         try:
             ast.parse(v)
         except SyntaxError as exc:
