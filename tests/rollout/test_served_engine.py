@@ -32,10 +32,11 @@ from trainer.rollout.engine_process import (
     EngineUnavailable,
     engine_python,
 )
+from trainer.rollout.episodes import EpisodeLimits, MultiTurnEngine
 from trainer.rollout.hf_engine import HFEngine
 from trainer.rollout.served_engine import ServedEngine, start_served_engine
-from trainer.rollout.tool_episodes import EpisodeLimits, ToolEpisodes
-from trainer.rollout.tool_turns import ToolTurnFormat
+from trainer.rollout.tool_episodes import tool_episodes
+from trainer.rollout.turn_format import TurnFormat
 from trainer.specs import parse_spec
 from trainer.stop_watch import raise_in_thread
 
@@ -147,13 +148,13 @@ def test_tool_episodes_continue_through_the_engine_as_through_transformers(
     model, tokenizer = tiny
     engine.sync_weights(model)
 
-    def episodes(inner: Any) -> ToolEpisodes:
-        return ToolEpisodes(
+    def episodes(inner: Any) -> MultiTurnEngine:
+        return tool_episodes(
             FirstTurnCalls(inner, tokenizer),
             tokenizer,
             ["add"],
             lambda calls: [(str(a["a"] + a["b"]), None) for _, a in calls],
-            ToolTurnFormat(tokenizer),
+            TurnFormat(tokenizer),
             EpisodeLimits(max_turns=2, max_tokens=MAX_MODEL_LEN - max(map(len, prompts))),
         )
 

@@ -14,10 +14,11 @@ from trainer.graders.sandbox import isolation_problem
 from trainer.loops.rl_common import to_token_batch
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.rollout.base import Completion, SamplingParams
+from trainer.rollout.episodes import EpisodeLimits, MultiTurnEngine
 from trainer.rollout.hf_engine import HFEngine
 from trainer.rollout.tool_calls import ToolCall, parse_tool_calls
-from trainer.rollout.tool_episodes import EpisodeLimits, ToolEpisodes, sandbox_runner
-from trainer.rollout.tool_turns import ToolTurnFormat
+from trainer.rollout.tool_episodes import sandbox_runner, tool_episodes
+from trainer.rollout.turn_format import TurnFormat
 
 CALC = "def add(a, b):\n    return a + b\n"
 # A ChatML-like template whose turns end with the tiny tokenizer's EOS (</s>), tool role included.
@@ -75,20 +76,22 @@ def test_malformed_calls_are_calls_with_an_error() -> None:
 
 
 def test_plain_tool_turn_is_the_fallback_text(tokenizer: Any) -> None:
-    fmt = ToolTurnFormat(tokenizer)
+    fmt = TurnFormat(tokenizer)
     assert not fmt.uses_template and fmt.why_plain == "the tokenizer has no chat template"
-    assert fmt.text(["5", "error: boom"]) == "\ntool: 5\ntool: error: boom\nassistant: "
-    assert fmt.ids(["5"]) == tokenizer("\ntool: 5\nassistant: ", add_special_tokens=False).input_ids
+    results = [{"role": "tool", "content": "5"}, {"role": "tool", "content": "error: boom"}]
+    assert fmt.text(results) == "\ntool: 5\ntool: error: boom\nassistant: "
+    assert fmt.ids(results[:1]) == tokenizer("\ntool: 5\nassistant: ", add_special_tokens=False).input_ids
 
 
 def test_template_tool_turn_follows_the_model_end_of_turn(tokenizer: Any) -> None:
     tokenizer.chat_template = CHATML
     try:
-        fmt = ToolTurnFormat(tokenizer)
+        fmt = TurnFormat(tokenizer)
         assert fmt.uses_template, fmt.why_plain
         # after the model's own "</s>": the template's newline, the tool message, the next turn's opening
-        assert fmt.text(["5"]) == "\n<s>tool\n5</s>\n<s>assistant\n"
-        assert not ToolTurnFormat(tokenizer, use_template=False).uses_template
+        assert fmt.text([{"role": "tool", "content": "5"}]) == "\n<s>tool\n5</s>\n<s>assistant\n"
+        assert fmt.text([{"role": "user", "content": "go on"}]) == "\n<s>user\ngo on</s>\n<s>assistant\n"
+        assert not TurnFormat(tokenizer, use_template=False).uses_template
     finally:
         tokenizer.chat_template = None
 
@@ -100,7 +103,7 @@ def test_a_template_that_rewrites_earlier_turns_falls_back(tokenizer: Any) -> No
         "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
     )
     try:
-        fmt = ToolTurnFormat(tokenizer)
+        fmt = TurnFormat(tokenizer)
         assert fmt.why_plain == "the chat template rewrites earlier turns when a tool message follows"
     finally:
         tokenizer.chat_template = None
@@ -153,9 +156,9 @@ def fake_tools(calls: list[tuple[str, dict[str, Any]]]) -> list[tuple[str | None
     return [(str(args["a"] + args["b"]), None) for _, args in calls]
 
 
-def episodes(tokenizer: Any, policy: Any, *, turns: int = 3, tokens: int = 200) -> ToolEpisodes:
-    return ToolEpisodes(
-        policy, tokenizer, ["add"], fake_tools, ToolTurnFormat(tokenizer), EpisodeLimits(turns, tokens)
+def episodes(tokenizer: Any, policy: Any, *, turns: int = 3, tokens: int = 200) -> MultiTurnEngine:
+    return tool_episodes(
+        policy, tokenizer, ["add"], fake_tools, TurnFormat(tokenizer), EpisodeLimits(turns, tokens)
     )
 
 
@@ -167,12 +170,12 @@ def test_an_episode_trains_only_the_model_tokens(tokenizer: Any) -> None:
     policy = ScriptedPolicy(tokenizer, {prompt[0]: [call(2, 3), "5"]}, logprob=-0.5)
     if isolation_problem() is not None:
         pytest.skip(isolation_problem() or "")
-    eng = ToolEpisodes(
+    eng = tool_episodes(
         policy,
         tokenizer,
         ["add"],
         sandbox_runner(sneaky, 2000),
-        ToolTurnFormat(tokenizer),
+        TurnFormat(tokenizer),
         EpisodeLimits(3, 200),
     )
     (c,) = eng.generate([prompt], 1, SamplingParams(max_new_tokens=64, seed=1))
@@ -230,12 +233,12 @@ def test_tool_errors_go_back_to_the_model_and_episodes_go_on(tokenizer: Any) -> 
     bad = ['<tool_call>{"name": "add", "arguments": {"a": 0, "b": 1}}</tool_call>', call(1, 0), call(2, 0)]
     texts = [*bad, "<tool_call>{oops}</tool_call>"]
     scripts = {p[0]: [text, "done"] for p, text in zip(prompts, texts, strict=True)}
-    eng = ToolEpisodes(
+    eng = tool_episodes(
         ScriptedPolicy(tokenizer, scripts),
         tokenizer,
         ["add"],
         sandbox_runner(source, 500),
-        ToolTurnFormat(tokenizer),
+        TurnFormat(tokenizer),
         EpisodeLimits(3, 300),
     )
     out = eng.generate(prompts, 1, SamplingParams(max_new_tokens=64))

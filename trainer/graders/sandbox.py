@@ -124,6 +124,11 @@ except BaseException as exc:
     emit({"setup_error": f"{type(exc).__name__}: {exc}"[:500]})
     os._exit(0)
 def as_text(value):
+    if payload["as_json"]:
+        text = json.dumps(value, allow_nan=False)
+        if len(text) > payload["max_text_chars"]:
+            raise ValueError(f"the result is over {payload['max_text_chars']} characters of JSON")
+        return text
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     return text[: payload["max_text_chars"]]
 for first, second in payload["calls"]:
@@ -203,19 +208,21 @@ def run_tools(
     calls: list[tuple[str, dict[str, Any]]],
     limits: Limits = DEFAULT_LIMITS,
     max_text_chars: int = 4096,
+    as_json: bool = False,
 ) -> list[ToolResult]:
     """``name(**arguments)`` of the functions ``source`` defines, for each ``(name, arguments)`` call, in
     one sandbox (the same isolation and limits as python graders; a call that raises, runs past
     ``limits.call_seconds`` or exhausts the memory limit fails alone); a result per call, in order, each
-    text cut to ``max_text_chars``."""
+    text cut to ``max_text_chars``. ``as_json``: every value comes back as its JSON text (an error where it
+    has none, or where it is longer than ``max_text_chars``)."""
     if not calls:
         return []
-    out, reason = _run_batch(source, "tools", calls, limits, max_text_chars)
+    out, reason = _run_batch(source, "tools", calls, limits, max_text_chars, as_json)
     return _tool_results(out, len(calls), reason)
 
 
 def _run_batch(
-    source: str, mode: str, calls: list[Any], limits: Limits, max_text_chars: int = 0
+    source: str, mode: str, calls: list[Any], limits: Limits, max_text_chars: int = 0, as_json: bool = False
 ) -> tuple[bytes, str]:
     """Run one batch of calls in a fresh sandbox: the result lines it wrote, and (when it did not end by
     itself) why it was stopped."""
@@ -231,6 +238,7 @@ def _run_batch(
             "file_bytes": limits.file_bytes,
             "tmp_bytes": limits.tmp_bytes,
             "max_text_chars": max_text_chars,
+            "as_json": as_json,
             "drop_to": NOBODY if os.geteuid() == 0 else None,
         }
     ).encode()

@@ -26,6 +26,7 @@ from trainer.data.prompts import PromptSet, tokenize_prompts
 from trainer.data.sampling import micro_batches
 from trainer.distributed import Ranks, current, gather_rows, is_sharded, padded_share, sum_over_ranks, unwrap
 from trainer.loops.async_rollouts import RolloutPrefetch
+from trainer.loops.multi_turn import completion_tokens, environment_openings, multi_turn_engine
 from trainer.loops.rollouts import (
     StepRollouts,
     build_reward,
@@ -40,9 +41,8 @@ from trainer.precision import frozen_dtype
 from trainer.reporting import LoopContext, RunData
 from trainer.rewards.composite import CompositeReward
 from trainer.rollout.base import Completion, RolloutEngine
+from trainer.rollout.env_episodes import sandbox_env
 from trainer.rollout.factory import make_engine
-from trainer.rollout.tool_episodes import EpisodeLimits, ToolEpisodes, sandbox_runner
-from trainer.rollout.tool_turns import ToolTurnFormat
 from trainer.specs import GroupRlSpec, OnlineRlHyperparameters, PpoSpec
 
 
@@ -102,18 +102,33 @@ def prepare_rl(
             threads=engine_threads,
         )
         ctx.cleanup.callback(engine.close)
-        if spec.tools is not None:
-            engine = tool_episodes(spec, engine, tokenizer, data, start)
-        reward = build_reward(spec.rewards, ctx.resolve_model, start.device)
+        env = spec.environment is not None  # its step rewards are a component of the reward
+        reward = build_reward(spec.rewards, ctx.resolve_model, start.device, environment=env)
         eval_reward = (
-            build_reward(spec.eval_rewards, ctx.resolve_model, start.device) if spec.eval_rewards else reward
+            build_reward(spec.eval_rewards, ctx.resolve_model, start.device, environment=env)
+            if spec.eval_rewards
+            else reward
         )
+    train = data.train
     held_out = [data.validation[i] for i in eval_rows(len(data.validation), hp.eval_max_rows, hp.seed)]
     tools = spec.tools.template_tools() if spec.tools is not None else None
-    with start.reporter.phase("tokenize", len(data.train) + len(held_out)) as progress:
-        prompts = tokenize_prompts(data.train, tokenizer, hp.max_prompt_length, tools)
-        progress.advance(len(data.train))
+    with start.reporter.phase("tokenize", len(train) + len(held_out)) as progress:
+        openings: tuple[list[Any], list[Any]] = ([[]] * len(train), [[]] * len(held_out))
+        if spec.environment is not None:  # each row's prompt is what the environment's reset opens with
+            run_env = sandbox_env(spec.environment.source)
+            train, train_open = environment_openings(train, run_env, start.reporter, "training")
+            held_out, held_open = environment_openings(held_out, run_env, start.reporter, "held-out")
+            openings = (train_open, held_open)
+        prompts = tokenize_prompts(train, tokenizer, hp.max_prompt_length, tools)
+        progress.advance(len(train))
         val_prompts = tokenize_prompts(held_out, tokenizer, hp.max_prompt_length, tools)
+    if spec.tools is not None or spec.environment is not None:
+        rows = {
+            tuple(ids): (row, opening)
+            for ps, opened in zip((prompts, val_prompts), openings, strict=True)
+            for ids, row, opening in zip(ps.ids, ps.rows, opened, strict=True)
+        }
+        engine = multi_turn_engine(spec, engine, tokenizer, data, start.reporter, rows)
     parts = RlParts(
         reference=reference,
         engine=engine,
@@ -127,42 +142,6 @@ def prepare_rl(
         ctx.cleanup.callback(prefetch.close)  # before the engine's close (the stack is last in, first out)
         parts = dataclasses.replace(parts, prefetch=prefetch)
     return parts
-
-
-def completion_tokens(spec: GroupRlSpec | PpoSpec) -> int:
-    """The most tokens after a prompt: one completion's, or with tools an episode's (every turn and tool
-    result)."""
-    hp = spec.hyperparameters
-    return hp.max_new_tokens if spec.tools is None else spec.tools.episode_tokens(hp.max_new_tokens)
-
-
-def tool_episodes(
-    spec: GroupRlSpec | PpoSpec, engine: RolloutEngine, tokenizer: Any, data: RunData, start: Start
-) -> ToolEpisodes:
-    """``engine`` playing multi-turn tool episodes (trainer/rollout/tool_episodes.py), its tool turns in
-    the chat template's markup when the prompts are chat messages and the template can write them."""
-    tools = spec.tools
-    assert tools is not None
-    chat = any(not isinstance(r["prompt"], str) for r in data.train[:64])
-    turn_format = ToolTurnFormat(tokenizer, use_template=chat)
-    how = (
-        "the chat template's tool messages"
-        if turn_format.uses_template
-        else (f"plain 'tool: ...' lines ({turn_format.why_plain})")
-    )
-    start.reporter.event(
-        "info",
-        f"tools {', '.join(tools.names)}: up to {tools.max_turns} turns and "
-        f"{completion_tokens(spec)} tokens per episode; results are written as {how}",
-    )
-    return ToolEpisodes(
-        engine,
-        tokenizer,
-        tools.names,
-        sandbox_runner(tools.source, tools.max_result_chars),
-        turn_format,
-        EpisodeLimits(max_turns=tools.max_turns, max_tokens=completion_tokens(spec)),
-    )
 
 
 def split_cores_for_overlap(ctx: LoopContext) -> int:

@@ -28,8 +28,18 @@ from trainer.rollout.base import Completion, RolloutEngine, SamplingParams
 from trainer.specs import OnlineRlHyperparameters, RewardSpec
 
 
-def build_reward(specs: Sequence[RewardSpec], resolve_model: Any, device: torch.device) -> CompositeReward:
-    """A CompositeReward for the spec's components (one reward-model scorer at most, loaded once)."""
+def environment_return(samples: Sequence[Sample]) -> tuple[list[float], list[bool], str | None]:
+    """The ``environment`` reward component: each episode's sum of step rewards (0 for a sample without
+    one); an episode the environment failed on keeps what it had earned (its failure is in its
+    transcript and ``episode/error_frac``)."""
+    return [s.env_return or 0.0 for s in samples], [False] * len(samples), None
+
+
+def build_reward(
+    specs: Sequence[RewardSpec], resolve_model: Any, device: torch.device, environment: bool = False
+) -> CompositeReward:
+    """A CompositeReward for the spec's components (one reward-model scorer at most, loaded once), and with
+    ``environment`` the environment's step rewards as one more component (weight 1)."""
     scorer = None
     for r in specs:
         if r.name == "reward_model":
@@ -43,6 +53,8 @@ def build_reward(specs: Sequence[RewardSpec], resolve_model: Any, device: torch.
         else RewardComponent(name=r.name, weight=r.weight, params=r.params)
         for r in specs
     ]
+    if environment:
+        components.append(RewardComponent(name="environment", batch=environment_return))
     return CompositeReward(components, reward_model=scorer)
 
 
@@ -89,6 +101,7 @@ def score(
             completion=c.answer,  # an episode's final answer; else the whole completion
             row=prompts.rows[j],
             n_tokens=c.model_tokens,
+            env_return=c.episode.env_return if c.episode is not None else None,
             max_new_tokens=max_new_tokens,
             truncated=c.finish_reason == "length",
         )
@@ -258,7 +271,8 @@ def episode_metrics(completions: Sequence[Completion], prefix: str = "episode") 
     """Multi-turn episodes' turns, tool calls and endings, as means over the episodes (none: {}):
     ``turns_mean``, ``tool_calls_mean``, ``tool_call_rate`` (the fraction that called a tool at least once),
     ``tool_errors`` (calls that failed, summed), ``tool_error_rate`` (failed / made), ``max_turns_frac`` and
-    ``length_frac`` (episodes that ended still calling tools, or out of tokens, rather than answering)."""
+    ``length_frac`` (episodes cut by the turn or token limit), ``done_frac`` (ended by the environment)
+    and ``error_frac`` (ended by the environment failing)."""
     episodes = [c.episode for c in completions if c.episode is not None]
     if not episodes:
         return {}
@@ -272,6 +286,8 @@ def episode_metrics(completions: Sequence[Completion], prefix: str = "episode") 
         f"{prefix}/tool_error_rate": errors / calls if calls else 0.0,
         f"{prefix}/max_turns_frac": sum(e.ended == "max_turns" for e in episodes) / n,
         f"{prefix}/length_frac": sum(e.ended == "length" for e in episodes) / n,
+        f"{prefix}/done_frac": sum(e.ended == "done" for e in episodes) / n,
+        f"{prefix}/error_frac": sum(e.ended == "error" for e in episodes) / n,
     }
 
 

@@ -38,6 +38,7 @@ class Sample:
         n_tokens: completion length in tokens.
         max_new_tokens: the generation budget.
         truncated: True if generation stopped at ``max_new_tokens`` without EOS.
+        env_return: a multi-turn episode's sum of environment rewards (None: no environment).
     """
 
     prompt: str
@@ -46,6 +47,7 @@ class Sample:
     n_tokens: int
     max_new_tokens: int
     truncated: bool
+    env_return: float | None = None
 
 
 VerifierFn = Callable[..., float]  # called as fn(sample, **params) -> float

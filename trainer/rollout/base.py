@@ -86,16 +86,19 @@ class Completion:
 @dataclass(frozen=True)
 class Episode:
     """What a multi-turn rollout did: its transcript after the prompt (assistant turns with their tool
-    calls, tool results), the final answer (the last assistant turn's text), and counts. ``ended``:
-    ``answer`` (a turn without tool calls), ``max_turns`` (still calling tools at the last turn) or
-    ``length`` (the token budget ran out)."""
+    calls, tool results, an environment's messages), the final answer (the last assistant turn's text),
+    and counts. ``ended``: ``answer`` (a turn without tool calls), ``done`` (the environment said so),
+    ``max_turns`` (still going at the last turn), ``length`` (out of tokens) or ``error`` (the
+    environment failed). ``env_return``: the sum of the rewards an environment gave (None: no
+    environment)."""
 
     messages: tuple[dict[str, Any], ...]
     answer: str
     turns: int
     tool_calls: int
     tool_errors: int
-    ended: Literal["answer", "max_turns", "length"]
+    ended: Literal["answer", "done", "max_turns", "length", "error"]
+    env_return: float | None = None
 
 
 class RolloutEngine(Protocol):

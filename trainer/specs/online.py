@@ -25,6 +25,7 @@ from trainer.specs.base import (
     _Frozen,
     _ReferencedSpecBase,
 )
+from trainer.specs.environments import EnvironmentSpec
 from trainer.specs.graders import Grader
 from trainer.specs.refs import (
     CRITIC_MODEL_REFERENCE,
@@ -430,7 +431,11 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
         description="A dataset of kind `prompts` ({prompt, answer?, meta}).",
         json_schema_extra=DATASET_REFERENCE,
     )
-    rewards: list[RewardSpec] = Field(min_length=1, max_length=16, description="Reward components, summed.")
+    rewards: list[RewardSpec] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Reward components, summed; at least one, unless an `environment` gives the reward.",
+    )
     eval_rewards: list[RewardSpec] | None = Field(
         default=None,
         description="Held-out metric on the validation prompts (greedy), e.g. exact_match; logged as "
@@ -443,17 +448,29 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
         "trained on; the rewards score the final answer (docs/algorithms.md, 'Multi-turn tool rollouts'). "
         "Default: one turn, no tools.",
     )
+    environment: EnvironmentSpec | None = Field(
+        default=None,
+        description="Multi-turn episodes driven by your environment code: `reset(row)` opens each episode, "
+        "`step(messages, row)` answers each policy turn with messages, a reward and `done` "
+        "(docs/runs.md, 'Environments'); its rewards add up as `reward/environment`. Not with `tools`.",
+    )
     dataset_kinds: ClassVar[tuple[str, ...]] = ("prompts",)
 
     @model_validator(mode="after")
     def _episode_fits(self) -> _OnlineRlSpecBase:
         hp: OnlineRlHyperparameters = self.hyperparameters  # type: ignore[attr-defined]
-        if self.tools is not None:
-            budget = self.tools.episode_tokens(hp.max_new_tokens)
+        if self.tools is not None and self.environment is not None:
+            raise ValueError("tools and environment: give one (an environment can run tools in its step)")
+        if not self.rewards and self.environment is None:
+            raise ValueError("rewards: at least one reward component (only an environment gives its own)")
+        episodes = self.tools or self.environment
+        if episodes is not None:
+            budget = episodes.episode_tokens(hp.max_new_tokens)
             if hp.max_prompt_length + budget > hp.max_length:
+                where = "tools" if self.tools is not None else "environment"
                 raise ValueError(
                     f"max_prompt_length + the episode's tokens ({hp.max_prompt_length} + {budget}: "
-                    "tools.max_episode_tokens, default max_turns x max_new_tokens) must not exceed "
+                    f"{where}.max_episode_tokens, default max_turns x max_new_tokens) must not exceed "
                     f"hyperparameters.max_length ({hp.max_length})"
                 )
         return self

@@ -1,11 +1,11 @@
-"""The tokens that follow a model's tool-calling turn: its tools' results as the chat template writes them,
-then the opening of the model's next turn.
+"""The tokens that follow a model's turn in a multi-turn rollout: the messages that answer it (tool results,
+an environment's observation) as the chat template writes them, then the opening of the model's next turn.
 
-A multi-turn rollout keeps the model's own tokens exactly as sampled and appends, after each turn that
-called tools, the tokens of the tool messages and the next generation prompt (these are never trained:
-trainer/rollout/tool_episodes.py masks them). They are found as the chat template's own text:
+A multi-turn rollout keeps the model's own tokens exactly as sampled and appends, after each turn that gets
+an answer, the tokens of the answering messages and the next generation prompt (these are never trained:
+trainer/rollout/episodes.py masks them). They are found as the chat template's own text:
 
-    delta = render([user, assistant, tool_1..tool_k], add_generation_prompt=True)[cut:]
+    delta = render([user, assistant, m_1..m_k], add_generation_prompt=True)[cut:]
 
 where ``render`` is ``apply_chat_template`` over a probe exchange and ``cut`` is the end of the probe
 assistant's content plus its end-of-turn token (the token the model's own turn ended with). This is what
@@ -14,7 +14,7 @@ template that only appends (ChatML, Llama 3, Gemma, Qwen 2.5). A template that r
 tool message follows (one that drops past reasoning, say), that refuses the ``tool`` role, or a tokenizer
 without a template uses the plain form instead, the fallback ``render_prompt`` also uses:
 
-    "\\ntool: <result>\\n" (one line per result) + "assistant: "
+    "\\n<role>: <content>\\n" (a line per message) + "assistant: "
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from trainer.data.chat_turns import end_of_turn_token
 _PROBE = "rlrun-probe-call-5c1e"
 
 
-class ToolTurnFormat:
-    """Renders tool results into token ids after a model turn that ended on its end-of-turn token.
+class TurnFormat:
+    """Renders the messages that answer a model's turn into token ids, after the turn's end-of-turn token.
 
     Args:
         tokenizer: the policy's tokenizer.
@@ -50,21 +50,22 @@ class ToolTurnFormat:
     def uses_template(self) -> bool:
         return self.why_plain is None
 
-    def _render(self, results: list[str]) -> str:
-        chat: list[dict[str, str]] = [
+    def _render(self, messages: list[dict[str, Any]]) -> str:
+        chat: list[dict[str, Any]] = [
             {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": _PROBE},
         ]
-        chat += [{"role": "tool", "content": r} for r in results]
+        chat += [{"role": m["role"], "content": m["content"]} for m in messages]
         text: str = self.tokenizer.apply_chat_template(
-            chat, tokenize=False, add_generation_prompt=bool(results)
+            chat, tokenize=False, add_generation_prompt=bool(messages)
         )
         return text
 
     def _probe_template(self) -> str | None:
         """Why the template cannot render tool turns by appending (None: it can); sets the cut text."""
         try:
-            before, after = self._render([]), self._render(["rlrun-probe-result"])
+            before = self._render([])
+            after = self._render([{"role": "tool", "content": "rlrun-probe-result"}])
         except Exception as exc:  # noqa: BLE001 - templates raise their own errors (jinja, role checks)
             return f"the chat template cannot render a tool message ({type(exc).__name__}: {exc})"
         at = before.rfind(_PROBE)
@@ -80,15 +81,24 @@ class ToolTurnFormat:
         self._template_cut = before[:cut]
         return None
 
-    def text(self, results: list[str]) -> str:
-        """The text after the model's turn: ``results`` as tool messages, then the next turn's opening."""
-        if not results:
-            raise ValueError("no tool results to render")
-        if self._template_cut is None:
-            return "\n" + "".join(f"tool: {r}\n" for r in results) + "assistant: "
-        return self._render(results)[len(self._template_cut) :]
+    def text(self, messages: list[dict[str, Any]]) -> str:
+        """The text after the model's turn: ``messages`` (each a ``role`` and ``content``) as the template
+        writes them, then the next turn's opening.
 
-    def ids(self, results: list[str]) -> list[int]:
-        """``text(results)`` as token ids (no BOS or other added specials)."""
-        ids: list[int] = self.tokenizer(self.text(results), add_special_tokens=False).input_ids
+        Raises:
+            ValueError: no messages, or the template rewrites earlier turns when these roles follow.
+        """
+        if not messages:
+            raise ValueError("no messages to render")
+        if self._template_cut is None:
+            return "\n" + "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        text = self._render(messages)
+        if not text.startswith(self._template_cut):
+            roles = ", ".join(sorted({str(m["role"]) for m in messages}))
+            raise ValueError(f"the chat template rewrites earlier turns when a {roles} message follows")
+        return text[len(self._template_cut) :]
+
+    def ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """``text(messages)`` as token ids (no BOS or other added specials)."""
+        ids: list[int] = self.tokenizer(self.text(messages), add_special_tokens=False).input_ids
         return ids

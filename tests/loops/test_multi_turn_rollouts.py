@@ -1,5 +1,6 @@
-"""Online RL with tools, through the loops: episodes of a scripted calculator-calling policy run through
-the real sandbox, the GRPO and PPO loops train on them, and the metrics and samples tell what happened."""
+"""Online RL with multi-turn episodes, through the loops: a scripted calculator-calling policy's tool calls
+and a scripted guesser's environment run in the real sandbox, the GRPO and PPO loops train on them, and
+the metrics and samples tell what happened."""
 
 from __future__ import annotations
 
@@ -128,3 +129,72 @@ def test_tool_episodes_train_and_report(
     trained, _ = load_causal_lm(str(result.output_path))
     start, _ = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
     assert not torch.equal(trained.lm_head.weight, start.lm_head.weight)
+
+
+# The environment asks for the sum, says "try again" once to a wrong one, and pays 1 for a right one.
+ENVIRONMENT = {
+    "source": (
+        "def reset(row):\n"
+        "    return [{'role': 'user', 'content': row['prompt'] + ' (sum)'}]\n"
+        "def step(messages, row):\n"
+        "    right = messages[-1]['content'].strip() == row['answer']\n"
+        "    if right or len(messages) > 2:\n"
+        "        return {'reward': float(right), 'done': True}\n"
+        "    again = [{'role': 'user', 'content': 'try again'}]\n"
+        "    return {'messages': again, 'reward': -0.25, 'done': False}\n"
+    ),
+    "max_turns": 3,
+    "max_episode_tokens": 64,
+}
+
+
+class Guesser:
+    """Stands in for a policy: answers the sum, wrong by one on its first try for odd rows."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+        out = []
+        for p, ids in enumerate(prompts):
+            context = self.tokenizer.decode(ids, skip_special_tokens=True)
+            a, b = re.search(r"(\d+)\+(\d+)= \(sum\)", context).groups()  # type: ignore[union-attr]
+            for k in range(n):
+                row = params.row_ids[p] if params.row_ids else params.first_row + p * n + k
+                wrong = row % 2 and "try again" not in context
+                text = str(int(a) + int(b) + int(bool(wrong)))
+                tokens = self.tokenizer(text, add_special_tokens=False).input_ids + [
+                    self.tokenizer.eos_token_id
+                ]
+                out.append(Completion(p, list(ids), tokens, text, "eos"))
+        return out
+
+    def sync_weights(self, model: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_environment_episodes_train_and_report(
+    algorithm: str, tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, tokenizer = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    monkeypatch.setattr(rl_common, "make_engine", lambda name, **_: Guesser(tokenizer))
+    spec = spec_of(algorithm, **({"dynamic_sampling": False} if algorithm == "grpo" else {})).model_dump()
+    spec = parse_spec({**spec, "tools": None, "environment": ENVIRONMENT, "rewards": []})
+    reporter = MemoryReporter()
+    run = run_group_rl if algorithm == "grpo" else run_ppo
+    result = run(spec, RunData(train=ROWS, validation=ROWS[:2]), reporter, loop_ctx(tiny_cache, tmp_path))
+    assert result.status == "succeeded", reporter.events
+
+    # even rows: right at once (1); odd rows: wrong, "try again" (-0.25), then right (+1)
+    metrics = {(s, k): v for s, k, v in reporter.metrics}
+    for step in (1, 2):
+        assert metrics[(step, "episode/turns_mean")] == 1.5
+        assert metrics[(step, "episode/done_frac")] == 1.0
+        assert metrics[(step, "reward/mean")] == pytest.approx((1 + 0.75) / 2)
+        assert metrics[(step, "reward/environment/mean")] == metrics[(step, "reward/mean")]
+    (_, record), *_ = reporter.samples
+    assert record["prompt"].endswith("(sum)\nassistant: ")  # the environment's opening, rendered
+    assert record["transcript"][-1]["role"] == "assistant" and record["ended"] == "done"
+    assert any("environment: up to 3 turns and 64 tokens" in m for _, m, _ in reporter.events)

@@ -1,6 +1,7 @@
-"""A run's tools are checked at submit (issue 39 item 1): bad Python names its line, a tool its source
-does not define, a name that is not an identifier, an episode that cannot fit `max_length`; nothing is
-stored for a refused run, and an accepted run keeps its tools in its resolved spec."""
+"""A run's tools and environment are checked at submit (issue 39 items 1 and 2): bad Python names its
+line, a tool its source does not define, an environment without `reset(row)` and `step(messages, row)`, a
+name that is not an identifier, an episode that cannot fit `max_length`, tools and an environment
+together; nothing is stored for a refused run, and an accepted run keeps them in its resolved spec."""
 
 from __future__ import annotations
 
@@ -93,3 +94,57 @@ def test_tools_are_kept_in_the_resolved_spec(session: Session, algorithm: str) -
     tools = resp.json()["spec"]["tools"]
     assert tools["source"] == SOURCE and tools["max_turns"] == 3 and tools["max_episode_tokens"] is None
     assert tools["definitions"][0]["function"]["parameters"] == {"type": "object", "properties": {}}
+
+
+ENV = (
+    "def reset(row):\n    return row['prompt']\n\n"
+    "def step(messages, row):\n    return {'reward': 1.0, 'done': True}\n"
+)
+
+
+def env_spec(dataset_id: Any, algorithm: str = "grpo", **over: Any) -> dict[str, Any]:
+    out = spec(dataset_id, algorithm)
+    del out["tools"]
+    return {**out, "environment": {"source": ENV}, **over}
+
+
+@pytest.mark.parametrize(
+    ("over", "field", "words"),
+    [
+        ({"environment": {"source": "def reset(row):\n    return 1\n"}}, "environment.source", "`step`"),
+        (
+            {"environment": {"source": ENV.replace("step(messages, row)", "step(messages)")}},
+            "environment.source",
+            "`step` (line 4) must take (messages, row)",
+        ),
+        ({"environment": {"source": "def reset(row:\n"}}, "environment.source", "not valid Python"),
+        ({"tools": {"source": SOURCE, "definitions": [ADD]}}, None, "tools and environment: give one"),
+        ({"environment": {"source": ENV, "max_turns": 0}}, "environment.max_turns", "greater than or equal"),
+    ],
+)
+def test_bad_environments_are_refused_naming_the_field(
+    session: Session, over: dict[str, Any], field: str | None, words: str
+) -> None:
+    prompts = make_dataset(session, rows=[{"prompt": "1+1=", "answer": "2"}], kind="prompts")
+    before = count(session)
+    with api_client(session) as client:
+        resp = client.post("/v1/runs", json=env_spec(prompts.id, **over))
+    assert resp.status_code == 422, resp.text
+    error = resp.json()["error"]
+    assert words in error["message"], error
+    if field is not None:
+        assert error["field"] == field, error
+    assert count(session) == before
+
+
+def test_an_environment_run_needs_no_other_reward_and_others_need_one(session: Session) -> None:
+    prompts = make_dataset(session, rows=[{"prompt": "1+1=", "answer": "2"}], kind="prompts")
+    with api_client(session) as client:
+        env_only = client.post("/v1/runs", json=env_spec(prompts.id, "ppo", rewards=[]))
+        no_reward = client.post("/v1/runs", json={**spec(prompts.id), "tools": None, "rewards": []})
+    assert env_only.status_code == 201, env_only.text
+    assert env_only.json()["spec"]["environment"]["source"] == ENV
+    assert (
+        no_reward.status_code == 422
+        and "at least one reward component" in no_reward.json()["error"]["message"]
+    )

@@ -1,0 +1,67 @@
+"""An online-RL run's environment: Python code whose ``reset(row)`` opens each episode and whose
+``step(messages, row)`` answers each of the policy's turns with messages, a reward and whether the episode
+is done (trainer/rollout/env_episodes.py has the protocol). Torch-free (the API validates it)."""
+
+from __future__ import annotations
+
+import ast
+
+from pydantic import Field, field_validator
+
+from trainer.specs.base import _Frozen
+from trainer.specs.graders import MAX_SOURCE_CHARS
+from trainer.specs.refs import refuse_nul
+
+ENVIRONMENT_FUNCTIONS = {"reset": 1, "step": 2}  # name -> positional parameters it must take
+
+
+class EnvironmentSpec(_Frozen):
+    """Multi-turn episodes driven by an environment: the episode opens with ``reset(row)``'s messages;
+    after every policy turn ``step(messages, row)`` returns ``{"messages", "reward", "done"}``; the
+    episode's reward is the sum of its step rewards (``reward/environment``), plus the run's other
+    reward components on the final answer. Loss, KL and entropy cover only the policy's tokens
+    (docs/algorithms.md, "Multi-turn tool rollouts")."""
+
+    source: str = Field(
+        min_length=1,
+        max_length=MAX_SOURCE_CHARS,
+        description="Python defining top-level `reset(row)` (the opening messages, or a string: one user "
+        "message) and `step(messages, row)` ({'messages': [...], 'reward': float, 'done': bool}); run in "
+        "the sandbox of python graders (no network, no host files, 5 s and 1 GiB per call), statelessly: "
+        "each turn may run in a fresh process.",
+    )
+    max_turns: int = Field(default=4, ge=1, le=32, description="Policy turns per episode, at most.")
+    max_episode_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=65_536,
+        description="Tokens after the prompt per episode: the policy's turns and the environment's messages "
+        "together. Default: max_turns x hyperparameters.max_new_tokens.",
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _defines_reset_and_step(cls, v: str) -> str:
+        refuse_nul(v, "source")
+        try:
+            tree = ast.parse(v)
+        except SyntaxError as exc:
+            raise ValueError(f"not valid Python: {exc.msg} (line {exc.lineno})") from None
+        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for name, arity in ENVIRONMENT_FUNCTIONS.items():
+            fn = functions.get(name)
+            if fn is None:
+                raise ValueError(f"defines no top-level function `{name}`")
+            if len(fn.args.posonlyargs + fn.args.args) < arity and fn.args.vararg is None:
+                wanted = "row" if name == "reset" else "messages, row"
+                raise ValueError(f"`{name}` (line {fn.lineno}) must take ({wanted})")
+        from trainer.graders.sandbox import isolation_problem
+
+        problem = isolation_problem()
+        if problem is not None:
+            raise ValueError(f"environments cannot run on this server: {problem}")
+        return v
+
+    def episode_tokens(self, max_new_tokens: int) -> int:
+        """The episode's token budget after the prompt."""
+        return self.max_episode_tokens or self.max_turns * max_new_tokens
