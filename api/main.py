@@ -18,6 +18,7 @@ from api.request_log import RequestLog
 from api.routers import (
     checkpoints,
     datasets,
+    environments,
     export,
     graders,
     inference,
@@ -62,6 +63,7 @@ def create_app(
         pipelines.router,
         stream.router,
         webhooks.router,
+        environments.router,
         models.router,
         # The OpenAI-compatible surface (/v1/files, /v1/fine_tuning/jobs), mapped onto datasets and runs.
         openai_files.router,

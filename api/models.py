@@ -322,6 +322,22 @@ WEBHOOK_EVENT_TYPES = ("run.succeeded", "run.failed", "run.cancelled")
 DELIVERY_STATUSES = ("pending", "succeeded", "failed")
 
 
+class Environment(Base):
+    """A project's environment code (trainer/rollout/env_episodes.py): ``reset(row)`` and ``step(messages,
+    row)``. Immutable; a run that names it by id stores its source in its own spec at submit, so deleting
+    it leaves every run as it was."""
+
+    __tablename__ = "environments"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    project_id: Mapped[uuid.UUID] = mapped_column(
+        Uuid, ForeignKey("projects.id", ondelete="CASCADE"), default=DEFAULT_PROJECT_ID, index=True
+    )
+    name: Mapped[str] = mapped_column(String(200))
+    source: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime(), default=utcnow)
+
+
 class Webhook(Base):
     """A project's endpoint: rlrun POSTs the run object there when one of its runs ends."""
 

@@ -8,6 +8,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from rlrun.schemas import DatasetKind, WebhookEventType
 from trainer.specs import RunSpec, refuse_nul
+from trainer.specs.graders import MAX_SOURCE_CHARS
 
 # Text the API stores: U+0000 is refused (422) on every backend, since PostgreSQL cannot store it.
 NulFreeStr = Annotated[str, AfterValidator(refuse_nul)]
@@ -85,6 +86,21 @@ class PipelineCreate(BaseModel):
 
 def _all_event_types() -> list[WebhookEventType]:
     return ["run.succeeded", "run.failed", "run.cancelled"]
+
+
+class EnvironmentCreate(BaseModel):
+    """Environment code for multi-turn RL runs (docs/runs.md, "Environments"): Python that defines
+    `reset(row)` and `step(messages, row)`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: NulFreeStr = Field(min_length=1, max_length=200, examples=["guess-the-number"])
+    source: str = Field(
+        min_length=1,
+        max_length=MAX_SOURCE_CHARS,
+        description="The Python source; refused with the line named where it does not compile or lacks "
+        "`reset(row)` or `step(messages, row)`.",
+    )
 
 
 class WebhookCreate(BaseModel):

@@ -339,6 +339,13 @@ class SampleRead(_Read):
 WebhookEventType = Literal["run.succeeded", "run.failed", "run.cancelled"]
 
 
+class EnvironmentRead(_Read):
+    id: uuid.UUID
+    name: str
+    source: str
+    created_at: datetime
+
+
 class WebhookRead(_Read):
     id: uuid.UUID
     url: str

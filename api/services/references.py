@@ -1,5 +1,5 @@
-"""One resolver for every reference a run spec carries (models, datasets), checked against the caller's
-project before anything is stored. Never commits.
+"""One resolver for every reference a run spec carries (models, datasets, environments), checked against
+the caller's project before anything is stored. Never commits.
 
 ``trainer.specs.spec_references`` finds the reference fields by the mark in their schema, so a new field
 cannot skip these checks. A reference to another project's run or dataset gets exactly the answer of an
@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from api.errors import DatasetNotFound, IncompatibleDataset, InvalidReference, InvalidRequest
 from api.models import Checkpoint, Dataset, Run
+from api.services.environments import with_environment_source
 from trainer.adapter_folders import ADAPTER_CONFIG, is_adapter_folder
 from trainer.lr_defaults import approx_params, default_learning_rate, preset_params_of
 from trainer.model_refs import ModelOutsideRoots, UnknownModel, is_local_path, resolve_name
@@ -197,6 +198,9 @@ def check_references(
     kinds: dict[str, str] = {}
     for ref in spec_references(spec):
         field = prefix + ref.field
+        if ref.kind == "environment":
+            with_environment_source(session, spec, project_id, prefix)  # exists in the project
+            continue
         if ref.kind == "dataset":
             dataset = _dataset(session, ref, field, project_id)
             if dataset.kind not in spec.dataset_kinds:

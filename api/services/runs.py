@@ -37,6 +37,7 @@ from api.models import (
     utcnow,
 )
 from api.pagination import Keyset, Slice, paginate
+from api.services.environments import with_environment_source
 from api.services.references import (
     check_devices,
     check_learnable,
@@ -61,6 +62,10 @@ def find_by_idempotency_key(*, session: Session, key: str, spec: AnyRunSpec) -> 
     if run is not None and asked["hyperparameters"].get("learning_rate") is None:
         # The stored spec holds the learning rate picked at submit for a request that left it out.
         asked["hyperparameters"]["learning_rate"] = run.spec.get("hyperparameters", {}).get("learning_rate")
+    stored_env = (run.spec.get("environment") or {}) if run is not None else {}
+    asked_env = asked.get("environment") or {}
+    if asked_env.get("id") is not None and stored_env.get("id") == asked_env["id"]:
+        asked_env["source"] = stored_env.get("source")  # filled in from the stored environment at submit
     if run is not None and run.spec != asked:
         raise IdempotencyConflict(
             "Idempotency-Key was already used for a different run spec", field="Idempotency-Key"
@@ -83,6 +88,7 @@ def checked_spec(
     check_references(session=session, spec=spec, project_id=project_id, roots=roots, allow_hub=allow_hub)
     check_learnable(spec)
     check_devices(spec, worker_devices)
+    spec = with_environment_source(session, spec, project_id)
     return with_default_learning_rate(session, spec, roots or [])
 
 

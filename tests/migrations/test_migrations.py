@@ -33,6 +33,7 @@ TABLES = {
     "api_keys",
     "webhooks",
     "webhook_deliveries",
+    "environments",
     "alembic_version",
 }
 

@@ -66,7 +66,7 @@ def multi_turn_engine(
     return env_episodes(
         engine,
         tokenizer,
-        sandbox_env(env.source),
+        sandbox_env(env.code),
         rows,
         _turn_format(tokenizer, data, reporter, what),
         EpisodeLimits(max_turns=env.max_turns, max_tokens=limit),

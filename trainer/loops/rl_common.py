@@ -115,7 +115,7 @@ def prepare_rl(
     with start.reporter.phase("tokenize", len(train) + len(held_out)) as progress:
         openings: tuple[list[Any], list[Any]] = ([[]] * len(train), [[]] * len(held_out))
         if spec.environment is not None:  # each row's prompt is what the environment's reset opens with
-            run_env = sandbox_env(spec.environment.source)
+            run_env = sandbox_env(spec.environment.code)
             train, train_open = environment_openings(train, run_env, start.reporter, "training")
             held_out, held_open = environment_openings(held_out, run_env, start.reporter, "held-out")
             openings = (train_open, held_open)

@@ -26,6 +26,7 @@ from trainer.specs.base import (
     ResourcesSpec,
     TrainingHyperparameters,
 )
+from trainer.specs.environments import EnvironmentSpec
 from trainer.specs.evaluation import EvalHyperparameters, EvalSpec
 from trainer.specs.merge import MergeHyperparameters, MergeSpec
 from trainer.specs.offline import (
@@ -81,6 +82,7 @@ from trainer.specs.refs import (
 
 __all__ = [
     "AdapterSpec",
+    "EnvironmentSpec",
     "ResourcesSpec",
     "ALGORITHMS",
     "CRITIC_MODEL_REFERENCE",

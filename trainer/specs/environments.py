@@ -5,12 +5,13 @@ is done (trainer/rollout/env_episodes.py has the protocol). Torch-free (the API 
 from __future__ import annotations
 
 import ast
+import uuid
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from trainer.specs.base import _Frozen
 from trainer.specs.graders import MAX_SOURCE_CHARS
-from trainer.specs.refs import refuse_nul
+from trainer.specs.refs import ENVIRONMENT_REFERENCE, refuse_nul
 
 ENVIRONMENT_FUNCTIONS = {"reset": 1, "step": 2}  # name -> positional parameters it must take
 
@@ -22,13 +23,20 @@ class EnvironmentSpec(_Frozen):
     reward components on the final answer. Loss, KL and entropy cover only the policy's tokens
     (docs/algorithms.md, "Multi-turn tool rollouts")."""
 
-    source: str = Field(
+    id: uuid.UUID | None = Field(
+        default=None,
+        description="An environment stored with POST /v1/environments; the run stores its source in "
+        "`source` at submit (replacing any given), so it keeps the code it ran with.",
+        json_schema_extra=ENVIRONMENT_REFERENCE,
+    )
+    source: str | None = Field(
+        default=None,
         min_length=1,
         max_length=MAX_SOURCE_CHARS,
         description="Python defining top-level `reset(row)` (the opening messages, or a string: one user "
         "message) and `step(messages, row)` ({'messages': [...], 'reward': float, 'done': bool}); run in "
         "the sandbox of python graders (no network, no host files, 5 s and 1 GiB per call), statelessly: "
-        "each turn may run in a fresh process.",
+        "each turn may run in a fresh process. Give `source` or `id`.",
     )
     max_turns: int = Field(default=4, ge=1, le=32, description="Policy turns per episode, at most.")
     max_episode_tokens: int | None = Field(
@@ -41,7 +49,22 @@ class EnvironmentSpec(_Frozen):
 
     @field_validator("source")
     @classmethod
-    def _defines_reset_and_step(cls, v: str) -> str:
+    def _defines_reset_and_step(cls, v: str | None) -> str | None:
+        return None if v is None else cls.check_source(v)
+
+    @model_validator(mode="after")
+    def _source_or_id(self) -> EnvironmentSpec:
+        if self.source is None and self.id is None:
+            raise ValueError("give `source` (the environment's Python) or `id` (a stored environment)")
+        return self
+
+    @staticmethod
+    def check_source(v: str) -> str:
+        """``v`` if it is Python that defines ``reset(row)`` and ``step(messages, row)`` and can run here.
+
+        Raises:
+            ValueError: why not, naming the line where there is one.
+        """
         refuse_nul(v, "source")
         try:
             tree = ast.parse(v)
@@ -61,6 +84,17 @@ class EnvironmentSpec(_Frozen):
         if problem is not None:
             raise ValueError(f"environments cannot run on this server: {problem}")
         return v
+
+    @property
+    def code(self) -> str:
+        """The environment's source (a stored one's is filled in at submit).
+
+        Raises:
+            ValueError: an ``id`` whose source was never filled in (a spec that did not go through submit).
+        """
+        if self.source is None:
+            raise ValueError(f"environment {self.id}: its source was not filled in at submit")
+        return self.source
 
     def episode_tokens(self, max_new_tokens: int) -> int:
         """The episode's token budget after the prompt."""

@@ -105,13 +105,13 @@ MODEL_REF_DOC = (
 )
 
 
-# Fields that point at something stored (a model or a dataset) carry this mark in their JSON schema, so
-# one walker (``spec_references``) finds them all: the API checks each against the caller's project and
-# a pipeline resolves ``stage:`` refs in each. A test walks the OpenAPI schema and fails on a reference
-# field without the mark.
+# Fields that point at something stored (a model, a dataset or an environment) carry this mark in their
+# JSON schema, so one walker (``spec_references``) finds them all: the API checks each against the
+# caller's project and a pipeline resolves ``stage:`` refs in each. A test walks the OpenAPI schema and
+# fails on a reference field without the mark.
 REFERENCE_MARK = "x-rlrun-reference"
 ROLE_MARK = "x-rlrun-model-role"
-ReferenceKind = Literal["model", "dataset"]
+ReferenceKind = Literal["model", "dataset", "environment"]
 # What a referenced model is used as: a causal LM (policy, reference), a scorer (reward) or a critic
 # (either: a causal LM gets a fresh value head, a reward model keeps its score head).
 ModelRole = Literal["policy", "reward", "critic"]
@@ -119,6 +119,7 @@ MODEL_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "model", ROLE_MARK: "policy"}
 REWARD_MODEL_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "model", ROLE_MARK: "reward"}
 CRITIC_MODEL_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "model", ROLE_MARK: "critic"}
 DATASET_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "dataset"}
+ENVIRONMENT_REFERENCE: dict[str, Any] = {REFERENCE_MARK: "environment"}
 
 SpecPath = tuple[str | int, ...]
 
@@ -143,7 +144,7 @@ class Reference:
 
 def _field_mark(model: type[BaseModel], name: str) -> tuple[ReferenceKind | None, ModelRole | None]:
     extra = model.model_fields[name].json_schema_extra
-    if not isinstance(extra, dict) or extra.get(REFERENCE_MARK) not in ("model", "dataset"):
+    if not isinstance(extra, dict) or extra.get(REFERENCE_MARK) not in ("model", "dataset", "environment"):
         return None, None
     return extra[REFERENCE_MARK], extra.get(ROLE_MARK)  # type: ignore[return-value]
 
