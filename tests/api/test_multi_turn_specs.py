@@ -148,3 +148,15 @@ def test_an_environment_run_needs_no_other_reward_and_others_need_one(session: S
         no_reward.status_code == 422
         and "at least one reward component" in no_reward.json()["error"]["message"]
     )
+
+
+def test_episodes_on_sharded_ranks_are_refused_and_on_ddp_ranks_accepted(session: Session) -> None:
+    prompts = make_dataset(session, rows=[{"prompt": "1+1=", "answer": "2"}], kind="prompts")
+    body = spec(prompts.id, hp={"prompts_per_step": 2})
+    with api_client(session) as client:
+        fsdp = client.post("/v1/runs", json={**body, "resources": {"devices": 2, "sharding": "fsdp"}})
+        ddp = client.post("/v1/runs", json={**body, "resources": {"devices": 2, "sharding": "ddp"}})
+    assert (
+        fsdp.status_code == 422 and "sharding 'fsdp' is not supported yet" in fsdp.json()["error"]["message"]
+    )
+    assert ddp.status_code == 201, ddp.text

@@ -464,6 +464,12 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
         if not self.rewards and self.environment is None:
             raise ValueError("rewards: at least one reward component (only an environment gives its own)")
         episodes = self.tools or self.environment
+        if episodes is not None and self.resources.devices > 1 and self.resources.sharding == "fsdp":
+            raise ValueError(
+                "tools or an environment with resources.sharding 'fsdp' is not supported yet (each rank's "
+                "episodes take a different number of turns, but a sharded model generates only when every "
+                "rank does): use sharding 'ddp'"
+            )
         if episodes is not None:
             budget = episodes.episode_tokens(hp.max_new_tokens)
             if hp.max_prompt_length + budget > hp.max_length:
