@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,3 +62,58 @@ def test_failing_run_says_why(stack: TestClient, tmp_path: Path) -> None:
     done = wait_for(stack, resp.json()["id"], lambda r: r["status"] in FINISHED)
     assert done["status"] == "failed"
     assert "could not load model" in done["error"] and "\n" not in done["error"]
+
+
+# Two policy turns per episode: the environment answers the first with "again" and pays for a vowel in
+# each turn (the random tiny model writes one about half the time, so groups differ).
+ENVIRONMENT = """
+def reset(row):
+    return [{"role": "user", "content": row["prompt"]}]
+
+def step(messages, row):
+    turns = sum(m["role"] == "assistant" for m in messages)
+    paid = float(any(v in messages[-1]["content"] for v in "aeiou"))
+    if turns >= 2:
+        return {"reward": paid, "done": True}
+    return {"messages": [{"role": "user", "content": "again"}], "reward": paid, "done": False}
+"""
+
+
+def test_a_stored_environment_drives_a_grpo_run_through_the_worker(stack: TestClient) -> None:
+    rows = "".join(
+        json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a in range(4) for b in range(4)
+    )
+    ds = stack.post("/v1/datasets", files={"file": ("p.jsonl", rows.encode())}, data={"kind": "prompts"})
+    assert ds.status_code == 201, ds.text
+    env = stack.post("/v1/environments", json={"name": "again", "source": ENVIRONMENT})
+    assert env.status_code == 201, env.text
+    spec = {
+        "algorithm": "grpo",
+        "model": "tiny:llama-0.4m",
+        "dataset_id": ds.json()["id"],
+        "environment": {"id": env.json()["id"], "max_turns": 3},
+        "hyperparameters": {
+            "max_steps": 2,
+            "prompts_per_step": 2,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 8,
+            "max_prompt_length": 32,
+            "dynamic_sampling": False,
+            "learning_rate": 1e-3,
+            "sample_every": 1,
+        },
+    }
+    run = stack.post("/v1/runs", json=spec)
+    assert run.status_code == 201, run.text
+    done = wait_for(stack, run.json()["id"], lambda r: r["status"] in FINISHED)
+    assert done["status"] == "succeeded", done
+    metrics = {(m["key"], m["step"]): m["value"] for m in all_metrics(stack, run.json()["id"])}
+    for step in (1, 2):
+        assert metrics[("episode/done_frac", step)] + metrics[("episode/length_frac", step)] == 1.0
+        assert 1.0 <= metrics[("episode/turns_mean", step)] <= 2.0
+        assert metrics[("reward/environment/mean", step)] == metrics[("reward/mean", step)]
+    samples = stack.get(f"/v1/runs/{run.json()['id']}/samples").json()["data"]
+    transcript = samples[0]["data"]["transcript"]
+    assert transcript[0]["role"] == "assistant"
+    assert all(m["content"] == "again" for m in transcript if m["role"] == "user")
+    assert samples[0]["prompt"].startswith("user: ") and samples[0]["prompt"].endswith("\nassistant: ")
