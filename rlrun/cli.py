@@ -1,5 +1,6 @@
 """``rlrun``: serve (API + one worker), worker, migrate, keys, demo; and, against a running server,
-datasets (upload, list), runs (create, list, get, watch, cancel, download) and models (list, import)."""
+datasets (upload, list), environments (create, list, delete), runs (create, list, get, watch, cancel,
+download) and models (list, import)."""
 
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ from rlrun.schemas import (
     DatasetKind,
     DatasetRead,
     DatasetRowRead,
+    EnvironmentRead,
     ErrorBody,
     EventRead,
     MetricRead,
@@ -414,6 +415,26 @@ class Pipelines(_Namespace):
         return _parse(PipelineRead, self._client.request("POST", f"/v1/pipelines/{pipeline_id}/cancel"))
 
 
+class Environments(_Namespace):
+    """``/v1/environments``: environment code (``reset``/``step``) stored once, named by id in run specs."""
+
+    def create(self, source: str, *, name: str) -> EnvironmentRead:
+        body = {"name": name, "source": source}
+        return _parse(EnvironmentRead, self._client.request("POST", "/v1/environments", json=body))
+
+    def list(self, *, limit: int | None = None, after: str | None = None) -> Page[EnvironmentRead]:
+        """A page of the project's environments, newest first."""
+        resp = self._client.request("GET", "/v1/environments", params=_params(limit=limit, after=after))
+        return _parse(Page[EnvironmentRead], resp)
+
+    def get(self, environment_id: Id) -> EnvironmentRead:
+        return _parse(EnvironmentRead, self._client.request("GET", f"/v1/environments/{environment_id}"))
+
+    def delete(self, environment_id: Id) -> None:
+        """Remove it; runs that used it keep its code in their specs."""
+        self._client.request("DELETE", f"/v1/environments/{environment_id}")
+
+
 class Models(_Namespace):
     """``/v1/models``: presets, model folders and run models; importing a GGUF file or a folder."""
 
@@ -432,7 +453,8 @@ class Models(_Namespace):
 
 
 class Client:
-    """The rlrun API over HTTP: ``datasets``, ``runs``, ``pipelines`` and ``models`` namespaces.
+    """The rlrun API over HTTP: ``datasets``, ``runs``, ``pipelines``, ``environments`` and ``models``
+    namespaces.
 
     ``base_url`` defaults to ``$RLRUN_URL`` (else http://127.0.0.1:8000) and ``api_key`` to
     ``$RLRUN_API_KEY``, sent as ``Authorization: Bearer``. Use it as a context manager, or ``close()``.
@@ -455,6 +477,7 @@ class Client:
         self.datasets = Datasets(self)
         self.runs = Runs(self)
         self.pipelines = Pipelines(self)
+        self.environments = Environments(self)
         self.models = Models(self)
 
     def __enter__(self) -> Client:

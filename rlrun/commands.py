@@ -1,5 +1,5 @@
-"""The user's CLI over the REST API: ``rlrun datasets ...`` and ``rlrun runs ...``, built on
-:class:`rlrun.Client`.
+"""The user's CLI over the REST API: ``rlrun datasets ...``, ``rlrun runs ...``, ``rlrun environments ...``
+and ``rlrun models ...``, built on :class:`rlrun.Client`.
 
 Every command takes ``--url`` (default ``$RLRUN_URL`` or http://127.0.0.1:8000) and ``--api-key``
 (default ``$RLRUN_API_KEY``). Errors print ``error: <message> (field: <field>)`` on stderr and exit 1,
@@ -56,7 +56,7 @@ class CliError(Exception):
 
 
 def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``datasets``, ``runs`` and ``models`` on the ``rlrun`` parser's subcommands."""
+    """Register ``datasets``, ``environments``, ``runs`` and ``models`` on the ``rlrun`` parser."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--url", default=None, help="server URL (default: $RLRUN_URL or http://127.0.0.1:8000)"
@@ -86,6 +86,25 @@ def add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     ds_list.add_argument("--limit", type=int, default=20)
     ds_list.add_argument("--json", action="store_true", help="the API's JSON page")
     ds_list.set_defaults(func=_command(cmd_datasets_list))
+
+    envs = sub.add_parser(
+        "environments", help="store, list and delete environment code (on a running server)"
+    )
+    env_sub = envs.add_subparsers(dest="environments_command", required=True)
+    env_create = env_sub.add_parser(
+        "create", parents=[common], help="store a Python file with reset(row) and step(messages, row)"
+    )
+    env_create.add_argument("file", help="the environment's Python source")
+    env_create.add_argument("--name", default=None, help="default: the file name")
+    env_create.add_argument("-q", "--quiet", action="store_true", help="print only the environment id")
+    env_create.set_defaults(func=_command(cmd_environments_create))
+    env_list = env_sub.add_parser("list", parents=[common], help="environments, newest first")
+    env_list.add_argument("--limit", type=int, default=20)
+    env_list.add_argument("--json", action="store_true", help="the API's JSON page")
+    env_list.set_defaults(func=_command(cmd_environments_list))
+    env_delete = env_sub.add_parser("delete", parents=[common], help="delete one (runs keep their copy)")
+    env_delete.add_argument("environment_id")
+    env_delete.set_defaults(func=_command(cmd_environments_delete))
 
     runs = sub.add_parser("runs", help="create, list, watch and cancel runs (on a running server)")
     runs_sub = runs.add_subparsers(dest="runs_command", required=True)
@@ -313,6 +332,40 @@ def cmd_datasets_list(args: argparse.Namespace, client: Client) -> int:
         print(f"{ds.id}  {ds.kind:10}  {ds.row_count:>8}  {ds.created_at:%Y-%m-%d %H:%M}  {ds.name}")
     if page.has_more:
         print(f"(more: --limit {args.limit * 2})", file=sys.stderr)
+    return 0
+
+
+# environments
+
+
+def cmd_environments_create(args: argparse.Namespace, client: Client) -> int:
+    """Print the new environment's id (what a spec's ``environment.id`` takes)."""
+    path = Path(args.file)
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {args.file}: {exc}") from None
+    env = client.environments.create(source, name=args.name or path.name)
+    print(env.id if args.quiet else f"{env.id}  {env.name}")
+    return 0
+
+
+def cmd_environments_list(args: argparse.Namespace, client: Client) -> int:
+    page = client.environments.list(limit=args.limit)
+    if args.json:
+        print(page.model_dump_json(indent=2))
+        return 0
+    print(f"{'ID':36}  {'CREATED':16}  NAME")
+    for env in page.data:
+        print(f"{env.id}  {env.created_at:%Y-%m-%d %H:%M}  {env.name}")
+    if page.has_more:
+        print(f"(more: --limit {args.limit * 2})", file=sys.stderr)
+    return 0
+
+
+def cmd_environments_delete(args: argparse.Namespace, client: Client) -> int:
+    client.environments.delete(args.environment_id)
+    print(f"deleted {args.environment_id}")
     return 0
 
 

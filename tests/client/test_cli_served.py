@@ -221,6 +221,31 @@ def test_api_errors_print_the_message_and_field(
     assert capsys.readouterr().err.startswith("error: send `Authorization: Bearer <API key>`")
 
 
+def test_environments_create_list_and_delete(
+    served: Served, rl: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = tmp_path / "guess.py"
+    code.write_text(
+        "def reset(row):\n    return 'hi'\n\ndef step(messages, row):\n    return {'done': True}\n"
+    )
+    assert main(["environments", "create", str(code), "-q", "--url", served.url]) == 0
+    env_id = uuid.UUID(capsys.readouterr().out.strip())
+    assert (
+        rl.environments.get(env_id).source == code.read_text()
+        and rl.environments.get(env_id).name == "guess.py"
+    )
+    assert main(["environments", "list", "--url", served.url]) == 0
+    assert re.search(rf"^{env_id}  .*  guess.py$", capsys.readouterr().out, re.M)
+    bad = tmp_path / "bad.py"
+    bad.write_text("def reset(row):\n    return 'hi'\n")
+    assert main(["environments", "create", str(bad), "--url", served.url]) == 1
+    assert capsys.readouterr().err == "error: source: defines no top-level function `step` (field: source)\n"
+    assert main(["environments", "delete", str(env_id), "--url", served.url]) == 0
+    assert capsys.readouterr().out == f"deleted {env_id}\n"
+    assert main(["environments", "delete", str(env_id), "--url", served.url]) == 1
+    assert f"environment {env_id} does not exist" in capsys.readouterr().err
+
+
 def test_models_import_turns_a_gguf_into_a_listed_model_and_a_second_import_names_the_clash(
     served: Served, tiny_cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
