@@ -330,8 +330,13 @@ def cmd_datasets_list(args: argparse.Namespace, client: Client) -> int:
     print(f"{'ID':36}  {'KIND':10}  {'ROWS':>8}  {'CREATED':16}  NAME")
     for ds in page.data:
         print(f"{ds.id}  {ds.kind:10}  {ds.row_count:>8}  {ds.created_at:%Y-%m-%d %H:%M}  {ds.name}")
-    if page.has_more:
-        print(f"(more: --limit {args.limit * 2})", file=sys.stderr)
+    return _more_hint(page.has_more, args.limit)
+
+
+def _more_hint(has_more: bool, limit: int) -> int:
+    """After a listed page: how to see more (on stderr), when there is more; the command's exit code."""
+    if has_more:
+        print(f"(more: --limit {limit * 2})", file=sys.stderr)
     return 0
 
 
@@ -358,9 +363,7 @@ def cmd_environments_list(args: argparse.Namespace, client: Client) -> int:
     print(f"{'ID':36}  {'CREATED':16}  NAME")
     for env in page.data:
         print(f"{env.id}  {env.created_at:%Y-%m-%d %H:%M}  {env.name}")
-    if page.has_more:
-        print(f"(more: --limit {args.limit * 2})", file=sys.stderr)
-    return 0
+    return _more_hint(page.has_more, args.limit)
 
 
 def cmd_environments_delete(args: argparse.Namespace, client: Client) -> int:

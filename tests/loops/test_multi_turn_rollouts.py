@@ -34,13 +34,16 @@ TOOLS = {
 }
 
 
-class CalculatorPolicy:
-    """Stands in for a policy that calls ``add`` on its prompt's numbers, then answers what the tool said
-    (sample ``k`` of a call adds ``k % 2``: half the answers are wrong, so groups have reward variance)."""
+class ScriptedPolicy:
+    """Stands in for a policy: ``say(context, row)`` is its text for a context (decoded) whose sample is
+    on global row ``row``; every turn ends with EOS. Records the contexts it was given."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self.contexts: list[str] = []
+
+    def say(self, context: str, row: int) -> str:
+        raise NotImplementedError
 
     def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
         out = []
@@ -48,13 +51,8 @@ class CalculatorPolicy:
             context = self.tokenizer.decode(ids, skip_special_tokens=True)
             self.contexts.append(context)
             for k in range(n):
-                said = re.findall(r"tool: (\d+)", context)
-                if said:
-                    row = params.row_ids[p] if params.row_ids else params.first_row + p * n + k
-                    text = str(int(said[-1]) + row % 2)
-                else:
-                    a, b = re.match(r"(\d+)\+(\d+)=", context).groups()  # type: ignore[union-attr]
-                    text = f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
+                row = params.row_ids[p] if params.row_ids else params.first_row + p * n + k
+                text = self.say(context, row)
                 tokens = self.tokenizer(text, add_special_tokens=False).input_ids + [
                     self.tokenizer.eos_token_id
                 ]
@@ -64,6 +62,18 @@ class CalculatorPolicy:
     def sync_weights(self, model: Any) -> None: ...
 
     def close(self) -> None: ...
+
+
+class CalculatorPolicy(ScriptedPolicy):
+    """Calls ``add`` on its prompt's numbers, then answers what the tool said (plus ``row % 2``: half the
+    answers are wrong, so groups have reward variance)."""
+
+    def say(self, context: str, row: int) -> str:
+        said = re.findall(r"tool: (\d+)", context)
+        if said:
+            return str(int(said[-1]) + row % 2)
+        a, b = re.match(r"(\d+)\+(\d+)=", context).groups()  # type: ignore[union-attr]
+        return f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
 
 
 def spec_of(algorithm: str, **hp: Any) -> Any:
@@ -148,30 +158,12 @@ ENVIRONMENT = {
 }
 
 
-class Guesser:
-    """Stands in for a policy: answers the sum, wrong by one on its first try for odd rows."""
+class Guesser(ScriptedPolicy):
+    """Answers the sum, wrong by one on its first try for odd rows."""
 
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
-
-    def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
-        out = []
-        for p, ids in enumerate(prompts):
-            context = self.tokenizer.decode(ids, skip_special_tokens=True)
-            a, b = re.search(r"(\d+)\+(\d+)= \(sum\)", context).groups()  # type: ignore[union-attr]
-            for k in range(n):
-                row = params.row_ids[p] if params.row_ids else params.first_row + p * n + k
-                wrong = row % 2 and "try again" not in context
-                text = str(int(a) + int(b) + int(bool(wrong)))
-                tokens = self.tokenizer(text, add_special_tokens=False).input_ids + [
-                    self.tokenizer.eos_token_id
-                ]
-                out.append(Completion(p, list(ids), tokens, text, "eos"))
-        return out
-
-    def sync_weights(self, model: Any) -> None: ...
-
-    def close(self) -> None: ...
+    def say(self, context: str, row: int) -> str:
+        a, b = re.search(r"(\d+)\+(\d+)= \(sum\)", context).groups()  # type: ignore[union-attr]
+        return str(int(a) + int(b) + int(bool(row % 2 and "try again" not in context)))
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
