@@ -61,10 +61,13 @@ def with_environment_source(
     session: Session, spec: AnyRunSpec, project_id: uuid.UUID | None, prefix: str = ""
 ) -> AnyRunSpec:
     """``spec`` with a stored environment's source in ``environment.source`` (replacing any given), so the
-    run keeps the code it runs with; any other spec as it is.
+    run keeps the code it runs with; any other spec as it is. An ``id`` no longer stored with a ``source``
+    given (a run's stored spec cloned, a pipeline's later stage) keeps that source: the id is then only
+    where the code came from.
 
     Raises:
-        EnvironmentNotFound: no such environment in the project (the field named, as for datasets).
+        EnvironmentNotFound: no such environment in the project and no source (the field named, as for
+            datasets).
     """
     env = getattr(spec, "environment", None)
     if env is None or env.id is None:
@@ -73,5 +76,7 @@ def with_environment_source(
     try:
         stored = get_environment(session=session, environment_id=env.id, project_id=project_id)
     except EnvironmentNotFound:
+        if env.source is not None:
+            return spec
         raise EnvironmentNotFound(f"{field}: environment {env.id} does not exist", field=field) from None
     return spec.model_copy(update={"environment": env.model_copy(update={"source": stored.source})})

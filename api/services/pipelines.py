@@ -22,6 +22,7 @@ from api.errors import InvalidRequest, InvalidTransition, NotFound
 from api.lifecycle import add_cancelled_run, add_event, cancel_run
 from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES, Pipeline, Run, utcnow
 from api.schemas import PipelineCreate
+from api.services.environments import with_environment_source
 from api.services.references import (
     check_devices,
     check_engine,
@@ -94,7 +95,11 @@ def create_pipeline(
         project_id=project_id,
         name=body.name,
         status="running",
-        stages=[{"name": s.name, "spec": stage_spec_json(s.spec)} for s in body.stages],
+        # a stored environment's code is kept now, as a run keeps it: deleting it later changes no stage
+        stages=[
+            {"name": s.name, "spec": stage_spec_json(with_environment_source(session, s.spec, project_id))}
+            for s in body.stages
+        ],
         created_at=utcnow(),
     )
     session.add(pipeline)

@@ -1892,12 +1892,14 @@ function modelRef(model) {
   return h("span", { class: "mono" }, "run:", h("a", { href: `#/runs/${m[1]}`, title: m[1] }, shortId(m[1])), m[2] || "");
 }
 
-/** A multi-turn episode's turns: the model's (with the tool calls it made), then each tool's result
-    (an error marked as one); the last assistant turn is the answer the rewards scored. */
+/** A multi-turn episode's turns: the model's (with the tool calls it made), then each tool's result or
+    the environment's reply (an error marked as one, in words); the last model turn is the answer the
+    rewards scored. */
 function transcriptView(messages) {
   return h("ol", { class: "transcript", "data-testid": "sample-transcript" }, messages.map((m) => {
-    const tool = m.role === "tool";
-    const label = tool ? `tool ${m.name || ""}${m.error ? " (error)" : ""}` : "model";
+    const tool = m.role !== "assistant";
+    const who = m.role === "assistant" ? "model" : m.role === "tool" ? `tool ${m.name || ""}`.trim() : m.role;
+    const label = `${who}${m.error ? " (error)" : ""}`;
     const calls = !tool && Array.isArray(m.tool_calls) && m.tool_calls.length
       ? h("div", { class: "small muted" }, "calls " + m.tool_calls.map((c) => `${c.name}(${JSON.stringify(c.arguments)})`).join(", "))
       : null;

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from api.models import Environment, Run
+from api.models import Environment, Pipeline, Run
 from api.services.auth import create_api_key
 from api.settings import Settings
 from tests.factories import api_client, make_dataset
@@ -123,9 +123,13 @@ def test_a_run_names_an_environment_by_id_and_keeps_its_source(client: TestClien
     # the same request again with its key is the same run (the filled-in source is no difference)
     again = client.post("/v1/runs", json=spec, headers=a | {"Idempotency-Key": "env-1"})
     assert again.status_code in (200, 201) and again.json()["id"] == run.json()["id"]
-    # deleting the environment changes no run
+    # deleting the environment changes no run, and the run's stored spec still submits (a clone)
     assert client.delete(f"/v1/environments/{env['id']}", headers=a).status_code == 204
     assert client.get(f"/v1/runs/{run.json()['id']}", headers=a).json()["spec"]["environment"] == stored
+    clone = client.post("/v1/runs", json={**spec, "environment": stored}, headers=a)
+    assert clone.status_code == 201 and clone.json()["spec"]["environment"] == stored, clone.text
+    gone = client.post("/v1/runs", json=spec, headers=a)  # by id alone, nothing to run
+    assert gone.status_code == 404 and gone.json()["error"]["field"] == "environment.id"
 
 
 def test_another_projects_environment_is_an_unknown_one(client: TestClient, session: Session) -> None:
@@ -150,3 +154,32 @@ def test_another_projects_environment_is_an_unknown_one(client: TestClient, sess
         assert stage.status_code == 404 and stage.json()["error"]["field"] == "stages[0].spec.environment.id"
     assert answers[0] == answers[1] and answers[0][:3] == (404, "environment_not_found", "environment.id")
     assert count(session, Run) == before
+
+
+def test_a_pipeline_keeps_the_environments_code_from_its_creation(
+    client: TestClient, session: Session
+) -> None:
+    a, _, project_a, _ = keys(session)
+    env = client.post("/v1/environments", json={"name": "e", "source": SOURCE}, headers=a).json()
+    prompts = make_dataset(
+        session, rows=[{"prompt": "1+1=", "answer": "2"}], kind="prompts", project_id=project_a
+    )
+    sft = {
+        "algorithm": "sft",
+        "model": "tiny:llama-0.4m",
+        "dataset_id": str(
+            make_dataset(
+                session, rows=[{"prompt": "1+1=", "completion": "2"}], kind="sft", project_id=project_a
+            ).id
+        ),
+    }
+    rl = {**grpo(prompts.id, {"id": env["id"]}), "model": "stage:sft"}
+    made = client.post(
+        "/v1/pipelines",
+        json={"stages": [{"name": "sft", "spec": sft}, {"name": "rl", "spec": rl}]},
+        headers=a,
+    )
+    assert made.status_code == 201, made.text
+    assert client.delete(f"/v1/environments/{env['id']}", headers=a).status_code == 204
+    stored = session.get(Pipeline, uuid.UUID(made.json()["id"]))
+    assert stored is not None and stored.stages[1]["spec"]["environment"]["source"] == SOURCE

@@ -16,7 +16,7 @@ from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.reporting import MemoryReporter
 from trainer.rollout.base import Completion, SamplingParams
 from trainer.rollout.env_episodes import EnvironmentFailed, env_episodes, opening, sandbox_env, step_result
-from trainer.rollout.episodes import EpisodeLimits
+from trainer.rollout.episodes import EpisodeLimits, TaggedPrompt
 from trainer.rollout.turn_format import TurnFormat
 
 pytestmark = pytest.mark.skipif(isolation_problem() is not None, reason=str(isolation_problem()))
@@ -35,7 +35,7 @@ def step(messages, row):
         while True:
             pass
     if row.get("meta", {}).get("junk"):
-        return {"reward": "lots"}
+        return {"reward": 10 ** 400}
     if not said.isdigit():
         return {"messages": [{"role": "user", "content": "a number, please"}], "reward": -0.5, "done": False}
     guess = int(said)
@@ -52,17 +52,18 @@ def tokenizer(tiny_cache: Path) -> Any:
 
 
 class Guesser:
-    """Stands in for a policy: guesses from a fixed list, one guess per turn (by the prompt's first token)."""
+    """Stands in for a policy: episode k (its row in the call) guesses from plans[k], one guess a turn."""
 
-    def __init__(self, tokenizer: Any, plans: dict[int, list[str]]):
-        self.tokenizer, self.plans, self.turn = tokenizer, plans, dict.fromkeys(plans, 0)
+    def __init__(self, tokenizer: Any, plans: list[list[str]]):
+        self.tokenizer, self.plans, self.turn = tokenizer, plans, [0] * len(plans)
 
     def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
         out = []
         for p, ids in enumerate(prompts):
-            for _ in range(n):
-                text = self.plans[ids[0]][self.turn[ids[0]]]
-                self.turn[ids[0]] += 1
+            for k in range(n):
+                row = params.row_ids[p] if params.row_ids else params.first_row + p * n + k
+                text = self.plans[row][self.turn[row]]
+                self.turn[row] += 1
                 tokens = self.tokenizer(text, add_special_tokens=False).input_ids + [
                     self.tokenizer.eos_token_id
                 ]
@@ -79,13 +80,12 @@ def play(
 ) -> list[Completion]:
     kept, openings = environment_openings(rows, sandbox_env(GUESS), MemoryReporter(), "training")
     assert openings[0] == [{"role": "user", "content": "Guess my number."}]
-    prompts = [
-        tokenizer(f"{i} {opening[0]['content']}\nassistant: ").input_ids for i, opening in enumerate(openings)
-    ]
-    lookup = {tuple(ids): (row, o) for ids, row, o in zip(prompts, kept, openings, strict=True)}
-    policy = Guesser(tokenizer, {ids[0]: plan for ids, plan in zip(prompts, plans, strict=True)})
+    # the same opening for every row: each prompt tells its row apart by its tag, not by its tokens
+    same = tokenizer(f"{openings[0][0]['content']}\nassistant: ").input_ids
+    prompts = [TaggedPrompt(same, (row, o)) for row, o in zip(kept, openings, strict=True)]
+    policy = Guesser(tokenizer, plans)
     engine = env_episodes(
-        policy, tokenizer, sandbox_env(GUESS), lookup, TurnFormat(tokenizer), EpisodeLimits(turns, 300)
+        policy, tokenizer, sandbox_env(GUESS), TurnFormat(tokenizer), EpisodeLimits(turns, 300)
     )
     return engine.generate(prompts, 1, SamplingParams(max_new_tokens=16, seed=0))
 
@@ -135,15 +135,16 @@ def test_a_failing_environment_ends_that_episode_only(tokenizer: Any) -> None:
     }
     assert boom.episode.turns == 2 and boom.episode.env_return == 0.0  # what it earned before failing
     assert spin.episode is not None and spin.episode.messages[-1]["content"] == "error: timed out"
-    assert (
-        junk.episode is not None and "reward must be a finite number" in junk.episode.messages[-1]["content"]
-    )
+    assert junk.episode is not None
+    assert "reward must be a number within ±1e+06" in junk.episode.messages[-1]["content"]
     assert fine.episode is not None and (fine.episode.ended, fine.episode.env_return) == ("done", 1.0)
 
 
 def test_a_batch_whose_every_episode_fails_fails_saying_why(tokenizer: Any) -> None:
     rows = [{"prompt": "", "answer": "7", "meta": {"junk": True}}]
-    with pytest.raises(EnvironmentFailed, match=r"every episode of the batch \(1\) failed .*reward must be"):
+    with pytest.raises(
+        EnvironmentFailed, match=r"every episode of the batch \(1\) failed .*reward must be a number"
+    ):
         play(tokenizer, rows, [["1"]])
 
 
@@ -169,6 +170,13 @@ def test_protocol_values_are_checked() -> None:
         with pytest.raises(ValueError):
             opening(bad)
     assert step_result({"reward": 2, "done": True}) == ([], 2.0, True)
-    for bad in ({"reward": float("nan")}, {"reward": True}, {"done": "yes"}, {"messages": "hi"}, []):
+    for bad in (
+        {"reward": float("nan")},
+        {"reward": True},
+        {"reward": 10**400},
+        {"done": "yes"},
+        {"messages": "hi"},
+        [],
+    ):
         with pytest.raises(ValueError):
             step_result(bad)

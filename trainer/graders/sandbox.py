@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -138,7 +139,7 @@ for first, second in payload["calls"]:
             fn = namespace.get(first)
             if not callable(fn):
                 raise NameError(f"no function {first!r} in the tools' source")
-            value = as_text(fn(**second))
+            value = as_text(fn(*second) if isinstance(second, list) else fn(**second))
         else:
             value = float(grade(first, second))
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -205,24 +206,32 @@ class ToolResult:
 
 def run_tools(
     source: str,
-    calls: list[tuple[str, dict[str, Any]]],
+    calls: Sequence[tuple[str, dict[str, Any] | list[Any]]],
     limits: Limits = DEFAULT_LIMITS,
     max_text_chars: int = 4096,
     as_json: bool = False,
 ) -> list[ToolResult]:
-    """``name(**arguments)`` of the functions ``source`` defines, for each ``(name, arguments)`` call, in
-    one sandbox (the same isolation and limits as python graders; a call that raises, runs past
-    ``limits.call_seconds`` or exhausts the memory limit fails alone); a result per call, in order, each
-    text cut to ``max_text_chars``. ``as_json``: every value comes back as its JSON text (an error where it
-    has none, or where it is longer than ``max_text_chars``)."""
+    """``name(**arguments)`` (or ``name(*arguments)`` for a list) of the functions ``source`` defines, for
+    each ``(name, arguments)`` call, in one sandbox (the same isolation and limits as python graders; a
+    call that raises, runs past ``limits.call_seconds`` or exhausts the memory limit fails alone); a
+    result per call, in order, each text cut to ``max_text_chars``. ``as_json``: every value comes back as
+    its JSON text (an error where it has none, or where it is longer than ``max_text_chars``). The
+    batch's results may take ``max_text_chars`` per call (JSON-escaped), beyond ``MAX_RESULT_BYTES``."""
     if not calls:
         return []
-    out, reason = _run_batch(source, "tools", calls, limits, max_text_chars, as_json)
+    cap = max(MAX_RESULT_BYTES, len(calls) * (6 * max_text_chars + 256))  # \uXXXX escapes: 6 bytes a char
+    out, reason = _run_batch(source, "tools", list(calls), limits, max_text_chars, as_json, cap)
     return _tool_results(out, len(calls), reason)
 
 
 def _run_batch(
-    source: str, mode: str, calls: list[Any], limits: Limits, max_text_chars: int = 0, as_json: bool = False
+    source: str,
+    mode: str,
+    calls: list[Any],
+    limits: Limits,
+    max_text_chars: int = 0,
+    as_json: bool = False,
+    max_bytes: int = MAX_RESULT_BYTES,
 ) -> tuple[bytes, str]:
     """Run one batch of calls in a fresh sandbox: the result lines it wrote, and (when it did not end by
     itself) why it was stopped."""
@@ -256,7 +265,7 @@ def _run_batch(
     out, err = bytearray(), bytearray()
     overflow = threading.Event()
     readers = [
-        threading.Thread(target=_read_capped, args=(proc.stdout, out, MAX_RESULT_BYTES, overflow)),
+        threading.Thread(target=_read_capped, args=(proc.stdout, out, max_bytes, overflow)),
         threading.Thread(target=_read_capped, args=(proc.stderr, err, 65536, threading.Event())),
     ]
     for r in readers:
@@ -271,7 +280,7 @@ def _run_batch(
     deadline = time.monotonic() + limits.wall_seconds
     while proc.poll() is None:
         if overflow.is_set():
-            killed = f"more than {MAX_RESULT_BYTES} bytes of results"
+            killed = f"more than {max_bytes} bytes of results"
         elif time.monotonic() > deadline:
             killed = f"the batch ran past {limits.wall_seconds} s"
         if killed:

@@ -4,17 +4,20 @@ environment's opening turns, from its ``reset``, as each row's prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from trainer.data.prompts import PromptSet
+from trainer.distributed import ONE, Ranks, gather_objects
 from trainer.reporting import Reporter, RunData
 from trainer.rollout.base import RolloutEngine
 from trainer.rollout.env_episodes import EnvRunner, env_episodes, opening, sandbox_env
-from trainer.rollout.episodes import EpisodeLimits
+from trainer.rollout.episodes import EpisodeLimits, TaggedPrompt
 from trainer.rollout.tool_episodes import sandbox_runner, tool_episodes
 from trainer.rollout.turn_format import TurnFormat
 from trainer.specs import GroupRlSpec, PpoSpec
 
-RESET_BATCH = 1000  # reset calls per sandbox
+RESET_BATCH = 100  # reset calls per sandbox (a result may be 64 KiB of JSON)
 
 
 def completion_tokens(spec: GroupRlSpec | PpoSpec) -> int:
@@ -25,9 +28,17 @@ def completion_tokens(spec: GroupRlSpec | PpoSpec) -> int:
     return hp.max_new_tokens if episodes is None else episodes.episode_tokens(hp.max_new_tokens)
 
 
-def _turn_format(tokenizer: Any, data: RunData, reporter: Reporter, what: str) -> TurnFormat:
+def engine_context(spec: GroupRlSpec | PpoSpec) -> int:
+    """The longest prompt + generation the engine must hold: a later turn of an episode generates with
+    the room the roomiest episode has left (``MultiTurnEngine``), up to ``max_new_tokens`` past the
+    budget of one whose context is nearly full."""
+    hp = spec.hyperparameters
+    extra = hp.max_new_tokens if spec.tools is not None or spec.environment is not None else 0
+    return hp.max_prompt_length + completion_tokens(spec) + extra
+
+
+def _turn_format(tokenizer: Any, chat: bool, reporter: Reporter, what: str) -> TurnFormat:
     """Turns in the chat template's markup when the prompts are chat messages and it can write them."""
-    chat = any(not isinstance(r["prompt"], str) for r in data.train[:64])
     turn_format = TurnFormat(tokenizer, use_template=chat)
     how = (
         "the chat template's messages"
@@ -39,25 +50,21 @@ def _turn_format(tokenizer: Any, data: RunData, reporter: Reporter, what: str) -
 
 
 def multi_turn_engine(
-    spec: GroupRlSpec | PpoSpec,
-    engine: RolloutEngine,
-    tokenizer: Any,
-    data: RunData,
-    reporter: Reporter,
-    rows: dict[tuple[int, ...], tuple[dict[str, Any], list[dict[str, str]]]],
+    spec: GroupRlSpec | PpoSpec, engine: RolloutEngine, tokenizer: Any, data: RunData, reporter: Reporter
 ) -> RolloutEngine:
-    """``engine`` playing the spec's episodes (it must have tools or an environment); ``rows``: each
-    tokenized prompt -> (its row, the environment's opening messages)."""
+    """``engine`` playing the spec's episodes (it must have tools or an environment; an environment's
+    prompts must be ``TaggedPrompt``s, ``tag_openings``)."""
     limit = completion_tokens(spec)
     if spec.tools is not None:
         tools = spec.tools
         what = f"tools {', '.join(tools.names)}: up to {tools.max_turns} turns and {limit} tokens per episode"
+        chat = any(not isinstance(r["prompt"], str) for r in data.train[:64])
         return tool_episodes(
             engine,
             tokenizer,
             tools.names,
             sandbox_runner(tools.source, tools.max_result_chars),
-            _turn_format(tokenizer, data, reporter, what),
+            _turn_format(tokenizer, chat, reporter, what),
             EpisodeLimits(max_turns=tools.max_turns, max_tokens=limit),
         )
     env = spec.environment
@@ -67,18 +74,27 @@ def multi_turn_engine(
         engine,
         tokenizer,
         sandbox_env(env.code),
-        rows,
-        _turn_format(tokenizer, data, reporter, what),
+        _turn_format(tokenizer, True, reporter, what),  # reset's openings are chat messages
         EpisodeLimits(max_turns=env.max_turns, max_tokens=limit),
     )
 
 
+def tag_openings(prompts: PromptSet, openings: list[list[dict[str, str]]]) -> PromptSet:
+    """``prompts`` whose ids carry (their row, their opening messages), for the environment's ``step``."""
+    ids: list[list[int]] = [
+        TaggedPrompt(p, (row, opened))
+        for p, row, opened in zip(prompts.ids, prompts.rows, openings, strict=True)
+    ]
+    return dataclasses.replace(prompts, ids=ids)
+
+
 def environment_openings(
-    rows: list[dict[str, Any]], run_env: EnvRunner, reporter: Reporter, what: str
+    rows: list[dict[str, Any]], run_env: EnvRunner, reporter: Reporter, what: str, ranks: Ranks = ONE
 ) -> tuple[list[dict[str, Any]], list[list[dict[str, str]]]]:
     """Each row's opening messages from the environment's ``reset(row)``, and the rows with them as their
     prompt; rows whose ``reset`` fails are left out (a warning event counts them and gives the first
-    reason).
+    reason). On several ranks rank 0 runs them and the others take its answers, so every rank keeps the
+    same rows (a timeout on one rank alone would otherwise give the ranks different step counts).
 
     Raises:
         ValueError: ``reset`` failed on every row.
@@ -88,11 +104,12 @@ def environment_openings(
     kept: list[dict[str, Any]] = []
     openings: list[list[dict[str, str]]] = []
     errors: list[str] = []
-    results = [
-        result
-        for at in range(0, len(rows), RESET_BATCH)  # bounded sandbox batches (their results are capped)
-        for result in run_env([("reset", {"row": r}) for r in rows[at : at + RESET_BATCH]])
-    ]
+    results: list[tuple[Any, str | None]] = []
+    if ranks.rank == 0:
+        for at in range(0, len(rows), RESET_BATCH):  # bounded sandbox batches
+            results += run_env([("reset", [r]) for r in rows[at : at + RESET_BATCH]])
+    if ranks.active:
+        results = gather_objects(results, ranks)[0]
     for row, (value, error) in zip(rows, results, strict=True):
         try:
             if error is not None:

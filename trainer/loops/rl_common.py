@@ -26,7 +26,7 @@ from trainer.data.prompts import PromptSet, tokenize_prompts
 from trainer.data.sampling import micro_batches
 from trainer.distributed import Ranks, current, gather_rows, is_sharded, padded_share, sum_over_ranks, unwrap
 from trainer.loops.async_rollouts import RolloutPrefetch
-from trainer.loops.multi_turn import completion_tokens, environment_openings, multi_turn_engine
+from trainer.loops.multi_turn import engine_context, environment_openings, multi_turn_engine, tag_openings
 from trainer.loops.rollouts import (
     StepRollouts,
     build_reward,
@@ -97,7 +97,7 @@ def prepare_rl(
             # an adapter run's engine loads the frozen base and takes the adapter as a LoRA at each sync
             model_path=start.start_path if has_adapter(policy) else start.model_path,
             synced_gpus=ctx.ranks.active and is_sharded(policy),
-            max_model_len=hp.max_prompt_length + completion_tokens(spec),
+            max_model_len=engine_context(spec),
             on_restart=lambda message: start.reporter.event("warning", message),
             threads=engine_threads,
         )
@@ -113,22 +113,21 @@ def prepare_rl(
     held_out = [data.validation[i] for i in eval_rows(len(data.validation), hp.eval_max_rows, hp.seed)]
     tools = spec.tools.template_tools() if spec.tools is not None else None
     with start.reporter.phase("tokenize", len(train) + len(held_out)) as progress:
-        openings: tuple[list[Any], list[Any]] = ([[]] * len(train), [[]] * len(held_out))
+        openings: tuple[list[Any], list[Any]] | None = None
         if spec.environment is not None:  # each row's prompt is what the environment's reset opens with
             run_env = sandbox_env(spec.environment.code)
-            train, train_open = environment_openings(train, run_env, start.reporter, "training")
-            held_out, held_open = environment_openings(held_out, run_env, start.reporter, "held-out")
+            train, train_open = environment_openings(train, run_env, start.reporter, "training", ctx.ranks)
+            held_out, held_open = environment_openings(
+                held_out, run_env, start.reporter, "held-out", ctx.ranks
+            )
             openings = (train_open, held_open)
         prompts = tokenize_prompts(train, tokenizer, hp.max_prompt_length, tools)
         progress.advance(len(train))
         val_prompts = tokenize_prompts(held_out, tokenizer, hp.max_prompt_length, tools)
+    if openings is not None:  # the prompts carry their rows and openings to the environment's step
+        prompts, val_prompts = tag_openings(prompts, openings[0]), tag_openings(val_prompts, openings[1])
     if spec.tools is not None or spec.environment is not None:
-        rows = {
-            tuple(ids): (row, opening)
-            for ps, opened in zip((prompts, val_prompts), openings, strict=True)
-            for ids, row, opening in zip(ps.ids, ps.rows, opened, strict=True)
-        }
-        engine = multi_turn_engine(spec, engine, tokenizer, data, start.reporter, rows)
+        engine = multi_turn_engine(spec, engine, tokenizer, data, start.reporter)
     parts = RlParts(
         reference=reference,
         engine=engine,

@@ -102,7 +102,8 @@ def score(
             row=prompts.rows[j],
             n_tokens=c.model_tokens,
             env_return=c.episode.env_return if c.episode is not None else None,
-            max_new_tokens=max_new_tokens,
+            # an episode's length is measured against its whole budget, not one turn's
+            max_new_tokens=(c.episode.budget if c.episode is not None else None) or max_new_tokens,
             truncated=c.finish_reason == "length",
         )
         for c, j in zip(completions, prompt_index, strict=True)

@@ -99,6 +99,7 @@ class Episode:
     tool_errors: int
     ended: Literal["answer", "done", "max_turns", "length", "error"]
     env_return: float | None = None
+    budget: int | None = None  # the episode's token budget after the prompt (what length rewards compare)
 
 
 class RolloutEngine(Protocol):

@@ -16,7 +16,8 @@ reward components as ``reward/environment``.
 
 An environment keeps no state between calls: each turn of a batch runs in a fresh sandbox process, so
 everything ``step`` needs is in ``messages`` and ``row``. A call that raises, runs past its time limit,
-exhausts its memory or returns something else than the protocol ends that episode (``ended: error``, the
+exhausts its memory or returns something else than the protocol (a result over 64 KiB of JSON, a reward
+beyond ±1e6) ends that episode (``ended: error``, the
 reason in its transcript, reward so far); a batch whose every episode failed raises ``EnvironmentFailed``,
 which fails the run saying why.
 """
@@ -24,7 +25,6 @@ which fails the run saying why.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,9 +32,11 @@ from trainer.rollout.base import Completion, RolloutEngine, SamplingParams
 from trainer.rollout.episodes import EpisodeLimits, MultiTurnEngine, Running
 from trainer.rollout.turn_format import TurnFormat
 
-# (function name, keyword arguments) per call -> (the call's JSON result, or None and why)
-EnvRunner = Callable[[list[tuple[str, dict[str, Any]]]], list[tuple[Any, str | None]]]
+# (function name, positional arguments) per call -> (the call's JSON result, or None and why)
+EnvRunner = Callable[[list[tuple[str, list[Any]]]], list[tuple[Any, str | None]]]
 ROLES = ("user", "tool", "system")
+MAX_RESULT_CHARS = 64 * 1024  # one reset/step result's JSON, at most
+MAX_REWARD = 1e6  # |reward| of one step, at most (a sum of them stays finite)
 
 
 class EnvironmentFailed(RuntimeError):
@@ -74,8 +76,8 @@ def step_result(value: Any) -> tuple[list[dict[str, str]], float, bool]:
             f"step must return a dict with messages, reward and done, got {type(value).__name__}"
         )
     reward, done = value.get("reward", 0.0), value.get("done", False)
-    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
-        raise ValueError(f"step's reward must be a finite number, got {reward!r}")
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not abs(reward) <= MAX_REWARD:
+        raise ValueError(f"step's reward must be a number within ±{MAX_REWARD:g}, got {reward!r}"[:300])
     if not isinstance(done, bool):
         raise ValueError(f"step's done must be true or false, got {done!r}")
     messages = value.get("messages") or []
@@ -85,33 +87,17 @@ def step_result(value: Any) -> tuple[list[dict[str, str]], float, bool]:
 
 
 class EnvironmentSteps:
-    """A ``Responder`` that calls the environment's ``step`` after every turn of every episode.
+    """A ``Responder`` that calls the environment's ``step`` after every turn of every episode; each
+    episode's prompt carries its dataset row and opening messages (``TaggedPrompt.tag``)."""
 
-    Args:
-        run_env: runs a batch of calls in the sandbox.
-        row_of: the dataset row of an episode's prompt (by its token ids).
-        opening_of: the episode's opening messages (``reset``'s, by the prompt's token ids).
-    """
-
-    def __init__(
-        self,
-        run_env: EnvRunner,
-        row_of: Callable[[list[int]], Mapping[str, Any]],
-        opening_of: Callable[[list[int]], list[dict[str, str]]],
-    ):
-        self.run_env, self.row_of, self.opening_of = run_env, row_of, opening_of
+    def __init__(self, run_env: EnvRunner):
+        self.run_env = run_env
 
     def respond(self, played: list[Running], last: bool) -> None:
-        calls = [
-            (
-                "step",
-                {
-                    "messages": self.opening_of(e.prompt_ids) + _plain(e.messages),
-                    "row": dict(self.row_of(e.prompt_ids)),
-                },
-            )
-            for e in played
-        ]
+        calls: list[tuple[str, list[Any]]] = []
+        for e in played:
+            row, opened = e.tag
+            calls.append(("step", [opened + _plain(e.messages), dict(row)]))
         for e, (value, error) in zip(played, self.run_env(calls), strict=True):
             e.env_return = e.env_return or 0.0
             try:
@@ -119,8 +105,7 @@ class EnvironmentSteps:
                     raise ValueError(error)
                 messages, reward, done = step_result(value)
             except ValueError as exc:
-                e.messages.append({"role": "environment", "content": f"error: {exc}", "error": True})
-                e.end("error")
+                e.fail(str(exc))
                 continue
             e.env_return += reward
             if done:
@@ -154,21 +139,12 @@ def env_episodes(
     engine: RolloutEngine,
     tokenizer: Any,
     run_env: EnvRunner,
-    rows: Mapping[tuple[int, ...], tuple[Mapping[str, Any], list[dict[str, str]]]],
     turn_format: TurnFormat,
     limits: EpisodeLimits,
 ) -> MultiTurnEngine:
-    """``engine`` playing environment episodes; ``rows``: each prompt's token ids -> (its dataset row, its
-    opening messages)."""
-
-    def row_of(ids: list[int]) -> Mapping[str, Any]:
-        return rows[tuple(ids)][0]
-
-    def opening_of(ids: list[int]) -> list[dict[str, str]]:
-        return rows[tuple(ids)][1]
-
-    responder = EnvironmentSteps(run_env, row_of, opening_of)
-    return EnvironmentEpisodes(engine, tokenizer, responder, turn_format, limits)
+    """``engine`` playing environment episodes; every prompt must be a ``TaggedPrompt`` whose tag is
+    (its dataset row, its opening messages)."""
+    return EnvironmentEpisodes(engine, tokenizer, EnvironmentSteps(run_env), turn_format, limits)
 
 
 def sandbox_env(source: str) -> EnvRunner:
@@ -176,9 +152,10 @@ def sandbox_env(source: str) -> EnvRunner:
     from trainer.graders.sandbox import run_tools
     from trainer.rollout.tool_episodes import batch_limits
 
-    def run(calls: list[tuple[str, dict[str, Any]]]) -> list[tuple[Any, str | None]]:
+    def run(calls: list[tuple[str, list[Any]]]) -> list[tuple[Any, str | None]]:
         out: list[tuple[Any, str | None]] = []
-        for r in run_tools(source, calls, batch_limits(len(calls)), max_text_chars=1 << 20, as_json=True):
+        limits = batch_limits(len(calls))
+        for r in run_tools(source, calls, limits, max_text_chars=MAX_RESULT_CHARS, as_json=True):
             if r.text is None:
                 out.append((None, r.error))
             else:

@@ -17,9 +17,13 @@ The episode comes back as one ``Completion``: ``token_ids`` the whole transcript
 entropy cover only the model's tokens), ``logprobs`` the engine's for the model's tokens (0.0 on the
 appended ones, which the mask drops), and ``episode`` the transcript and its counts.
 
-Each turn after the first generates only the episodes still going, in one call per per-turn budget, and
-each episode keeps its own sampling stream (``SamplingParams.row_ids``: its global row), so an episode's
-tokens do not depend on which others are still going.
+Each turn after the first generates only the episodes still going, in one call (each then cut to its
+own budget left), and with the transformers engine each episode keeps its own sampling stream
+(``SamplingParams.row_ids``: its global row), so an episode's tokens do not depend on which others are
+still going (vLLM's engines take no per-request seeds on CPU: trainer/rollout/served_engine.py).
+
+A prompt may carry what a responder needs about its row (``TaggedPrompt``: an environment's dataset row
+and opening messages), so identical prompt tokens of different rows stay apart.
 """
 
 from __future__ import annotations
@@ -33,6 +37,14 @@ from trainer.rollout.base import Completion, Episode, FinishReason, RolloutEngin
 from trainer.rollout.turn_format import TurnFormat
 
 Ended = Literal["answer", "done", "max_turns", "length", "error"]
+
+
+class TaggedPrompt(list[int]):
+    """A prompt's token ids with ``tag``, what a responder needs about its row; a list like any prompt."""
+
+    def __init__(self, ids: Sequence[int], tag: Any):
+        super().__init__(ids)
+        self.tag = tag
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,7 @@ class Running:
     row: int  # the episode's global row (its sampling stream)
     prompt_index: int
     prompt_ids: list[int]
+    tag: Any = None  # the prompt's ``TaggedPrompt.tag``
     tokens: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)
@@ -105,7 +118,12 @@ class Running:
         if self.logprobs is not None:
             self.logprobs += [0.0] * len(ids)
 
-    def completion(self, tokenizer: Any) -> Completion:
+    def fail(self, why: str) -> None:
+        """End the episode on an error of its own: the reason is the transcript's last message."""
+        self.messages.append({"role": "environment", "content": f"error: {why}", "error": True})
+        self.end("error")
+
+    def completion(self, tokenizer: Any, budget: int) -> Completion:
         return Completion(
             prompt_index=self.prompt_index,
             prompt_ids=self.prompt_ids,
@@ -122,6 +140,7 @@ class Running:
                 tool_errors=self.tool_errors,
                 ended=self.ended or "max_turns",
                 env_return=self.env_return,
+                budget=budget,
             ),
         )
 
@@ -172,7 +191,12 @@ class MultiTurnEngine:
             prompts, n, dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, budget))
         )
         episodes = [
-            Running(row=params.first_row + k, prompt_index=c.prompt_index, prompt_ids=list(c.prompt_ids))
+            Running(
+                row=params.first_row + k,
+                prompt_index=c.prompt_index,
+                prompt_ids=list(c.prompt_ids),
+                tag=getattr(prompts[k // n], "tag", None),
+            )
             for k, c in enumerate(first)
         ]
         if params.row_ids is not None:  # one sample per prompt, each on its own named row
@@ -191,25 +215,31 @@ class MultiTurnEngine:
                 if e.ended is None and (turn == last or not e.reply):
                     e.end("max_turns" if e.reply else "answer")
                 if e.ended is None:
-                    e.add_reply(self.turn_format.ids(e.reply), budget)
+                    try:
+                        ids = self.turn_format.ids(e.reply)
+                    except Exception as exc:  # noqa: BLE001 - a template's own error ends this episode only
+                        e.fail(f"the reply could not be written in the chat template: {exc}"[:500])
+                        continue
+                    e.add_reply(ids, budget)
             self._next_turn([e for e in episodes if e.ended is None], turn + 1, params, budget)
-        return [e.completion(self.tokenizer) for e in episodes]
+        return [e.completion(self.tokenizer, budget) for e in episodes]
 
     def _next_turn(self, going: list[Running], turn: int, params: SamplingParams, budget: int) -> None:
-        by_room: dict[int, list[Running]] = {}
-        for e in going:
-            by_room.setdefault(min(params.max_new_tokens, budget - len(e.tokens)), []).append(e)
-        for room, group in by_room.items():
-            turn_params = dataclasses.replace(
-                params,
-                max_new_tokens=room,
-                seed=_turn_seed(params.seed, turn),
-                row_ids=tuple(e.row for e in group),
-                first_row=0,
-            )
-            outs = self.engine.generate([e.prompt_ids + e.tokens for e in group], 1, turn_params)
-            for e, c in zip(group, outs, strict=True):
-                e.add_turn(c, budget)
+        """One generate call for every episode still going, with the largest room any has left (at most
+        ``max_new_tokens``); ``add_turn`` cuts each to its own."""
+        if not going:
+            return
+        room = min(params.max_new_tokens, max(budget - len(e.tokens) for e in going))
+        turn_params = dataclasses.replace(
+            params,
+            max_new_tokens=room,
+            seed=_turn_seed(params.seed, turn),
+            row_ids=tuple(e.row for e in going),
+            first_row=0,
+        )
+        outs = self.engine.generate([e.prompt_ids + e.tokens for e in going], 1, turn_params)
+        for e, c in zip(going, outs, strict=True):
+            e.add_turn(c, budget)
 
     def sync_weights(self, model: Any) -> None:
         self.engine.sync_weights(model)
