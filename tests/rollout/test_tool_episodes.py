@@ -269,3 +269,48 @@ def test_the_real_engine_plays_episodes_greedily(tokenizer: Any, tiny_cache: Pat
     )
     alone = HFEngine(model, tok).generate([tok("the").input_ids], 1, SamplingParams(max_new_tokens=8, seed=5))
     assert rows[1].token_ids == alone[0].token_ids  # row 0 of the seed, wherever it sits in the call
+
+
+class BrokenFormat(TurnFormat):
+    """Writes every reply but one naming 'bad', as a template that raises on some message would."""
+
+    def ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        if any("bad" in str(m["content"]) for m in messages):
+            raise ValueError("this template cannot write that")
+        return super().ids(messages)
+
+
+def test_a_reply_the_template_cannot_write_ends_that_episode_only(tokenizer: Any) -> None:
+    a, b = (tokenizer(t).input_ids for t in ("1+1=", "7*8="))
+    policy = ScriptedPolicy(tokenizer, {a[0]: [call(1, 1), "2"], b[0]: [call(0, 0), "0"]})
+
+    def tool(calls: list[tuple[str, dict[str, Any]]]) -> list[tuple[str | None, str | None]]:
+        return [("bad" if args["a"] == 0 else str(args["a"] + args["b"]), None) for _, args in calls]
+
+    engine = tool_episodes(policy, tokenizer, ["add"], tool, BrokenFormat(tokenizer), EpisodeLimits(3, 300))
+    fine, broken = engine.generate([a, b], 1, SamplingParams(max_new_tokens=64))
+    assert fine.episode is not None and (fine.episode.ended, fine.answer) == ("answer", "2")
+    assert broken.episode is not None and broken.episode.ended == "error"
+    assert "could not be written in the chat template: this template cannot write that" in str(
+        broken.episode.messages[-1]["content"]
+    )
+    assert broken.token_mask == [1] * len(broken.token_ids)  # nothing appended after the failed reply
+
+
+def test_length_rewards_measure_an_episode_against_its_whole_budget(tokenizer: Any) -> None:
+    from trainer.data.prompts import PromptSet
+    from trainer.loops.rollouts import score
+    from trainer.rewards.composite import CompositeReward, RewardComponent
+    from trainer.rollout.base import Episode
+
+    def done(budget: int | None) -> Completion:
+        episode = Episode(
+            messages=(), answer="x", turns=3, tool_calls=2, tool_errors=0, ended="answer", budget=budget
+        )
+        return Completion(0, [1], [5] * 100, "x", "eos", token_mask=[1] * 100, episode=episode)
+
+    prompts = PromptSet(rows=[{"prompt": "p", "answer": "x"}], texts=["p"], ids=[[1]])
+    reward = CompositeReward([RewardComponent("overlong_penalty", params={"cache_tokens": 16})])
+    # 100 policy tokens in an episode of 300: no penalty; against one turn's 64 it would be -1
+    assert score([done(300)], prompts, [0], reward, max_new_tokens=64).total == [0.0]
+    assert score([done(None)], prompts, [0], reward, max_new_tokens=64).total == [-1.0]
