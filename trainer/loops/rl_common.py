@@ -314,21 +314,17 @@ class TokenBatch:
 
 
 def to_token_batch(completions: Sequence[Completion], pad_id: int, device: torch.device) -> TokenBatch:
-    seqs = [(c.prompt_ids, c.token_ids) for c in completions]
-    width = max(len(p) + len(t) for p, t in seqs)
-    offset = max(min(len(p) for p, _ in seqs) - 1, 0)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    resp = torch.zeros((len(seqs), width), dtype=torch.float32)
-    for i, (p, t) in enumerate(seqs):
+    width = max(len(c.prompt_ids) + len(c.token_ids) for c in completions)
+    offset = max(min(len(c.prompt_ids) for c in completions) - 1, 0)
+    ids = torch.full((len(completions), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(completions), width), dtype=torch.long)
+    resp = torch.zeros((len(completions), width), dtype=torch.float32)
+    for i, c in enumerate(completions):
+        p, t = c.prompt_ids, c.token_ids
         ids[i, : len(p) + len(t)] = torch.tensor(p + t, dtype=torch.long)
         attn[i, : len(p) + len(t)] = 1
-        resp[i, len(p) : len(p) + len(t)] = 1.0
-    for i, c in enumerate(completions):  # a multi-turn episode: only the model's own tokens
-        if c.token_mask is not None:
-            resp[i, len(c.prompt_ids) : len(c.prompt_ids) + len(c.token_ids)] = torch.tensor(
-                c.token_mask, dtype=torch.float32
-            )
+        # every generated token, or of a multi-turn episode only those the model produced
+        resp[i, len(p) : len(p) + len(t)] = 1.0 if c.token_mask is None else torch.tensor(c.token_mask)
     return TokenBatch(ids.to(device), attn.to(device), resp[:, offset + 1 :].to(device), offset)
 
 

@@ -63,7 +63,8 @@ class EpisodeLimits:
 
 @dataclass
 class Running:
-    """One episode being played; a ``Responder`` reads ``last_text`` and sets ``ended`` or ``reply``."""
+    """One episode being played; a ``Responder`` reads ``answer`` (the last turn's text) and sets
+    ``ended`` or ``reply``."""
 
     row: int  # the episode's global row (its sampling stream)
     prompt_index: int
@@ -82,10 +83,6 @@ class Running:
     ended: Ended | None = None
     cut: bool = False  # the last turn ran out of tokens (per turn or the episode's budget)
     reply: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def last_text(self) -> str:
-        return self.answer
 
     def add_turn(self, c: Completion, budget: int) -> None:
         """Append the model's turn, cut to the budget left."""

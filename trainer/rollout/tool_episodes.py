@@ -33,13 +33,13 @@ class ToolCalls:
     def respond(self, played: list[Running], last: bool) -> None:
         calls: dict[int, list[ToolCall]] = {}
         for k, e in enumerate(played):
-            found = [] if e.cut else parse_tool_calls(e.last_text, self.tools)
+            found = [] if e.cut else parse_tool_calls(e.answer, self.tools)
             if found:
                 e.messages[-1]["tool_calls"] = [c.as_message() for c in found]
                 calls[k] = found
         if last:  # the episode cannot go on: the calls are not run
             for k in calls:
-                played[k].reply = [{"role": "tool", "name": c.name, "content": ""} for c in calls[k]]
+                played[k].end("max_turns")
             return
         runnable = [(c.name, c.arguments) for found in calls.values() for c in found if c.error is None]
         ran = iter(self.run_tools(runnable) if runnable else [])

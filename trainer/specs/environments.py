@@ -4,13 +4,12 @@ is done (trainer/rollout/env_episodes.py has the protocol). Torch-free (the API 
 
 from __future__ import annotations
 
-import ast
 import uuid
 
 from pydantic import Field, field_validator, model_validator
 
 from trainer.specs.base import _Frozen
-from trainer.specs.graders import MAX_SOURCE_CHARS
+from trainer.specs.graders import MAX_SOURCE_CHARS, refuse_without_sandbox, top_level_functions
 from trainer.specs.refs import ENVIRONMENT_REFERENCE, refuse_nul
 
 ENVIRONMENT_FUNCTIONS = {"reset": 1, "step": 2}  # name -> positional parameters it must take
@@ -66,11 +65,7 @@ class EnvironmentSpec(_Frozen):
             ValueError: why not, naming the line where there is one.
         """
         refuse_nul(v, "source")
-        try:
-            tree = ast.parse(v)
-        except SyntaxError as exc:
-            raise ValueError(f"not valid Python: {exc.msg} (line {exc.lineno})") from None
-        functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        functions = top_level_functions(v)
         for name, arity in ENVIRONMENT_FUNCTIONS.items():
             fn = functions.get(name)
             if fn is None:
@@ -78,11 +73,7 @@ class EnvironmentSpec(_Frozen):
             if len(fn.args.posonlyargs + fn.args.args) < arity and fn.args.vararg is None:
                 wanted = "row" if name == "reset" else "messages, row"
                 raise ValueError(f"`{name}` (line {fn.lineno}) must take ({wanted})")
-        from trainer.graders.sandbox import isolation_problem
-
-        problem = isolation_problem()
-        if problem is not None:
-            raise ValueError(f"environments cannot run on this server: {problem}")
+        refuse_without_sandbox("environments")
         return v
 
     @property

@@ -98,20 +98,43 @@ class PythonGrader(_Grader):
     @field_validator("source")
     @classmethod
     def _defines_grade(cls, v: str) -> str:
-        import ast
-
         try:
-            tree = ast.parse(v)
-        except SyntaxError as exc:
-            raise ValueError(f"source: not valid Python: {exc.msg} (line {exc.lineno})") from None
-        if not any(isinstance(n, ast.FunctionDef) and n.name == "grade" for n in tree.body):
+            functions = top_level_functions(v)
+        except ValueError as exc:
+            raise ValueError(f"source: {exc}") from None
+        if "grade" not in functions:
             raise ValueError("source: defines no top-level function `grade(sample, item)`")
-        from trainer.graders.sandbox import isolation_problem
-
-        problem = isolation_problem()
-        if problem is not None:
-            raise ValueError(f"source: python graders cannot run on this server: {problem}")
+        refuse_without_sandbox("source: python graders")
         return v
+
+
+def top_level_functions(source: str) -> dict[str, Any]:
+    """The top-level ``def``s of user Python (a grader's, tools', an environment's) by name, as
+    ``ast.FunctionDef`` nodes.
+
+    Raises:
+        ValueError: the source does not parse, naming the line.
+    """
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        raise ValueError(f"not valid Python: {exc.msg} (line {exc.lineno})") from None
+    return {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def refuse_without_sandbox(what: str) -> None:
+    """Refuse user code where this host cannot isolate it (trainer/graders/sandbox.py, probed once).
+
+    Raises:
+        ValueError: ``"<what> cannot run on this server: <why>"``.
+    """
+    from trainer.graders.sandbox import isolation_problem
+
+    problem = isolation_problem()
+    if problem is not None:
+        raise ValueError(f"{what} cannot run on this server: {problem}")
 
 
 class JudgeMessage(_Frozen):

@@ -8,14 +8,13 @@ source run in the python graders' sandbox (no network, no host files, time and m
 
 from __future__ import annotations
 
-import ast
 import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from trainer.specs.base import _Frozen
-from trainer.specs.graders import MAX_SOURCE_CHARS
+from trainer.specs.graders import MAX_SOURCE_CHARS, refuse_without_sandbox, top_level_functions
 from trainer.specs.refs import refuse_nul
 
 TOOL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
@@ -87,15 +86,8 @@ class ToolsSpec(_Frozen):
     @classmethod
     def _compiles(cls, v: str) -> str:
         refuse_nul(v, "source")
-        try:
-            ast.parse(v)
-        except SyntaxError as exc:
-            raise ValueError(f"not valid Python: {exc.msg} (line {exc.lineno})") from None
-        from trainer.graders.sandbox import isolation_problem
-
-        problem = isolation_problem()
-        if problem is not None:
-            raise ValueError(f"tools cannot run on this server: {problem}")
+        top_level_functions(v)  # it parses
+        refuse_without_sandbox("tools")
         return v
 
     @model_validator(mode="after")
@@ -103,7 +95,7 @@ class ToolsSpec(_Frozen):
         names = [d.function.name for d in self.definitions]
         if len(set(names)) != len(names):
             raise ValueError("definitions: each tool needs its own name")
-        defined = {n.name for n in ast.parse(self.source).body if isinstance(n, ast.FunctionDef)}
+        defined = top_level_functions(self.source)
         missing = [n for n in names if n not in defined]
         if missing:
             raise ValueError(f"source: defines no top-level function {', '.join(map(repr, missing))}")
