@@ -178,6 +178,7 @@ def claim(session: Session, run_id: uuid.UUID, worker_id: str, *, lease_seconds:
         "lease_expires_at": now + timedelta(seconds=lease_seconds),
         "started_at": now,
         "step": 0,
+        "agent_gateway": None,  # a lost worker's gateway is gone: agents wait for this worker's
         **NO_PHASE,
     }
     expired = or_(Run.status == "queued", Run.lease_expires_at < now)

@@ -16,6 +16,7 @@ from api.errors import install_error_handlers
 from api.queue import CeleryEnqueue, Enqueue
 from api.request_log import RequestLog
 from api.routers import (
+    agent,
     checkpoints,
     datasets,
     environments,
@@ -64,6 +65,7 @@ def create_app(
         stream.router,
         webhooks.router,
         environments.router,
+        agent.router,
         models.router,
         # The OpenAI-compatible surface (/v1/files, /v1/fine_tuning/jobs), mapped onto datasets and runs.
         openai_files.router,

@@ -222,6 +222,11 @@ class Run(Base):
     result: Mapped[dict[str, float] | None] = mapped_column(
         JsonType, nullable=True, doc="The final metrics its loop returned, once it succeeded."
     )
+    agent_gateway: Mapped[dict[str, str] | None] = mapped_column(
+        JsonType,
+        nullable=True,
+        doc="Where a running agent run's gateway listens ({url, token}); the API proxies agents to it.",
+    )
 
 
 class Pipeline(Base):

@@ -115,3 +115,11 @@ class WebhookCreate(BaseModel):
         min_length=1,
         description="Which ends to announce (default: all three).",
     )
+
+
+class AgentReward(BaseModel):
+    """An agent episode's reward (its calls are done)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float = Field(ge=-1e6, le=1e6, allow_inf_nan=False, description="What the episode earned.")

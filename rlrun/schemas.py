@@ -346,6 +346,21 @@ class EnvironmentRead(_Read):
     created_at: datetime
 
 
+class AgentEpisode(BaseModel):
+    """An episode of an agent run, for an agent program to play (docs/runs.md, "Bring your own agent")."""
+
+    id: str = Field(description="The episode's id.")
+    row: dict[str, Any] = Field(description="Its prompts dataset row: `prompt`, `answer` (if any), `meta`.")
+    evaluation: bool = Field(description="A held-out evaluation episode (the policy answers greedily).")
+    base_url: str = Field(description="Give it to the `openai` client: `OpenAI(base_url=..., api_key=KEY)`.")
+    reward_url: str = Field(description='POST `{"reward": float}` here when the episode is done.')
+
+
+class AgentRewarded(BaseModel):
+    id: str
+    reward: float
+
+
 class WebhookRead(_Read):
     id: uuid.UUID
     url: str

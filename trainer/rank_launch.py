@@ -93,6 +93,10 @@ class RankReporter:
         if self.inner is not None:
             self.inner.warn(code, step, message)
 
+    def agent_gateway(self, address: Mapping[str, str] | None) -> None:
+        if self.inner is not None:
+            self.inner.agent_gateway(address)
+
 
 def run_rank(job: RankJob) -> Any:
     """One rank: join the process group, run the loop, return ``job.collect(...)`` on rank 0."""

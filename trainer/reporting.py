@@ -49,6 +49,10 @@ class Reporter(Protocol):
     def warn(self, code: str, step: int, message: str) -> None:
         """The run's health checks flagged ``code`` at ``step`` (kept with the run, once per code)."""
 
+    def agent_gateway(self, address: Mapping[str, str] | None) -> None:
+        """Where the run's agent gateway listens (``{"url", "token"}``, trainer/rollout/agent_gateway.py),
+        for the API to proxy agents to; None: it closed."""
+
 
 @dataclass(frozen=True)
 class RunData:
@@ -93,6 +97,7 @@ class MemoryReporter:
     checkpoints: dict[int, Path] = field(default_factory=dict)
     samples: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     checks: int = 0
+    gateway: dict[str, str] | None = None
 
     def log_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
         self.metrics.extend((step, k, float(v)) for k, v in metrics.items())
@@ -117,6 +122,9 @@ class MemoryReporter:
         counter = Counter(name, total)
         self.phases.append(counter)
         return _MemoryPhase(counter, stop=name == self.stop_in_phase)
+
+    def agent_gateway(self, address: Mapping[str, str] | None) -> None:
+        self.gateway = dict(address) if address is not None else None
 
     def warn(self, code: str, step: int, message: str) -> None:
         if all(code != c for c, _, _ in self.warnings):

@@ -214,6 +214,22 @@ class DbReporter:
         if event_due and name is not None:
             self.progress_events[name] = now
 
+    def agent_gateway(self, address: Mapping[str, str] | None) -> None:
+        """The run's agent gateway address on its row (``runs.agent_gateway``), where the API finds it;
+        None clears it. Written only while this worker holds the run."""
+        value = dict(address) if address is not None else None
+
+        def write() -> None:
+            with self.sf.begin() as session:
+                session.execute(
+                    update(Run)
+                    .where(Run.id == self.run_id, Run.worker_id == self.worker_id)
+                    .values(agent_gateway=value)
+                    .execution_options(synchronize_session=False)
+                )
+
+        retry_busy(f"run {self.run_id}: agent gateway", write)
+
     def warn(self, code: str, step: int, message: str) -> None:
         """Add ``{code, step, message}`` to the run's warnings (once per code: a resumed attempt that
         raises it again adds nothing) and a ``warning`` event."""

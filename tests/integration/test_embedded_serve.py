@@ -6,6 +6,8 @@ long run end to end.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,3 +158,44 @@ def test_demo_rl_stage_raises_heldout_accuracy_by_10_points(served: httpx.Client
     assert result["status"] == "succeeded", result
     assert 0.05 < result["start"] < 0.6  # SFT leaves headroom
     assert result["points"] >= 10, result
+
+
+def test_the_example_openai_agent_trains_an_agent_run_on_sqlite(served: httpx.Client) -> None:
+    """examples/openai_agent.py (only the `openai` SDK and httpx) as its own process against `rlrun
+    serve` on the embedded defaults: it plays every episode, held-out ones included, until the run is
+    over, and the run trains on them."""
+    rows = [{"prompt": f"What is {a}+{b}?", "answer": str(a + b)} for a in range(5) for b in range(4)]
+    spec = {
+        "algorithm": "rloo",
+        "model": "tiny:llama-0.4m",
+        "dataset_id": upload(served, rows, "prompts"),
+        "validation_fraction": 0.1,
+        "agent": {"max_turns": 2, "max_episode_tokens": 48, "timeout_s": 120},
+        "hyperparameters": {
+            "max_steps": 2,
+            "prompts_per_step": 2,
+            "samples_per_prompt": 2,
+            "max_new_tokens": 8,
+            "max_prompt_length": 160,
+            "sample_every": 1,
+            "dynamic_sampling": False,
+        },
+    }
+    resp = served.post("/v1/runs", json=spec)
+    assert resp.status_code == 201, resp.text
+    run_id = resp.json()["id"]
+    script = Path(__file__).parents[2] / "examples" / "openai_agent.py"
+    agent = subprocess.run(
+        [sys.executable, str(script), "--url", str(served.base_url), "--run", run_id],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert agent.returncode == 0, agent.stderr[-3000:]
+    done = served.get(f"/v1/runs/{run_id}").json()
+    assert done["status"] == "succeeded", done
+    held_out = 2  # 10% of 20 rows, played greedily at steps 0 and 2
+    assert agent.stdout.strip() == f"played {2 * 2 * 2 + 2 * held_out} episodes"
+    metrics = {(m["key"], m["step"]): m["value"] for m in all_metrics(served, run_id)}
+    assert metrics[("episode/timeout_frac", 2)] == 0.0 and ("loss/total", 2) in metrics
+    assert ("eval/accuracy", 0) in metrics and ("eval/accuracy", 2) in metrics

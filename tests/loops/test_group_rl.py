@@ -249,3 +249,79 @@ def test_sample_type_is_what_verifiers_get() -> None:
         truncated=False,
     )
     assert CompositeReward([RewardComponent("exact_match")])([s]).total == [1.0]
+
+
+def test_a_group_with_an_agent_episode_that_never_reported_is_not_trained(tiny_cache: Path) -> None:
+    """Issue 39 item 3: the agent plays prompt 0's episodes (rewards 0, 1) and never reports prompt 1's;
+    after the timeout only group 0 trains, with the posted rewards, and the timeouts are counted."""
+    from trainer.loops.multi_turn import tag_rows
+    from trainer.loops.rollouts import build_reward
+    from trainer.rollout.agent_episodes import AgentBoard, AgentEpisodes, BoardClosed
+    from trainer.rollout.turn_format import TurnFormat
+
+    tokenizer = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))[1]
+    prompts = tag_rows(
+        PromptSet(
+            rows=[{"prompt": str(k), "answer": "1", "meta": {}} for k in range(2)],
+            texts=[str(k) for k in range(2)],
+            ids=[[k + 5] for k in range(2)],
+        )
+    )
+    board = AgentBoard()
+    engine = AgentEpisodes(
+        ScriptedEngine({}, {}),  # never called: the agent makes no chat call
+        tokenizer,
+        board,
+        TurnFormat(tokenizer),
+        timeout=1.5,
+        max_calls=2,
+        budget=32,
+        max_prompt_tokens=32,
+    )
+    engine.generate = _with_one_call(engine.generate, board)  # type: ignore[method-assign]
+    spec = _spec("grpo", prompts_per_step=2, samples_per_prompt=2, dynamic_sampling=False)
+    ro = collect_rollouts(
+        engine,
+        prompts,
+        EpochSampler(2, 2, torch.Generator().manual_seed(0)),
+        build_reward([], str, torch.device("cpu"), episode_reward="agent"),
+        spec.hyperparameters,
+        greedy_baseline=False,
+        seed=0,
+    )
+    assert set(ro.prompt_index) == {0} and sorted(ro.total) == [0.0, 1.0]
+    metrics = step_rollout_metrics(ro)
+    assert metrics["episode/timeout_frac"] == 0.5 and metrics["reward/agent/mean"] == 0.25
+    board.close()
+    with pytest.raises(BoardClosed):
+        board.next_episode(0)
+
+
+def _with_one_call(generate: Any, board: Any) -> Any:
+    """``generate`` with an agent beside it: one scripted call per prompt-0 episode, rewards 0 then 1."""
+    import threading
+
+    def agent() -> None:
+        rewards = iter([0.0, 1.0])
+        while True:
+            try:
+                offer = board.next_episode(0.5)
+            except Exception:  # noqa: BLE001 - the board closed
+                return
+            if offer is None:
+                return
+            if offer["row"]["prompt"] == "0":
+                episode = board.live[offer["id"]]
+                conv = episode.conversation
+                conv.context([{"role": "user", "content": "0"}], None)
+                conv.reply(Completion(0, conv.prompt_ids, [3, 2], "ok", "eos"), [], None)
+                board.report(offer["id"], next(rewards))
+
+    def run(*args: Any) -> Any:
+        thread = threading.Thread(target=agent, daemon=True)
+        thread.start()
+        out = generate(*args)
+        thread.join(5)
+        return out
+
+    return run

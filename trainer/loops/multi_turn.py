@@ -1,15 +1,22 @@
 """Multi-turn rollouts for an online-RL run: its rollout engine wrapped to play tool episodes
-(trainer/rollout/tool_episodes.py) or environment episodes (trainer/rollout/env_episodes.py), and the
-environment's opening turns, from its ``reset``, as each row's prompt."""
+(trainer/rollout/tool_episodes.py), environment episodes (trainer/rollout/env_episodes.py) or the episodes
+of the user's own agent (trainer/rollout/agent_episodes.py, served by trainer/rollout/agent_gateway.py),
+and the environment's opening turns, from its ``reset``, as each row's prompt."""
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import ExitStack
 from typing import Any
 
+import torch
+
+from trainer.algorithms.logprobs import token_logprobs
 from trainer.data.prompts import PromptSet
 from trainer.distributed import ONE, Ranks, gather_objects
 from trainer.reporting import Reporter, RunData
+from trainer.rollout.agent_episodes import AgentBoard, AgentEpisodes
+from trainer.rollout.agent_gateway import AgentGateway
 from trainer.rollout.base import RolloutEngine
 from trainer.rollout.env_episodes import EnvRunner, env_episodes, opening, sandbox_env
 from trainer.rollout.episodes import EpisodeLimits, TaggedPrompt
@@ -24,7 +31,7 @@ def completion_tokens(spec: GroupRlSpec | PpoSpec) -> int:
     """The most tokens after a prompt: one completion's, or an episode's (every turn and every message
     appended between them) with tools or an environment."""
     hp = spec.hyperparameters
-    episodes = spec.tools or spec.environment
+    episodes = spec.tools or spec.environment or spec.agent
     return hp.max_new_tokens if episodes is None else episodes.episode_tokens(hp.max_new_tokens)
 
 
@@ -33,7 +40,8 @@ def engine_context(spec: GroupRlSpec | PpoSpec) -> int:
     the room the roomiest episode has left (``MultiTurnEngine``), up to ``max_new_tokens`` past the
     budget of one whose context is nearly full."""
     hp = spec.hyperparameters
-    extra = hp.max_new_tokens if spec.tools is not None or spec.environment is not None else 0
+    multi_turn = spec.tools is not None or spec.environment is not None or spec.agent is not None
+    extra = hp.max_new_tokens if multi_turn else 0
     return hp.max_prompt_length + completion_tokens(spec) + extra
 
 
@@ -131,3 +139,61 @@ def environment_openings(
             f"are left out; the first: {errors[0]}",
         )
     return kept, openings
+
+
+def tag_rows(prompts: PromptSet) -> PromptSet:
+    """``prompts`` whose ids carry their dataset rows, which an agent's episodes hand out."""
+    ids: list[list[int]] = [TaggedPrompt(p, row) for p, row in zip(prompts.ids, prompts.rows, strict=True)]
+    return dataclasses.replace(prompts, ids=ids)
+
+
+def agent_engine(
+    spec: GroupRlSpec | PpoSpec, engine: RolloutEngine, tokenizer: Any, reporter: Reporter, cleanup: ExitStack
+) -> RolloutEngine:
+    """``engine`` serving the run's agent: the gateway opens now (its address goes on the run's row, where
+    the API finds it) and closes with the run; the prompts must be ``tag_rows``'."""
+    agent = spec.agent
+    assert agent is not None
+    hp = spec.hyperparameters
+    board = AgentBoard()
+    gateway = AgentGateway(board)
+    cleanup.callback(gateway.close)
+    cleanup.callback(reporter.agent_gateway, None)  # first (last in, first out): the API stops proxying
+    limit = completion_tokens(spec)
+    what = (
+        f"agent episodes: take them from GET /v1/runs/<id>/agent/episodes/next; up to {agent.max_turns} "
+        f"calls and {limit} tokens per episode, {agent.timeout_s:g} s per step's episodes"
+    )
+    turn_format = _turn_format(tokenizer, True, reporter, what)
+    model = getattr(engine, "model", None)  # the transformers engine reports no log-probs: compute them
+    episodes = AgentEpisodes(
+        engine,
+        tokenizer,
+        board,
+        turn_format,
+        timeout=agent.timeout_s,
+        max_calls=agent.max_turns,
+        budget=limit,
+        max_prompt_tokens=hp.max_prompt_length,
+        logprobs_of=None if model is None else (lambda ctx, ids, t: reply_logprobs(model, ctx, ids, t)),
+    )
+    reporter.agent_gateway(gateway.address)
+    return episodes
+
+
+@torch.no_grad()
+def reply_logprobs(model: Any, context: list[int], tokens: list[int], temperature: float) -> list[float]:
+    """The policy's log-probs of ``tokens`` after ``context`` at the sampling temperature: log softmax(z/T)
+    of each token (T = 0 keeps the logits), the distribution the transformers engine sampled from (the
+    trainer's own recomputation, trainer/loops/rl_common.py ``forward_logps``)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        ids = torch.tensor([context + tokens], device=device)
+        logits = model(input_ids=ids, logits_to_keep=len(tokens) + 1).logits[:, :-1].float()
+    finally:
+        model.train(was_training)
+    if temperature > 0 and temperature != 1:
+        logits = logits / temperature
+    return [float(x) for x in token_logprobs(logits, torch.tensor([tokens], device=device))[0]]

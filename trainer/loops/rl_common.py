@@ -26,7 +26,14 @@ from trainer.data.prompts import PromptSet, tokenize_prompts
 from trainer.data.sampling import micro_batches
 from trainer.distributed import Ranks, current, gather_rows, is_sharded, padded_share, sum_over_ranks, unwrap
 from trainer.loops.async_rollouts import RolloutPrefetch
-from trainer.loops.multi_turn import engine_context, environment_openings, multi_turn_engine, tag_openings
+from trainer.loops.multi_turn import (
+    agent_engine,
+    engine_context,
+    environment_openings,
+    multi_turn_engine,
+    tag_openings,
+    tag_rows,
+)
 from trainer.loops.rollouts import (
     StepRollouts,
     build_reward,
@@ -102,10 +109,11 @@ def prepare_rl(
             threads=engine_threads,
         )
         ctx.cleanup.callback(engine.close)
-        env = spec.environment is not None  # its step rewards are a component of the reward
-        reward = build_reward(spec.rewards, ctx.resolve_model, start.device, environment=env)
+        # an environment's step rewards, or the rewards an agent posts, are a component of the reward
+        own = "environment" if spec.environment is not None else "agent" if spec.agent is not None else None
+        reward = build_reward(spec.rewards, ctx.resolve_model, start.device, episode_reward=own)
         eval_reward = (
-            build_reward(spec.eval_rewards, ctx.resolve_model, start.device, environment=env)
+            build_reward(spec.eval_rewards, ctx.resolve_model, start.device, episode_reward=own)
             if spec.eval_rewards
             else reward
         )
@@ -126,6 +134,9 @@ def prepare_rl(
         val_prompts = tokenize_prompts(held_out, tokenizer, hp.max_prompt_length, tools)
     if openings is not None:  # the prompts carry their rows and openings to the environment's step
         prompts, val_prompts = tag_openings(prompts, openings[0]), tag_openings(val_prompts, openings[1])
+    if spec.agent is not None:  # the prompts carry their rows to the agent
+        prompts, val_prompts = tag_rows(prompts), tag_rows(val_prompts)
+        engine = agent_engine(spec, engine, tokenizer, start.reporter, ctx.cleanup)
     if spec.tools is not None or spec.environment is not None:
         engine = multi_turn_engine(spec, engine, tokenizer, data, start.reporter)
     parts = RlParts(

@@ -29,17 +29,19 @@ from trainer.specs import OnlineRlHyperparameters, RewardSpec
 
 
 def environment_return(samples: Sequence[Sample]) -> tuple[list[float], list[bool], str | None]:
-    """The ``environment`` reward component: each episode's sum of step rewards (0 for a sample without
-    one); an episode the environment failed on keeps what it had earned (its failure is in its
-    transcript and ``episode/error_frac``)."""
+    """The ``environment`` (or ``agent``) reward component: each episode's sum of step rewards, or the
+    reward its agent posted (0 for a sample without one: an agent's episode that timed out, whose group
+    is not trained); an episode the environment failed on keeps what it had earned (its failure is in
+    its transcript and ``episode/error_frac``)."""
     return [s.env_return or 0.0 for s in samples], [False] * len(samples), None
 
 
 def build_reward(
-    specs: Sequence[RewardSpec], resolve_model: Any, device: torch.device, environment: bool = False
+    specs: Sequence[RewardSpec], resolve_model: Any, device: torch.device, episode_reward: str | None = None
 ) -> CompositeReward:
     """A CompositeReward for the spec's components (one reward-model scorer at most, loaded once), and with
-    ``environment`` the environment's step rewards as one more component (weight 1)."""
+    ``episode_reward`` (``environment`` or ``agent``) the episodes' own rewards as one more component of
+    that name (weight 1)."""
     scorer = None
     for r in specs:
         if r.name == "reward_model":
@@ -53,8 +55,8 @@ def build_reward(
         else RewardComponent(name=r.name, weight=r.weight, params=r.params)
         for r in specs
     ]
-    if environment:
-        components.append(RewardComponent(name="environment", batch=environment_return))
+    if episode_reward is not None:
+        components.append(RewardComponent(name=episode_reward, batch=environment_return))
     return CompositeReward(components, reward_model=scorer)
 
 
@@ -209,9 +211,10 @@ def collect_rollouts(
 ) -> StepRollouts:
     """``prompts_per_step`` groups of G completions. With dynamic sampling a group whose rewards are all
     equal (no learning signal) is dropped and more prompts are sampled, up to ``max_refill_rounds`` extra
-    rounds; the step may end with fewer groups, never with a zero-variance one. On several ranks the
-    prompts are split among them and the rollouts gathered (``generate_scored``): every rank returns the
-    whole step's."""
+    rounds; the step may end with fewer groups, never with a zero-variance one. A group with an agent's
+    episode that timed out is not trained either (its advantages need every member's reward). On several
+    ranks the prompts are split among them and the rollouts gathered (``generate_scored``): every rank
+    returns the whole step's."""
     G, out = hp.samples_per_prompt, StepRollouts()
     for round_ in range(1 + (hp.max_refill_rounds if hp.dynamic_sampling else 0)):
         idx = sampler.next_batch()
@@ -232,6 +235,8 @@ def collect_rollouts(
             out.zero_variance_groups += int(flat)
             if (flat and hp.dynamic_sampling) or len(out.completions) >= hp.prompts_per_step * G:
                 continue
+            if any(c.episode is not None and c.episode.ended == "timeout" for c in comps[sl]):
+                continue  # an agent's episode never reported: the group's advantages cannot be formed
             out.add_group(comps[sl], j, result, sl, baselines[g] if baselines is not None else None)
         if len(out.completions) >= hp.prompts_per_step * G:
             break
@@ -272,8 +277,9 @@ def episode_metrics(completions: Sequence[Completion], prefix: str = "episode") 
     """Multi-turn episodes' turns, tool calls and endings, as means over the episodes (none: {}):
     ``turns_mean``, ``tool_calls_mean``, ``tool_call_rate`` (the fraction that called a tool at least once),
     ``tool_errors`` (calls that failed, summed), ``tool_error_rate`` (failed / made), ``max_turns_frac`` and
-    ``length_frac`` (episodes cut by the turn or token limit), ``done_frac`` (ended by the environment)
-    and ``error_frac`` (ended by the environment failing)."""
+    ``length_frac`` (episodes cut by the turn or token limit), ``done_frac`` (ended by the environment),
+    ``error_frac`` (ended by the environment failing) and ``timeout_frac`` (an agent's episodes that
+    never reported)."""
     episodes = [c.episode for c in completions if c.episode is not None]
     if not episodes:
         return {}
@@ -289,6 +295,7 @@ def episode_metrics(completions: Sequence[Completion], prefix: str = "episode") 
         f"{prefix}/length_frac": sum(e.ended == "length" for e in episodes) / n,
         f"{prefix}/done_frac": sum(e.ended == "done" for e in episodes) / n,
         f"{prefix}/error_frac": sum(e.ended == "error" for e in episodes) / n,
+        f"{prefix}/timeout_frac": sum(e.ended == "timeout" for e in episodes) / n,
     }
 
 

@@ -88,16 +88,17 @@ class Episode:
     """What a multi-turn rollout did: its transcript after the prompt (assistant turns with their tool
     calls, tool results, an environment's messages), the final answer (the last assistant turn's text),
     and counts. ``ended``: ``answer`` (a turn without tool calls), ``done`` (the environment said so),
-    ``max_turns`` (still going at the last turn), ``length`` (out of tokens) or ``error`` (the
-    environment failed). ``env_return``: the sum of the rewards an environment gave (None: no
-    environment)."""
+    ``max_turns`` (still going at the last turn), ``length`` (out of tokens), ``error`` (the
+    environment failed) or ``timeout`` (an agent's episode that never reported its reward).
+    ``env_return``: the sum of the rewards an environment gave, or the reward an agent posted (None:
+    neither)."""
 
     messages: tuple[dict[str, Any], ...]
     answer: str
     turns: int
     tool_calls: int
     tool_errors: int
-    ended: Literal["answer", "done", "max_turns", "length", "error"]
+    ended: Literal["answer", "done", "max_turns", "length", "error", "timeout"]
     env_return: float | None = None
     budget: int | None = None  # the episode's token budget after the prompt (what length rewards compare)
 

@@ -37,6 +37,8 @@ class TurnFormat:
 
     def __init__(self, tokenizer: Any, use_template: bool = True):
         self.tokenizer = tokenizer
+        # the token a model's turn ends with (what closes a turn cut short before the next messages)
+        self.end_of_turn: str | None = end_of_turn_token(tokenizer) or tokenizer.eos_token
         self.why_plain: str | None = None
         self._template_cut: str | None = None
         if not use_template:

@@ -14,6 +14,7 @@ from typing import Annotated, get_args
 
 from pydantic import Field, TypeAdapter
 
+from trainer.specs.agents import AgentSpec
 from trainer.specs.base import (
     LR_DOC,
     AdapterSpec,
@@ -82,6 +83,7 @@ from trainer.specs.refs import (
 
 __all__ = [
     "AdapterSpec",
+    "AgentSpec",
     "EnvironmentSpec",
     "ResourcesSpec",
     "ALGORITHMS",

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from trainer.specs.agents import AgentSpec
 from trainer.specs.base import (
     AdvantageName,
     AggregationName,
@@ -454,6 +455,13 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
         "`step(messages, row)` answers each policy turn with messages, a reward and `done` "
         "(docs/runs.md, 'Environments'); its rewards add up as `reward/environment`. Not with `tools`.",
     )
+    agent: AgentSpec | None = Field(
+        default=None,
+        description="Episodes played by your own agent program against an OpenAI-compatible endpoint of the "
+        "policy: it takes episodes from `GET /v1/runs/{id}/agent/episodes/next`, calls the episode's "
+        "`base_url` with the `openai` client and posts the reward, added up as `reward/agent` "
+        "(docs/runs.md, 'Bring your own agent'). Not with `tools` or `environment`; one device.",
+    )
     dataset_kinds: ClassVar[tuple[str, ...]] = ("prompts",)
 
     @model_validator(mode="after")
@@ -461,9 +469,23 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
         hp: OnlineRlHyperparameters = self.hyperparameters  # type: ignore[attr-defined]
         if self.tools is not None and self.environment is not None:
             raise ValueError("tools and environment: give one (an environment can run tools in its step)")
-        if not self.rewards and self.environment is None:
-            raise ValueError("rewards: at least one reward component (only an environment gives its own)")
-        episodes = self.tools or self.environment
+        if self.agent is not None and (self.tools is not None or self.environment is not None):
+            raise ValueError("agent with tools or an environment: give one (your agent runs its own tools)")
+        if not self.rewards and self.environment is None and self.agent is None:
+            raise ValueError(
+                "rewards: at least one reward component (only an environment or an agent gives its own)"
+            )
+        if self.agent is not None and self.resources.devices > 1:
+            raise ValueError(
+                "agent with resources.devices > 1 is not supported yet (one endpoint serves the policy; "
+                "the ranks would each need the episodes their share holds): use one device"
+            )
+        if self.agent is not None and hp.async_rollouts:
+            raise ValueError(
+                "agent with hyperparameters.async_rollouts is not supported yet (the agent's calls are "
+                "served by the thread that trains): set async_rollouts false"
+            )
+        episodes = self.tools or self.environment or self.agent
         if episodes is not None and self.resources.devices > 1 and self.resources.sharding == "fsdp":
             raise ValueError(
                 "tools or an environment with resources.sharding 'fsdp' is not supported yet (each rank's "
@@ -473,7 +495,7 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
         if episodes is not None:
             budget = episodes.episode_tokens(hp.max_new_tokens)
             if hp.max_prompt_length + budget > hp.max_length:
-                where = "tools" if self.tools is not None else "environment"
+                where = "tools" if self.tools is not None else "agent" if self.agent else "environment"
                 raise ValueError(
                     f"max_prompt_length + the episode's tokens ({hp.max_prompt_length} + {budget}: "
                     f"{where}.max_episode_tokens, default max_turns x max_new_tokens) must not exceed "
