@@ -47,8 +47,8 @@ def run_tool(call: Any) -> str:
         return f"error: {exc}"
 
 
-def play(episode: dict[str, Any], key: str, turns: int) -> float:
-    """One episode: the conversation, with tools, then its reward."""
+def play(episode: dict[str, Any], key: str, turns: int) -> float | None:
+    """One episode: the conversation, with tools, then its reward (None: the episode timed out)."""
     client = openai.OpenAI(base_url=episode["base_url"], api_key=key, max_retries=0)
     messages: list[Any] = [{"role": "user", "content": str(episode["row"]["prompt"])}]
     text = ""
@@ -57,6 +57,8 @@ def play(episode: dict[str, Any], key: str, turns: int) -> float:
             reply = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         except openai.BadRequestError:  # the episode's call limit or token budget: it ends here
             break
+        except openai.ConflictError:  # the episode timed out (the run moved on): nothing to report
+            return None
         message = reply.choices[0].message
         messages.append(message)
         text = message.content or ""
@@ -93,8 +95,12 @@ def main() -> None:
             got.raise_for_status()
             episode = got.json()
             reward = play(episode, args.key, args.turns)
-            http.post(episode["reward_url"], json={"reward": reward}).raise_for_status()
-            played += 1
+            if reward is None:
+                continue
+            posted = http.post(episode["reward_url"], json={"reward": reward})
+            if posted.status_code != 409:  # 409: it timed out meanwhile
+                posted.raise_for_status()
+                played += 1
     print(f"played {played} episodes")  # noqa: T201 - the script's one line of output
 
 

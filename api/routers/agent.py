@@ -27,7 +27,9 @@ from api.services.agent_gateway import Gateway, gateway_of
 from rlrun.schemas import AgentEpisode, AgentRewarded, ErrorBody
 
 router = APIRouter(prefix="/v1/runs/{run_id}/agent", tags=["agent"])
-_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (404, 409, 410, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 404, 409, 410, 413, 503)
+}
 TOKEN_HEADER = "X-Rlrun-Gateway-Token"  # trainer/rollout/agent_gateway.py's
 EpisodeId = Annotated[str, Path(pattern="^[0-9a-f]{32}$", description="The episode's id, from `next`.")]
 
@@ -35,6 +37,11 @@ EpisodeId = Annotated[str, Path(pattern="^[0-9a-f]{32}$", description="The episo
 class GatewayUnreachable(ApiError):
     status = 503
     code = "agent_gateway_unreachable"
+
+
+class GatewayLost(ApiError):
+    status = 502
+    code = "agent_gateway_lost"
 
 
 async def _gateway(
@@ -58,9 +65,13 @@ async def _forward(gateway: Gateway, method: str, path: str, timeout: float, **k
             return await client.request(
                 method, gateway.url + path, headers={TOKEN_HEADER: gateway.token}, **kwargs
             )
-    except httpx.HTTPError as exc:
+    except httpx.ConnectError as exc:  # nothing reached the worker: a retry is safe
         raise GatewayUnreachable(
             f"the run's worker did not answer ({type(exc).__name__}); if the run is still running, try again"
+        ) from None
+    except httpx.HTTPError as exc:  # it may have been served: the same call again gets its answer
+        raise GatewayLost(
+            f"the run's worker stopped answering mid-call ({type(exc).__name__}); send the call again"
         ) from None
 
 

@@ -15,7 +15,7 @@ from api.services.runs import get_run
 
 
 class NotAnAgentRun(ApiError):
-    status = 409
+    status = 400
     code = "not_an_agent_run"
 
 

@@ -126,7 +126,7 @@ def test_the_api_proxies_an_openai_sdk_agent_to_the_runs_gateway(
         ("queued", "agent", 409, "agent_not_ready"),
         ("paused", "agent", 409, "agent_not_ready"),
         ("succeeded", "agent", 410, "run_over"),
-        ("running", "dpo", 409, "not_an_agent_run"),
+        ("running", "dpo", 400, "not_an_agent_run"),
     ],
 )
 def test_runs_without_an_open_gateway_answer_clearly(

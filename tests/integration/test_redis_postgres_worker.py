@@ -197,4 +197,4 @@ def test_an_openai_sdk_agent_trains_a_grpo_run_through_the_api_and_a_real_worker
         assert len(shown) == 2 and set(shown) <= returned
     other = submit_dpo(stack, upload_pairs(stack, 8)["id"], steps=1)
     refused = stack.get(f"/v1/runs/{other['id']}/agent/episodes/next", params={"wait": 0})
-    assert refused.status_code == 409 and refused.json()["error"]["code"] == "not_an_agent_run"
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "not_an_agent_run"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -309,3 +310,62 @@ def test_the_gateway_refuses_calls_without_its_token(tokenizer: Any) -> None:
         assert gone.status_code == 410
     finally:
         gateway.close()
+
+
+class SlowOnce(Scripted):
+    """``Scripted`` whose first reply takes a second (longer than its caller waits)."""
+
+    slow = True
+
+    def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
+        if self.slow:
+            self.slow = False
+            time.sleep(1.0)
+        return super().generate(prompts, n, params)
+
+
+def test_a_failed_call_leaves_the_episode_as_it_was_and_a_repeated_call_gets_the_same_answer(
+    tokenizer: Any,
+) -> None:
+    board = AgentBoard()
+    engine = episodes_engine(SlowOnce(tokenizer, ["lost", "first", "second"]), tokenizer, board)
+    thread, out = play_in_background(engine, [{"prompt": "p"}])
+    offer = board.next_episode(wait=10)
+    assert offer is not None
+    eid, user = offer["id"], {"role": "user", "content": "hi"}
+    with pytest.raises(AgentRequestError, match="not served in time") as failed:
+        board.chat(eid, {"messages": [user]}, wait=0.2)  # the caller gives up; its reply is not kept
+    assert failed.value.status == 409
+    time.sleep(1.2)
+    first = board.chat(eid, {"messages": [user]})  # not a rewrite: the failed call left nothing behind
+    assert board.chat(eid, {"messages": [user]}) == first  # a retry of a lost answer: the same answer
+    reply = first["choices"][0]["message"]
+    assert reply["content"] == "first"  # the reply its caller never got is not in the episode
+    second = board.chat(eid, {"messages": [user, reply, {"role": "user", "content": "more"}]})
+    assert second["choices"][0]["message"]["content"] == "second"
+    board.report(eid, 1.0)
+    thread.join(10)
+    (c,) = out
+    conv_calls = c.episode.turns if c.episode is not None else 0
+    assert (
+        conv_calls == 2
+        and c.token_ids[: len(first["choices"][0]["token_ids"])] == first["choices"][0]["token_ids"]
+    )
+    assert engine.board.retired[eid] == "is closed: its reward is in"
+
+
+def test_a_reward_waits_for_the_call_in_progress(tokenizer: Any) -> None:
+    board = AgentBoard()
+    engine = episodes_engine(Scripted(tokenizer, ["x"]), tokenizer, board)
+    thread, out = play_in_background(engine, [{"prompt": "p"}])
+    offer = board.next_episode(wait=10)
+    assert offer is not None
+    with board.cond:  # a call is being served
+        board.live[offer["id"]].busy = True
+    with pytest.raises(AgentRequestError, match="call in progress"):
+        board.report(offer["id"], 1.0)
+    with board.cond:
+        board.live[offer["id"]].busy = False
+    board.report(offer["id"], 1.0)
+    thread.join(10)
+    assert out[0].episode is not None and out[0].episode.ended == "error"  # a reward without any call

@@ -103,6 +103,9 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if role not in ROLES:
             raise AgentRequestError(f"role must be one of {', '.join(ROLES)}, got {role!r}", param=where)
         msg: dict[str, Any] = {"role": role, "content": _content(m.get("content"), f"{where}.content")}
+        for key in ("name", "tool_call_id"):  # what templates may write beside a tool result
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
         if role == "assistant":
             calls = _calls(m.get("tool_calls"), f"{where}.tool_calls")
             if calls:
@@ -116,7 +119,7 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     "function": {name, arguments}}``)."""
     out = []
     for m in messages:
-        t = {"role": m["role"], "content": m["content"]}
+        t = {k: v for k, v in m.items() if k != "tool_calls"}
         if m.get("tool_calls"):
             t["tool_calls"] = [{"type": "function", "function": c} for c in m["tool_calls"]]
         out.append(t)
@@ -165,7 +168,25 @@ class Conversation:
     rewrites: int = 0
     answer: str = ""
     finish: FinishReason = "eos"
-    limit_hit: str | None = None  # "length" or "max_turns": a call was refused for the episode's limits
+    limit_hit: str | None = None  # "length" or "max_turns": the last call was refused for the limits
+    asked: list[dict[str, Any]] | None = None  # the last served call's messages
+    answered: dict[str, Any] | None = None  # and its response: a retry of that call gets it again
+
+    def snapshot(self) -> dict[str, Any]:
+        """The state a call may change, to ``restore`` if the call fails."""
+        return {
+            k: (list(v) if isinstance(v, list) else v)
+            for k, v in vars(self).items()
+            if k not in ("tokenizer", "turn_format")
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+    def is_retry(self, messages: list[dict[str, Any]]) -> bool:
+        """``messages`` are the last served call's again (a client retrying a lost response)."""
+        return self.answered is not None and messages == self.asked
 
     def context(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """The token ids the policy answers this call from; the episode's tokens grow to them.
@@ -186,8 +207,9 @@ class Conversation:
             new = messages[n:]
             try:
                 delta = self.turn_format.ids(new)
-            except ValueError as exc:
-                raise AgentRequestError(str(exc), param="messages") from None
+            except Exception as exc:  # noqa: BLE001 - templates raise their own errors (jinja, role checks)
+                why = f"the chat template cannot write these messages: {exc}"[:500]
+                raise AgentRequestError(why, param="messages") from None
             if self.finish == "length":  # the last reply was cut: close its turn first
                 delta = self._end_of_turn() + delta
             if len(self.tokens) + len(delta) >= self.budget:
@@ -201,9 +223,10 @@ class Conversation:
             self._append(delta, trained=False)
             self.transcript += [_shown(m) for m in new]
         else:
-            if self.calls:
-                self.rewrites += 1
+            rewrite = self.calls > 0
             self._start(messages, tools)
+            self.rewrites += int(rewrite)
+        self.limit_hit = None
         self.messages = list(messages)
         return self.prompt_ids + self.tokens
 
@@ -241,8 +264,8 @@ class Conversation:
         return [] if eot is None else self.tokenizer(eot, add_special_tokens=False).input_ids
 
     def reply(self, c: Completion, tools: list[str], logprobs: list[float] | None) -> dict[str, Any]:
-        """Record the policy's reply ``c`` to the last ``context``; its OpenAI message (tool calls read
-        from the text when the request gave ``tools``)."""
+        """Record the policy's reply ``c`` to the last ``context``; its message (tool calls read from the
+        text when the request gave ``tools``)."""
         self.calls += 1
         self._append(list(c.token_ids), trained=True, logprobs=logprobs)
         self.finish = c.finish_reason
@@ -261,14 +284,14 @@ class Conversation:
         """The episode as one training sample (``token_mask``: the policy's tokens)."""
         return Completion(
             prompt_index=prompt_index,
-            prompt_ids=self.prompt_ids,
-            token_ids=self.tokens,
+            prompt_ids=list(self.prompt_ids),
+            token_ids=list(self.tokens),
             text=self.tokenizer.decode(self.tokens, skip_special_tokens=True),
             finish_reason="length" if ended == "length" else self.finish,
-            logprobs=self.logprobs,
-            token_mask=self.mask,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            token_mask=list(self.mask),
             episode=Episode(
-                messages=tuple(self.transcript),
+                messages=tuple(dict(m) for m in self.transcript),
                 answer=self.answer,
                 turns=self.calls,
                 tool_calls=self.tool_calls,

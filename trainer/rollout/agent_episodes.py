@@ -67,18 +67,30 @@ class AgentEpisode:
         return {"id": self.id, "row": self.row, "evaluation": self.evaluation}
 
 
-@dataclass
+@dataclass(eq=False)
 class CallRequest:
-    """One chat completion call waiting for the rollout thread."""
+    """One chat completion call waiting for the rollout thread, which generates its reply
+    (``completion``), records it in the episode's conversation and sets ``response`` (or ``error``)."""
 
     episode: AgentEpisode
+    messages: list[dict[str, Any]]
+    tools: list[str]
     context: list[int]
     max_new_tokens: int
     logprobs: bool
+    saved: dict[str, Any]  # the conversation before this call, restored if it fails
     done: threading.Event = field(default_factory=threading.Event)
     completion: Completion | None = None
     token_logprobs: list[float] | None = None
+    response: dict[str, Any] | None = None
     error: str | None = None
+    abandoned: bool = False  # its HTTP caller stopped waiting: nothing is recorded
+
+    def answer(self, error: str | None = None) -> None:
+        """Wake the caller (with ``error`` unless a response or an error is there already)."""
+        if self.response is None and self.error is None:
+            self.error = error or "the call was not served"
+        self.done.set()
 
 
 class AgentBoard:
@@ -90,7 +102,8 @@ class AgentBoard:
         self.offered: deque[AgentEpisode] = deque()
         self.live: dict[str, AgentEpisode] = {}
         self.retired: OrderedDict[str, str] = OrderedDict()  # id -> why it takes no more calls
-        self.requests: list[CallRequest] = []
+        self.requests: list[CallRequest] = []  # waiting for the rollout thread
+        self.outstanding: set[CallRequest] = set()  # every call whose caller is still waiting
         self.closed = False
 
     # The agent's side (HTTP threads)
@@ -127,7 +140,9 @@ class AgentBoard:
     def chat(self, episode_id: str, body: Any, wait: float = 3600.0) -> dict[str, Any]:
         """Serve one chat completion call of an episode: its OpenAI response, with the token ids it was
         generated from and returned (``prompt_token_ids``, ``choices[0].token_ids``, as vLLM's
-        ``return_token_ids`` answers) and, when asked (``logprobs: true``), the reply's log-probs.
+        ``return_token_ids`` answers) and, when asked (``logprobs: true``), the reply's log-probs. The
+        same call again (a client retrying a lost response) gets the same response; a call that fails
+        leaves the episode as it was.
 
         Raises:
             AgentRequestError: a bad request, an unknown or closed episode, or a call past its limits.
@@ -146,51 +161,47 @@ class AgentBoard:
             raise AgentRequestError("max_tokens must be a positive integer", param="max_tokens")
         with self.cond:
             episode = self._episode(episode_id)
-            if episode.reward is not None:
-                raise AgentRequestError(
-                    f"episode {episode_id} has its reward already", status=409, code="episode_closed"
-                )
-            if episode.busy:
-                raise AgentRequestError(
-                    f"episode {episode_id} has a call in progress; its calls go one at a time",
-                    status=409,
-                    code="call_in_progress",
-                )
+            _open(episode, episode_id)
             conversation = episode.conversation
+            if conversation.is_retry(messages):
+                assert conversation.answered is not None
+                return conversation.answered
+            saved = conversation.snapshot()
             context = conversation.context(messages, tools or None)
             room = min(episode.params.max_new_tokens, conversation.room(), wanted or math.inf)
-            request = CallRequest(episode, context, int(room), bool(body.get("logprobs")))
+            request = CallRequest(
+                episode, messages, names, context, int(room), bool(body.get("logprobs")), saved
+            )
             episode.busy = True
             self.requests.append(request)
+            self.outstanding.add(request)
             self.cond.notify_all()
-        if not request.done.wait(wait):
-            raise AgentRequestError("the call was not served in time", status=409, code="timeout")
+        served = request.done.wait(wait)
         with self.cond:
             episode.busy = False
-            if request.completion is None:
-                raise AgentRequestError(
-                    request.error or "the episode ended", status=409, code="episode_closed"
-                )
-            c = request.completion
-            message = conversation.reply(c, names, c.logprobs or request.token_logprobs)
-            call = conversation.calls
-        return response(episode, call, message, request)
+            self.outstanding.discard(request)
+            if not served:
+                request.abandoned = True
+                if request in self.requests:
+                    self.requests.remove(request)
+                request.error = request.error or "the call was not served in time"
+            if request.response is None:
+                conversation.restore(request.saved)
+                raise AgentRequestError(request.error or "the call failed", status=409, code="call_failed")
+            return request.response
 
     def report(self, episode_id: str, reward: Any) -> None:
         """Post an episode's reward: its calls are done.
 
         Raises:
-            AgentRequestError: not a finite number within ±1e6, an unknown or closed episode, or one
-                reported already.
+            AgentRequestError: not a finite number within ±1e6, an unknown or closed episode, one
+                reported already, or one with a call in progress.
         """
         if isinstance(reward, bool) or not isinstance(reward, int | float) or not abs(reward) <= 1e6:
             raise AgentRequestError(f"reward must be a number within ±1e6, got {reward!r}"[:200], "reward")
         with self.cond:
             episode = self._episode(episode_id)
-            if episode.reward is not None:
-                raise AgentRequestError(
-                    f"episode {episode_id} has its reward already", status=409, code="episode_closed"
-                )
+            _open(episode, episode_id)
             episode.reward = float(reward)
             self.cond.notify_all()
 
@@ -203,7 +214,7 @@ class AgentBoard:
         serve: Callable[[list[CallRequest]], None],
     ) -> None:
         """Offer ``episodes`` and serve their calls until every one is reported or ``timeout`` seconds
-        pass; then retire them (their later calls are refused)."""
+        pass; then retire them (their later calls are refused, a call still waiting is answered)."""
         deadline = time.monotonic() + timeout
         with self.cond:
             for e in episodes:
@@ -211,7 +222,7 @@ class AgentBoard:
                 self.offered.append(e)
             self.cond.notify_all()
         try:
-            while True:
+            while time.monotonic() < deadline:
                 with self.cond:
                     self.cond.wait_for(
                         lambda: self.requests or all(e.reward is not None for e in episodes),
@@ -220,12 +231,24 @@ class AgentBoard:
                     batch, self.requests = self.requests, []
                     finished = all(e.reward is not None for e in episodes)
                 if batch:
-                    serve_safely(batch, serve)
-                    continue
-                if finished or time.monotonic() >= deadline:
+                    self._serve(batch, serve)
+                elif finished:
                     return
         finally:
             self._retire(episodes)
+
+    def _serve(self, batch: list[CallRequest], serve: Callable[[list[CallRequest]], None]) -> None:
+        """``serve(batch)`` generates the replies; each is recorded in its episode's conversation here
+        (the rollout's thread, under the lock), so a sample is never built while a reply is half in."""
+        try:
+            serve(batch)
+        finally:
+            with self.cond:
+                for r in batch:
+                    if r.completion is not None and not r.abandoned:
+                        r.response = record(r)
+            for r in batch:
+                r.answer("generation failed; see the run's events")
 
     def _retire(self, episodes: list[AgentEpisode]) -> None:
         with self.cond:
@@ -236,34 +259,45 @@ class AgentBoard:
                 self.retired[e.id] = "is closed: its reward is in" if e.reward is not None else "timed out"
             while len(self.retired) > RETIRED_KEPT:
                 self.retired.popitem(last=False)
-            pending, self.requests = (
-                [r for r in self.requests if r.episode.id in ids],
-                [r for r in self.requests if r.episode.id not in ids],
-            )
+            self.requests = [r for r in self.requests if r.episode.id not in ids]
+            pending = [r for r in self.outstanding if r.episode.id in ids]
         for r in pending:
-            r.error = f"episode {r.episode.id} timed out"
-            r.done.set()
+            r.answer(f"episode {r.episode.id} timed out")
 
     def close(self) -> None:
         """The run is over: long polls answer ``BoardClosed``, waiting calls an error."""
         with self.cond:
             self.closed = True
-            pending, self.requests = self.requests, []
+            self.requests = []
+            pending = list(self.outstanding)
             self.cond.notify_all()
         for r in pending:
-            r.error = "the run is over"
-            r.done.set()
+            r.answer("the run is over")
 
 
-def serve_safely(batch: list[CallRequest], serve: Callable[[list[CallRequest]], None]) -> None:
-    """``serve(batch)``; every request is answered even if it raises (the run's own error goes on)."""
-    try:
-        serve(batch)
-    finally:
-        for r in batch:
-            if r.completion is None and r.error is None:
-                r.error = "generation failed; see the run's events"
-            r.done.set()
+def _open(episode: AgentEpisode, episode_id: str) -> None:
+    """Refuse a call or a reward for an episode whose reward is in, or that has a call in progress."""
+    if episode.reward is not None:
+        raise AgentRequestError(
+            f"episode {episode_id} has its reward already", status=409, code="episode_closed"
+        )
+    if episode.busy:
+        raise AgentRequestError(
+            f"episode {episode_id} has a call in progress; its calls go one at a time",
+            status=409,
+            code="call_in_progress",
+        )
+
+
+def record(request: CallRequest) -> dict[str, Any]:
+    """Record a generated reply in its episode's conversation; the call's OpenAI response."""
+    c = request.completion
+    assert c is not None
+    conversation = request.episode.conversation
+    message = conversation.reply(c, request.tools, c.logprobs or request.token_logprobs)
+    out = response(request.episode, conversation.calls, message, request)
+    conversation.asked, conversation.answered = request.messages, out
+    return out
 
 
 def response(

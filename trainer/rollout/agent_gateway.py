@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -27,6 +28,7 @@ from urllib.parse import parse_qs, urlsplit
 from trainer.rollout.agent_chat import AgentRequestError
 from trainer.rollout.agent_episodes import AgentBoard, BoardClosed
 
+log = logging.getLogger("rlrun.worker")
 TOKEN_HEADER = "X-Rlrun-Gateway-Token"
 MAX_BODY = 16 * 1024 * 1024  # a chat completion request's JSON, at most
 MAX_WAIT = 60.0  # seconds a ``next`` long poll may wait
@@ -80,7 +82,8 @@ def _handler(board: AgentBoard, token: str) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def _allowed(self) -> bool:
-            if hmac.compare_digest(self.headers.get(TOKEN_HEADER, ""), token):
+            given = self.headers.get(TOKEN_HEADER, "").encode("utf-8", "replace")
+            if hmac.compare_digest(given, token.encode()):
                 return True
             self._send(401, error_body("a gateway token is needed", code="unauthorized"))
             return False
@@ -131,5 +134,8 @@ def _handler(board: AgentBoard, token: str) -> type[BaseHTTPRequestHandler]:
                     self._send(200, board.chat(episode, body))
             except AgentRequestError as exc:
                 self._send(exc.status, error_body(str(exc), exc.param, exc.code))
+            except Exception as exc:  # noqa: BLE001 - an answer, never a dropped connection (the proxy's 503)
+                log.exception("agent gateway: %s failed", self.path)
+                self._send(500, error_body(f"internal error: {type(exc).__name__}", code="internal_error"))
 
     return Handler

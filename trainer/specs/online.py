@@ -480,6 +480,11 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
                 "agent with resources.devices > 1 is not supported yet (one endpoint serves the policy; "
                 "the ranks would each need the episodes their share holds): use one device"
             )
+        if self.agent is not None and getattr(hp, "advantage", None) == "remax":
+            raise ValueError(
+                "agent with the remax advantage is not supported yet (its greedy baseline would be a "
+                "second round of your agent's episodes per step): use rloo or grpo"
+            )
         if self.agent is not None and hp.async_rollouts:
             raise ValueError(
                 "agent with hyperparameters.async_rollouts is not supported yet (the agent's calls are "
