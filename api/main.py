@@ -29,8 +29,10 @@ from api.routers import (
     pipelines,
     runs,
     stream,
+    tinker,
     webhooks,
 )
+from api.services.tinker import TinkerError
 from api.settings import Settings, get_settings
 
 log = logging.getLogger("rlrun.api")
@@ -55,6 +57,7 @@ def create_app(
     )
     app.state.enqueue = enqueue or CeleryEnqueue(settings)
     install_error_handlers(app)
+    app.add_exception_handler(TinkerError, tinker.tinker_error_response)
     routers = [
         datasets.router,
         runs.router,
@@ -72,6 +75,8 @@ def create_app(
         openai_jobs.router,
         graders.router,
         inference.router,
+        # The Tinker protocol (/api/v1), for the official `tinker` SDK: outside the OpenAPI document.
+        tinker.router,
     ]
     for router in routers:  # in this order: it is the order of the OpenAPI document's paths
         app.include_router(router)

@@ -225,7 +225,8 @@ class Run(Base):
     agent_gateway: Mapped[dict[str, str] | None] = mapped_column(
         JsonType,
         nullable=True,
-        doc="Where a running agent run's gateway listens ({url, token}); the API proxies agents to it.",
+        doc="Where a running agent run's or training session's gateway listens ({url, token}); the API "
+        "proxies agents' and the tinker SDK's calls to it.",
     )
 
 

@@ -87,7 +87,10 @@ def main() -> None:
             if got.status_code == 410:  # the run is over
                 break
             waiting = got.status_code == 409 and got.json()["error"]["code"] == "agent_not_ready"
-            if waiting or got.status_code == 503:  # not started yet, or its worker is between attempts
+            if waiting or got.status_code in (
+                502,
+                503,
+            ):  # not started yet, or its worker is busy or between attempts
                 time.sleep(1)
                 continue
             if got.status_code == 204:  # the run is training between rollouts

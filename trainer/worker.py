@@ -44,6 +44,7 @@ from trainer.specs import (
     AnyRunSpec,
     EvalSpec,
     MergeSpec,
+    TrainingSessionSpec,
     parse_run_ref,
     parse_run_ref_step,
     parse_spec,
@@ -489,7 +490,7 @@ def model_path_of_run_ref(session_factory: SessionFactory, ref: str) -> Path:
 def load_run_data(session: Session, spec: AnyRunSpec) -> RunData:
     """Training rows, and validation rows from the validation dataset or a seeded hold-out split (an eval
     reads every row as ``train``: it holds nothing out; a merge reads none)."""
-    if isinstance(spec, MergeSpec):
+    if isinstance(spec, MergeSpec | TrainingSessionSpec):
         return RunData(train=[])
     rows = load_rows(session=session, dataset_id=spec.dataset_id)
     if isinstance(spec, EvalSpec):

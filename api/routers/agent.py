@@ -60,6 +60,8 @@ GatewayDep = Annotated[Gateway, Depends(_gateway)]
 
 
 async def _forward(gateway: Gateway, method: str, path: str, timeout: float, **kwargs: Any) -> httpx.Response:
+    """The gateway's answer; a call it may have served before the connection broke is a 502 (send it
+    again: the same call gets the same answer), one that never reached it, or a ``next``, a 503."""
     try:
         async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0)) as client:
             return await client.request(
@@ -70,6 +72,11 @@ async def _forward(gateway: Gateway, method: str, path: str, timeout: float, **k
             f"the run's worker did not answer ({type(exc).__name__}); if the run is still running, try again"
         ) from None
     except httpx.HTTPError as exc:  # it may have been served: the same call again gets its answer
+        if method == "GET":  # an episode offer lost on the way: it times out; ask for another
+            raise GatewayUnreachable(
+                f"the run's worker stopped answering ({type(exc).__name__}); if the run is still running, "
+                "try again"
+            ) from None
         raise GatewayLost(
             f"the run's worker stopped answering mid-call ({type(exc).__name__}); send the call again"
         ) from None

@@ -11,7 +11,7 @@
 const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled"];
 const ALGORITHMS = ["sft", "reward_model", "dpo", "grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce",
-  "reinforce_pp", "reinforce_baseline", "remax", "ppo", "vc_ppo", "eval", "merge"];
+  "reinforce_pp", "reinforce_baseline", "remax", "ppo", "vc_ppo", "eval", "merge", "training_session"];
 // the runs table's key metric for an algorithm: the one chosen for it (localStorage KEY_METRIC_ITEM +
 // algorithm), else the first of these its runs logged
 const KEY_METRICS = ["eval/pass@1", "reward/mean", "loss"];

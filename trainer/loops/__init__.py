@@ -16,6 +16,7 @@ from trainer.loops.merge import run_merge
 from trainer.loops.ppo import run_ppo
 from trainer.loops.reward_model import run_reward_model
 from trainer.loops.sft import run_sft
+from trainer.loops.training_session import run_training_session
 from trainer.models import pick_device
 from trainer.precision import autocast, check_precision
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
@@ -51,7 +52,7 @@ LOOPS: Mapping[str, Loop] = MappingProxyType(
                 "sft": run_sft,
                 "reward_model": run_reward_model,
             }
-            | {"eval": run_eval, "merge": run_merge}
+            | {"eval": run_eval, "merge": run_merge, "training_session": run_training_session}
             | dict.fromkeys(get_args(GroupAlgorithm), run_group_rl)
             | dict.fromkeys(get_args(PpoAlgorithm), run_ppo)
         ).items()

@@ -80,6 +80,7 @@ from trainer.specs.refs import (
     spec_references,
     without_nul,
 )
+from trainer.specs.session import SessionHyperparameters, TrainingSessionSpec
 
 __all__ = [
     "AdapterSpec",
@@ -116,6 +117,8 @@ __all__ = [
     "EvalSpec",
     "MergeHyperparameters",
     "MergeSpec",
+    "SessionHyperparameters",
+    "TrainingSessionSpec",
     "GroupAlgorithm",
     "GroupRlHyperparameters",
     "GroupRlSpec",
@@ -152,7 +155,16 @@ __all__ = [
 ]
 
 AnyRunSpec = (
-    DpoSpec | OrpoSpec | KtoSpec | SftSpec | RewardModelSpec | GroupRlSpec | PpoSpec | EvalSpec | MergeSpec
+    DpoSpec
+    | OrpoSpec
+    | KtoSpec
+    | SftSpec
+    | RewardModelSpec
+    | GroupRlSpec
+    | PpoSpec
+    | EvalSpec
+    | MergeSpec
+    | TrainingSessionSpec
 )
 RunSpec = Annotated[AnyRunSpec, Field(discriminator="algorithm")]
 RUN_SPEC_ADAPTER: TypeAdapter[AnyRunSpec] = TypeAdapter(RunSpec)
@@ -166,6 +178,7 @@ ALGORITHMS: tuple[str, ...] = (
     *get_args(PpoAlgorithm),
     "eval",
     "merge",
+    "training_session",
 )
 MODELLESS_ALGORITHMS = frozenset({"eval"})  # runs that make no model (their run:<id> names nothing)
 
