@@ -7,7 +7,7 @@ its future resolves once a worker has loaded the model, and each ``forward_backw
 queued at that worker's session gateway (trainer/primitives/commands.py) and its result polled through
 ``retrieve_future``, held open up to 25 s (the SDK waits 45). What the SDK would retry for minutes is
 never answered with it: refusals are 4xx with a body naming the field, failures inside a call are
-``{"error", "category": "user"}`` results. Sampling, saving and loading weights are not served yet (400).
+``{"error", "category": "user"}`` results. Saving and loading training state are not served yet (400).
 
 These routes are the SDK's protocol, not rlrun's REST API: they stay out of the OpenAPI document.
 """
@@ -15,6 +15,7 @@ These routes are the SDK's protocol, not rlrun's REST API: they stay out of the 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import uuid
@@ -33,7 +34,17 @@ from api.errors import ApiError
 from api.models import DEFAULT_PROJECT_ID, FINISHED_STATUSES
 from api.services import runs as run_service
 from api.services.auth import project_of_key
-from api.services.tinker import FUTURE_ID, Held, TinkerError, held, session_model, session_run, session_runs
+from api.services.tinker import (
+    FUTURE_ID,
+    SAMPLER_ID,
+    SAMPLER_PATH,
+    Held,
+    TinkerError,
+    held,
+    session_model,
+    session_run,
+    session_runs,
+)
 from trainer.primitives.schema import message_class
 from trainer.specs import TINY_PRESETS, TrainingSessionSpec
 
@@ -42,7 +53,7 @@ TOKEN_HEADER = "X-Rlrun-Gateway-Token"  # trainer/primitives/commands.py's
 KIND_HEADER = "X-Rlrun-Command"
 SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
 POLL_SECONDS = 25.0  # a retrieve_future is held this long at most (the SDK's timeout is 45 s)
-NOT_YET = "not supported by this server yet (rlrun issue 40: sampling and saved weights come next)"
+NOT_YET = "not supported by this server yet (rlrun issue 40: saving and loading training state come next)"
 T = TypeVar("T")
 
 
@@ -348,11 +359,84 @@ async def finish_session(
     return {}
 
 
-@router.post("/save_weights")
 @router.post("/save_weights_for_sampler")
-@router.post("/load_weights")
+async def save_weights_for_sampler(
+    request: Request, project_id: ProjectDep, factory: SessionFactoryDep
+) -> dict[str, Any]:
+    """Snapshot the adapter for sampling: named (``path``), its result the ``tinker://`` path; unnamed
+    (``save_weights_and_get_sampling_client``), its result a sampling session on it."""
+    body = await _body(request)
+    model_id = str(body.get("model_id", ""))
+    at = await _held(factory, project_id, model_id)
+    name = body.get("path")
+    if name is None:
+        seq = body.get("sampling_session_seq_id")
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+            raise TinkerError(
+                400, "sampling_session_seq_id must be an integer >= 0", "sampling_session_seq_id"
+            )
+        name = f"ephemeral-{seq}"
+        reply: dict[str, Any] = {"sampling_session_id": f"sampler.{at.run_id}.{name}"}
+    else:
+        reply = {"path": f"tinker://{model_id}/sampler_weights/{name}", "type": "save_weights_for_sampler"}
+    raw = json.dumps({"name": name, "reply": reply}).encode()
+    return await _submit(at, "save_sampler", raw, "application/json") | {"model_id": model_id}
+
+
 @router.post("/create_sampling_session")
+async def create_sampling_session(
+    request: Request, project_id: ProjectDep, factory: SessionFactoryDep
+) -> dict[str, Any]:
+    """A sampler on weights saved with ``save_weights_for_sampler`` (``model_path``)."""
+    body = await _body(request)
+    path = body.get("model_path")
+    found = SAMPLER_PATH.match(path) if isinstance(path, str) else None
+    if found is None:
+        raise TinkerError(
+            400,
+            "give model_path, a tinker://<model>/sampler_weights/<name> path from save_weights_for_sampler "
+            "(sampling a bare base model is not supported yet)",
+            "model_path",
+        )
+    run_id = await _db(factory, lambda s: session_model(s, project_id, found["model"]).id)
+    return {"sampling_session_id": f"sampler.{run_id}.{found['name']}", "type": "create_sampling_session"}
+
+
+async def _sampler(factory: Callable[[], Any], project_id: uuid.UUID, sampler_id: str) -> tuple[Any, str]:
+    """(the session run, the snapshot name) of a sampling session id."""
+    found = SAMPLER_ID.match(sampler_id or "")
+    if found is None:
+        raise TinkerError(404, f"no sampling session {sampler_id!r}", "sampling_session_id")
+    run = await _db(factory, lambda s: session_run(s, project_id, uuid.UUID(found["run"]), sampler_id))
+    return run, found["name"]
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, project_id: ProjectDep, factory: SessionFactoryDep) -> dict[str, Any]:
+    run, name = await _sampler(factory, project_id, sampler_id)
+    model = TrainingSessionSpec.model_validate(run.spec).model
+    return {
+        "sampler_id": sampler_id,
+        "base_model": model,
+        "model_path": f"tinker://{run.name}/sampler_weights/{name}",
+    }
+
+
 @router.post("/asample")
+async def asample(request: Request, project_id: ProjectDep, factory: SessionFactoryDep) -> dict[str, Any]:
+    """Samples from a snapshot, generated by the worker holding its session between training calls."""
+    body = await _body(request)
+    run, name = await _sampler(factory, project_id, str(body.get("sampling_session_id", "")))
+    at = await _held(factory, project_id, run.name)
+    raw = json.dumps(body | {"snapshot": name}).encode()
+    future = await _submit(at, "sample", raw, "application/json")
+    n = body.get("num_samples", 1)
+    count = n if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 64 else 1
+    return future | {"sample_sequence_ids": [f"{future['request_id']}:{i}" for i in range(count)]}
+
+
+@router.post("/save_weights")
+@router.post("/load_weights")
 async def not_yet(request: Request) -> JSONResponse:
     return JSONResponse(
         status_code=400, content={"detail": f"{request.url.path.rsplit('/', 1)[-1]}: {NOT_YET}"}

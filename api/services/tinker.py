@@ -16,6 +16,10 @@ from sqlalchemy.orm import Session
 from api.models import FINISHED_STATUSES, Run
 
 MODEL_ID = re.compile(r"^(?P<session>[0-9a-f]{32}):train:(?P<n>\d{1,9})$")
+SAMPLER_ID = re.compile(r"^sampler\.(?P<run>[0-9a-f-]{36})\.(?P<name>[A-Za-z0-9_.-]{1,64})$")
+SAMPLER_PATH = re.compile(
+    r"^tinker://(?P<model>[0-9a-f]{32}:train:\d{1,9})/sampler_weights/(?P<name>[A-Za-z0-9_.-]{1,64})$"
+)
 FUTURE_ID = re.compile(r"^(?P<kind>create|cmd)\.(?P<run>[0-9a-f-]{36})(?:\.(?P<n>\d{1,12}))?$")
 
 

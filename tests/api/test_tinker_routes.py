@@ -69,6 +69,9 @@ def test_the_sdks_start_up_calls_and_its_key(session: Session, client: TestClien
         ("get_info", {"model_id": f"{'a' * 32}:train:0"}, 404, "model_id"),
         ("optim_step", {"model_id": "x", "adam_params": {"learning_rate": 1e-3}}, 404, "model_id"),
         ("retrieve_future", {"request_id": "cmd.not-a-run.1"}, 404, "request_id"),
+        ("create_sampling_session", {"base_model": "tiny:llama-0.4m"}, 400, "model_path"),
+        ("asample", {"sampling_session_id": "sampler.x.y", "num_samples": 1}, 404, "sampling_session_id"),
+        ("save_weights_for_sampler", {"model_id": f"{'a' * 32}:train:0", "path": "s"}, 404, "model_id"),
         ("retrieve_future", {"request_id": f"create.{uuid.uuid4()}"}, 404, "request_id"),
     ],
 )
@@ -83,13 +86,7 @@ def test_refusals_are_4xx_with_the_field_named(
 
 def test_not_yet_served_calls_say_so_and_bad_bodies_are_refused(session: Session, client: TestClient) -> None:
     headers, _ = tml(session)
-    for path in (
-        "asample",
-        "save_weights",
-        "save_weights_for_sampler",
-        "load_weights",
-        "create_sampling_session",
-    ):
+    for path in ("save_weights", "load_weights"):
         resp = client.post(f"/api/v1/{path}", json={}, headers=headers)
         assert resp.status_code == 400 and "not supported by this server yet" in resp.json()["detail"], path
     garbage = client.post(

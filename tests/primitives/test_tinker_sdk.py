@@ -6,6 +6,7 @@ SDK must raise at once rather than retry."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,53 @@ def test_a_supervised_loop_through_the_sdk_lowers_its_loss(served: httpx.Client,
     assert [m["step"] for m in loss] == list(range(1, 10))  # 8 forward_backward calls and the forward
 
 
+def rl_datum(prompt: list[int], sample: Any, advantage: float) -> types.Datum:
+    """A sampled continuation as an ``importance_sampling`` datum: the sampler's log-probs and the
+    advantage on the sampled tokens, 0 on the prompt's."""
+    tokens = prompt + list(sample.tokens)
+    pad = [0.0] * (len(prompt) - 1)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": pad + list(sample.logprobs),
+            "advantages": pad + [advantage] * len(sample.tokens),
+        },
+    )
+
+
+def test_an_rl_loop_samples_scores_and_trains_with_sampler_logprobs(
+    served: httpx.Client, sdk_env: None
+) -> None:
+    service = tinker.ServiceClient()
+    training = service.create_lora_training_client(base_model="tiny:llama-0.4m", rank=8).result()
+    prompt = training.get_tokenizer().encode("7+5=")
+    sampler = training.save_weights_and_get_sampling_client().result()
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=11)
+    first = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=4, sampling_params=params).result()
+    assert len(first.sequences) == 4 and all(len(s.tokens) == len(s.logprobs) for s in first.sequences)
+    # the sampler's log-probs are the policy's: forward on the same tokens (no step taken yet) agrees
+    data = [rl_datum(prompt, s, 0.0) for s in first.sequences]
+    out = training.forward(data, loss_fn="importance_sampling").result()
+    for s, o in zip(first.sequences, out.loss_fn_outputs, strict=True):
+        assert o["logprobs"].tolist()[len(prompt) - 1 :] == pytest.approx(s.logprobs, abs=1e-4)
+    # the loop: sample, reward (longer answers pay), importance_sampling, step; from a named snapshot too
+    for step in range(3):
+        path = training.save_weights_for_sampler(f"step-{step}").result().path
+        assert path == f"tinker://{training.model_id}/sampler_weights/step-{step}"
+        sampler = service.create_sampling_client(model_path=path).result()
+        got = sampler.sample(
+            types.ModelInput.from_ints(prompt), num_samples=4, sampling_params=params
+        ).result()
+        rewards = [float(len(s.tokens)) for s in got.sequences]
+        mean = sum(rewards) / len(rewards)
+        data = [rl_datum(prompt, s, r - mean) for s, r in zip(got.sequences, rewards, strict=True)]
+        result = training.forward_backward(data, loss_fn="importance_sampling").result()
+        assert math.isfinite(result.metrics["loss:sum"])
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    service.close("success")
+
+
 def test_the_sdk_raises_at_once_for_bad_input(served: httpx.Client, sdk_env: None) -> None:
     service = tinker.ServiceClient()
     with pytest.raises(tinker.APIStatusError) as unknown:
@@ -111,4 +159,6 @@ def test_the_sdk_raises_at_once_for_bad_input(served: httpx.Client, sdk_env: Non
     assert training.forward_backward([ok], loss_fn="cross_entropy").result().metrics["loss:sum"] > 0
     with pytest.raises(tinker.BadRequestError, match="not supported by this server yet"):
         training.save_state("later").result()
+    with pytest.raises(tinker.BadRequestError, match="sampling a bare base model"):
+        service.create_sampling_client(base_model="tiny:llama-0.4m").result()
     service.close("success")  # the session ends: its worker is free for the next

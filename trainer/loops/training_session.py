@@ -10,6 +10,8 @@ trainer/primitives/commands.py).
 - ``optim_step``: one AdamW step with the call's ``adam_params`` (learning rate, betas, eps, decoupled
   weight decay; ``grad_clip_norm`` > 0 clips the gradients' global norm first), then the gradients are
   cleared.
+- ``save_weights_for_sampler`` and ``sample``: snapshots of the adapter, and samples with log-probs from
+  one (trainer/primitives/sampling.py).
 
 The run's metrics: ``loss`` (``loss:sum`` per target token) at each ``forward_backward``, numbered by
 call. The session ends when the caller finishes it, after ``idle_timeout_s`` without a call (both
@@ -29,6 +31,7 @@ from trainer.adapters import add_adapter
 from trainer.models import load_causal_lm, pick_device
 from trainer.primitives.commands import CommandQueue, SessionGateway
 from trainer.primitives.losses import check_config, check_datum, per_token_loss
+from trainer.primitives.sampling import Snapshots, parse_sample, parse_snapshot
 from trainer.primitives.wire import (
     ForwardBackwardRequest,
     WireError,
@@ -63,6 +66,10 @@ def checker(vocab: int, max_length: int) -> Any:
             return request, clip
         if kind == "optim_step":
             return adam_params(raw)
+        if kind == "save_sampler":
+            return parse_snapshot(raw), json.loads(raw).get("reply") or {}
+        if kind == "sample":
+            return parse_sample(raw, vocab, max_length)
         return None
 
     return check
@@ -175,6 +182,7 @@ def run_training_session(
         [p for p in model.parameters() if p.requires_grad], lr=ADAM_DEFAULTS["learning_rate"]
     )
     queue = CommandQueue(checker(int(model.config.vocab_size), hp.max_length))
+    snapshots = Snapshots(model, tokenizer)
     gateway = SessionGateway(queue)
     ctx.cleanup.callback(gateway.close)
     ctx.cleanup.callback(queue.close, "the session is over")
@@ -206,10 +214,16 @@ def run_training_session(
                 queue.finish(command, raw, "application/x-protobuf")
                 calls += 1
                 reporter.log_metrics(calls, {"loss": total / max(tokens, 1), "tokens": float(tokens)})
-            else:
+            elif command.kind == "optim_step":
                 metrics = optim_step(model, optimizer, command.payload)
                 steps += 1
                 queue.finish(command, json.dumps({"metrics": metrics}).encode())
+            elif command.kind == "save_sampler":
+                name, reply = command.payload
+                snapshots.save(name)
+                queue.finish(command, json.dumps(reply).encode())
+            else:
+                queue.finish(command, snapshots.sample(command.payload), "application/x-protobuf")
         except WireError as exc:
             queue.fail(command, str(exc))
     queue.close("the session is over")
