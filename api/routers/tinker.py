@@ -7,7 +7,7 @@ its future resolves once a worker has loaded the model, and each ``forward_backw
 queued at that worker's session gateway (trainer/primitives/commands.py) and its result polled through
 ``retrieve_future``, held open up to 25 s (the SDK waits 45). What the SDK would retry for minutes is
 never answered with it: refusals are 4xx with a body naming the field, failures inside a call are
-``{"error", "category": "user"}`` results. Saving and loading training state are not served yet (400).
+``{"error", "category": "user"}`` results.
 
 These routes are the SDK's protocol, not rlrun's REST API: they stay out of the OpenAPI document.
 """
@@ -38,6 +38,7 @@ from api.services.tinker import (
     FUTURE_ID,
     SAMPLER_ID,
     SAMPLER_PATH,
+    STATE_PATH,
     Held,
     TinkerError,
     held,
@@ -47,13 +48,13 @@ from api.services.tinker import (
 )
 from trainer.primitives.schema import message_class
 from trainer.specs import TINY_PRESETS, TrainingSessionSpec
+from trainer.specs.session import TRAINABLE_FILE
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 TOKEN_HEADER = "X-Rlrun-Gateway-Token"  # trainer/primitives/commands.py's
 KIND_HEADER = "X-Rlrun-Command"
 SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
 POLL_SECONDS = 25.0  # a retrieve_future is held this long at most (the SDK's timeout is 45 s)
-NOT_YET = "not supported by this server yet (rlrun issue 40: saving and loading training state come next)"
 T = TypeVar("T")
 
 
@@ -168,6 +169,15 @@ async def create_model(
             400, f"{first['msg']}", where.replace("hyperparameters.lora_rank", "lora_config.rank")
         ) from None
 
+    run_id = await _submit_session(spec, project_id, factory, settings, enqueue)
+    return {"request_id": f"create.{run_id}", "model_id": name}
+
+
+async def _submit_session(
+    spec: TrainingSessionSpec, project_id: uuid.UUID, factory: Callable[[], Any], settings: Any, enqueue: Any
+) -> uuid.UUID:
+    """Store and queue a session's run, as POST /v1/runs would."""
+
     def submit(session: Any) -> uuid.UUID:
         run = run_service.submit_run(
             session=session,
@@ -183,10 +193,9 @@ async def create_model(
         return run.id
 
     try:
-        run_id = await _db(factory, submit)
+        return await _db(factory, submit)
     except ApiError as exc:
         raise TinkerError(exc.status if exc.status < 500 else 400, exc.message, "base_model") from None
-    return {"request_id": f"create.{run_id}", "model_id": name}
 
 
 @router.post("/get_info")
@@ -283,8 +292,8 @@ async def retrieve_future(request: Request, project_id: ProjectDep, factory: Ses
     if found is None:
         raise TinkerError(404, f"no request {request_id!r}", "request_id")
     run_id = uuid.UUID(found["run"])
-    if found["kind"] == "create":
-        return JSONResponse(await _created(factory, project_id, run_id, request_id))
+    if found["kind"] in ("create", "load"):
+        return JSONResponse(await _created(factory, project_id, run_id, request_id, found["kind"]))
 
     def where(session: Any) -> Held | dict[str, Any]:
         run = session_run(session, project_id, run_id, request_id)
@@ -319,9 +328,10 @@ async def retrieve_future(request: Request, project_id: ProjectDep, factory: Ses
 
 
 async def _created(
-    factory: Callable[[], Any], project_id: uuid.UUID, run_id: uuid.UUID, request_id: str
+    factory: Callable[[], Any], project_id: uuid.UUID, run_id: uuid.UUID, request_id: str, kind: str
 ) -> dict[str, Any]:
-    """``create_model``'s result: the model id once a worker holds it (polled up to 25 s)."""
+    """``create_model``'s (or a create-from-state ``load_weights``') result: the model id once a worker
+    holds the model (polled up to 25 s)."""
     deadline = time.monotonic() + POLL_SECONDS
     while True:
 
@@ -336,7 +346,7 @@ async def _created(
                 "category": "user",
             }
         if status == "running" and ready:
-            return {"model_id": name, "type": "create_model"}
+            return {"model_id": name, "type": "create_model" if kind == "create" else "load_weights"}
         if time.monotonic() >= deadline:
             return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
         await asyncio.sleep(0.25)
@@ -346,16 +356,27 @@ async def _created(
 async def finish_session(
     session_id: str, project_id: ProjectDep, factory: SessionFactoryDep
 ) -> dict[str, Any]:
-    """End the session: each of its models' workers saves the adapter as its run's model and stops."""
+    """End the session: each of its models' workers saves the adapter as its run's model and stops; a
+    model no worker holds yet is cancelled (it would otherwise hold a worker until its idle timeout)."""
     if not SESSION_ID.match(session_id):
         raise TinkerError(404, f"no session {session_id!r}", "session_id")
-    runs = await _db(factory, lambda s: [(r.id, held(r)) for r in session_runs(s, project_id, session_id)])
-    for _, at in runs:
-        if at is not None:
-            try:
-                await _submit(at, "finish", b"", "application/json")
-            except TinkerError:
-                pass  # a worker already gone: its lease ends the run
+
+    def ending(session: Any) -> list[Held]:
+        out = []
+        for run in session_runs(session, project_id, session_id):
+            at = held(run)
+            if at is not None:
+                out.append(at)
+            else:
+                lifecycle.cancel_run(session=session, run=run)
+        session.commit()
+        return out
+
+    for at in await _db(factory, ending):
+        try:
+            await _submit(at, "finish", b"", "application/json")
+        except TinkerError:
+            pass  # a worker already gone: its lease ends the run
     return {}
 
 
@@ -436,8 +457,69 @@ async def asample(request: Request, project_id: ProjectDep, factory: SessionFact
 
 
 @router.post("/save_weights")
+async def save_weights(
+    request: Request, project_id: ProjectDep, factory: SessionFactoryDep
+) -> dict[str, Any]:
+    """``save_state``: the adapter and the optimizer's state, under the run's checkpoints; its result the
+    ``tinker://<model>/weights/<name>`` path a new training client starts from."""
+    body = await _body(request)
+    model_id = str(body.get("model_id", ""))
+    at = await _held(factory, project_id, model_id)
+    name = body.get("path")
+    reply = {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
+    raw = json.dumps({"name": name, "reply": reply, "overwrite": bool(body.get("overwrite"))}).encode()
+    return await _submit(at, "save_state", raw, "application/json") | {"model_id": model_id}
+
+
 @router.post("/load_weights")
-async def not_yet(request: Request) -> JSONResponse:
-    return JSONResponse(
-        status_code=400, content={"detail": f"{request.url.path.rsplit('/', 1)[-1]}: {NOT_YET}"}
+async def load_weights(
+    request: Request,
+    project_id: ProjectDep,
+    factory: SessionFactoryDep,
+    settings: SettingsDep,
+    enqueue: EnqueueDep,
+) -> dict[str, Any]:
+    """``create_training_client_from_state[_with_optimizer]``: a new session run (the model id the SDK
+    derives) on the saved state's base model and rank, started from its adapter (and Adam state)."""
+    body = await _body(request)
+    session_id, seq = body.get("session_id"), body.get("model_seq_id")
+    if not isinstance(session_id, str):
+        raise TinkerError(
+            400,
+            "loading a state into an existing training client (load_state) is not supported yet: create one "
+            "from the state (create_training_client_from_state)",
+            "model_id",
+        )
+    if not SESSION_ID.match(session_id):
+        raise TinkerError(400, "unknown session (create one with create_session)", "session_id")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise TinkerError(400, "model_seq_id must be an integer >= 0", "model_seq_id")
+    path = body.get("path")
+    found = STATE_PATH.match(path) if isinstance(path, str) else None
+    if found is None:
+        raise TinkerError(400, "a tinker://<model>/weights/<name> path from save_state", "path")
+    source_id, source_spec = await _db(
+        factory, lambda s: (lambda r: (r.id, r.spec))(session_model(s, project_id, found["model"]))
     )
+    folder = (
+        settings.resolved_artifacts_dir / "runs" / str(source_id) / "checkpoints" / "weights" / found["name"]
+    )
+    if not (folder / TRAINABLE_FILE).exists():
+        raise TinkerError(404, f"no state {found['name']!r} was saved by {found['model']}", "path")
+    source = TrainingSessionSpec.model_validate(source_spec)
+    name = f"{session_id}:train:{seq}"
+    spec = TrainingSessionSpec.model_validate(
+        {
+            "algorithm": "training_session",
+            "model": source.model,
+            "name": name,
+            "hyperparameters": {"lora_rank": source.hyperparameters.lora_rank},
+            "load_state": {
+                "run_id": str(source_id),
+                "name": found["name"],
+                "optimizer": bool(body.get("optimizer")),
+            },
+        }
+    )
+    run_id = await _submit_session(spec, project_id, factory, settings, enqueue)
+    return {"request_id": f"load.{run_id}", "model_id": name}

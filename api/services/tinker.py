@@ -20,7 +20,10 @@ SAMPLER_ID = re.compile(r"^sampler\.(?P<run>[0-9a-f-]{36})\.(?P<name>[A-Za-z0-9_
 SAMPLER_PATH = re.compile(
     r"^tinker://(?P<model>[0-9a-f]{32}:train:\d{1,9})/sampler_weights/(?P<name>[A-Za-z0-9_.-]{1,64})$"
 )
-FUTURE_ID = re.compile(r"^(?P<kind>create|cmd)\.(?P<run>[0-9a-f-]{36})(?:\.(?P<n>\d{1,12}))?$")
+STATE_PATH = re.compile(
+    r"^tinker://(?P<model>[0-9a-f]{32}:train:\d{1,9})/weights/(?P<name>[A-Za-z0-9_.-]{1,64})$"
+)
+FUTURE_ID = re.compile(r"^(?P<kind>create|load|cmd)\.(?P<run>[0-9a-f-]{36})(?:\.(?P<n>\d{1,12}))?$")
 
 
 class TinkerError(Exception):

@@ -84,11 +84,16 @@ def test_refusals_are_4xx_with_the_field_named(
     assert resp.json()["field"] == field and resp.json()["detail"]
 
 
-def test_not_yet_served_calls_say_so_and_bad_bodies_are_refused(session: Session, client: TestClient) -> None:
+def test_loading_into_an_existing_client_says_so_and_bad_bodies_are_refused(
+    session: Session, client: TestClient
+) -> None:
     headers, _ = tml(session)
-    for path in ("save_weights", "load_weights"):
-        resp = client.post(f"/api/v1/{path}", json={}, headers=headers)
-        assert resp.status_code == 400 and "not supported by this server yet" in resp.json()["detail"], path
+    legacy = client.post(
+        "/api/v1/load_weights", json={"model_id": "m", "path": "p", "seq_id": 2}, headers=headers
+    )
+    assert legacy.status_code == 400 and "not supported yet" in legacy.json()["detail"]
+    unknown = {"session_id": "a" * 32, "model_seq_id": 1, "path": f"tinker://{'b' * 32}:train:0/weights/x"}
+    assert client.post("/api/v1/load_weights", json=unknown, headers=headers).status_code == 404
     garbage = client.post(
         "/api/v1/forward_backward",
         content=b"\xff\xfe",

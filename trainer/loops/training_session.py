@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer.adapters import add_adapter
+from trainer.adapters import add_adapter, load_trainable_state, trainable_state
 from trainer.models import load_causal_lm, pick_device
 from trainer.primitives.commands import CommandQueue, SessionGateway
 from trainer.primitives.losses import check_config, check_datum, per_token_loss
@@ -40,6 +42,7 @@ from trainer.primitives.wire import (
 )
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 from trainer.specs import AdapterSpec, TrainingSessionSpec
+from trainer.specs.session import OPTIMIZER_FILE, TRAINABLE_FILE, SessionState
 
 STOP_CHECK_SECONDS = 2.0
 
@@ -66,8 +69,9 @@ def checker(vocab: int, max_length: int) -> Any:
             return request, clip
         if kind == "optim_step":
             return adam_params(raw)
-        if kind == "save_sampler":
-            return parse_snapshot(raw), json.loads(raw).get("reply") or {}
+        if kind in ("save_sampler", "save_state"):
+            body = json.loads(raw or b"{}")
+            return parse_snapshot(raw), body.get("reply") or {}, bool(body.get("overwrite"))
         if kind == "sample":
             return parse_sample(raw, vocab, max_length)
         return None
@@ -164,6 +168,41 @@ def optim_step(model: Any, optimizer: torch.optim.Optimizer, params: dict[str, f
     return {"grad_norm:mean": norm if math.isfinite(norm) else 0.0}
 
 
+def save_state(
+    model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer, folder: Path, overwrite: bool
+) -> None:
+    """The SDK's ``save_state``: the adapter as a peft folder (a model like any run's checkpoint) with
+    its tensors and the optimizer's state beside it, for ``load_state``.
+
+    Raises:
+        WireError: the name is taken and ``overwrite`` is off.
+    """
+    if folder.exists() and not overwrite:
+        raise WireError(f"a state named {folder.name!r} exists (overwrite it with overwrite=True)", "path")
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    torch.save(trainable_state(model), partial / TRAINABLE_FILE)
+    torch.save(optimizer.state_dict(), partial / OPTIMIZER_FILE)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+
+
+def load_state(model: Any, optimizer: torch.optim.Optimizer, checkpoints: Path, state: SessionState) -> None:
+    """Start from a saved state (``save_state``): the adapter's tensors, and the optimizer's on request.
+
+    Raises:
+        ValueError: no such state, or one of another base model or rank.
+    """
+    folder = checkpoints / "weights" / state.name
+    if not (folder / TRAINABLE_FILE).exists():
+        raise ValueError(f"run {state.run_id} saved no state named {state.name!r}")
+    load_trainable_state(model, torch.load(folder / TRAINABLE_FILE, map_location="cpu"))
+    if state.optimizer:
+        optimizer.load_state_dict(torch.load(folder / OPTIMIZER_FILE, map_location="cpu"))
+
+
 def run_training_session(
     spec: TrainingSessionSpec,
     data: RunData,  # noqa: ARG001 - every loop takes the same arguments; a session reads no rows
@@ -181,6 +220,12 @@ def run_training_session(
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=ADAM_DEFAULTS["learning_rate"]
     )
+    if spec.load_state is not None:
+        state = spec.load_state
+        load_state(
+            model, optimizer, ctx.checkpoint_dir.parent.parent / str(state.run_id) / "checkpoints", state
+        )
+        reporter.event("info", f"started from state {state.name!r} of run {state.run_id}")
     queue = CommandQueue(checker(int(model.config.vocab_size), hp.max_length))
     snapshots = Snapshots(model, tokenizer)
     gateway = SessionGateway(queue)
@@ -219,8 +264,12 @@ def run_training_session(
                 steps += 1
                 queue.finish(command, json.dumps({"metrics": metrics}).encode())
             elif command.kind == "save_sampler":
-                name, reply = command.payload
+                name, reply, _ = command.payload
                 snapshots.save(name)
+                queue.finish(command, json.dumps(reply).encode())
+            elif command.kind == "save_state":
+                name, reply, overwrite = command.payload
+                save_state(model, tokenizer, optimizer, ctx.checkpoint_dir / "weights" / name, overwrite)
                 queue.finish(command, json.dumps(reply).encode())
             else:
                 queue.finish(command, snapshots.sample(command.payload), "application/x-protobuf")

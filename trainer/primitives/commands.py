@@ -4,7 +4,8 @@ gateway is: trainer/rollout/agent_gateway.py), the loop's thread executes them o
 they came (the SDK sends call N+1 only once N's submit has returned, so arrival order is its ``seq_id``
 order), and the API polls each call's result, which waits here until it is ready.
 
-    POST /commands   X-Rlrun-Command: forward_backward | optim_step | save_sampler | sample | finish
+    POST /commands   X-Rlrun-Command: forward_backward | optim_step | save_sampler | sample | save_state
+                     | finish
                      -> 200 {"request_id"} | 400 {"detail", "field"} (refused before it is queued)
     GET  /futures/{id}?wait=S
                      -> 200 the result (protobuf for forward_backward and sample, else JSON), or
@@ -31,7 +32,7 @@ from trainer.primitives.wire import WireError
 log = logging.getLogger("rlrun.worker")
 TOKEN_HEADER = "X-Rlrun-Gateway-Token"
 KIND_HEADER = "X-Rlrun-Command"
-KINDS = ("forward_backward", "optim_step", "save_sampler", "sample", "finish")
+KINDS = ("forward_backward", "optim_step", "save_sampler", "sample", "save_state", "finish")
 MAX_BODY = 256 * 1024 * 1024
 MAX_WAIT = 40.0
 KEPT_RESULTS = 256  # results kept after they are read (a client may poll one again)
