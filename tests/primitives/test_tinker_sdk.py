@@ -36,6 +36,11 @@ def sdk_env(served: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
 
 
+def all_runs(served: httpx.Client) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = served.get("/v1/runs", params={"limit": 200}).json()["data"]
+    return runs
+
+
 def sft_data(tokenizer: Any, n: int) -> list[types.Datum]:
     """The addition SFT examples as datums: prompt then completion, only the completion weighted."""
     rows = [json.loads(line) for line in (EXAMPLES / "sft_addition.jsonl").read_text().splitlines()[:n]]
@@ -78,8 +83,7 @@ def test_a_supervised_loop_through_the_sdk_lowers_its_loss(served: httpx.Client,
     assert len(out.loss_fn_outputs[0]["logprobs"].tolist()) == len(data[0].model_input.to_ints())
     # the session is a run: its loss per forward_backward call, and its adapter as the run's model
     model_id = training.model_id
-    runs = served.get("/v1/runs", params={"limit": 200}).json()["data"]
-    run = next(r for r in runs if r["spec"].get("name") == model_id)
+    run = next(r for r in all_runs(served) if r["spec"].get("name") == model_id)
     assert run["algorithm"] == "training_session" and run["status"] == "running"
     service.close("success")  # sessions/{id}/finish: the worker saves the adapter and stops
     done = wait_for(served, run["id"], lambda r: r["status"] in FINISHED)
@@ -150,7 +154,16 @@ def test_a_saved_state_loads_into_a_new_client_with_the_same_loss(
     saved_loss = training.forward(data, loss_fn="cross_entropy").result().metrics["loss:sum"]
     with pytest.raises(tinker.RequestFailedError, match="exists"):
         training.save_state("after-3").result()  # a name is not overwritten unless asked
-    service.close("success")  # one worker holds one session: free it for the next
+    run = next(r for r in all_runs(served) if r["spec"].get("name") == training.model_id)
+    (checkpoint,) = served.get(f"/v1/runs/{run['id']}/checkpoints").json()
+    assert (
+        checkpoint["step"] == 3 and checkpoint["model_ref"] == f"run:{run['id']}@3"
+    )  # a model, as any run's
+    assert served.post(f"/v1/runs/{run['id']}/cancel").status_code == 200  # as the dashboard cancels
+    assert wait_for(served, run["id"], lambda r: r["status"] in FINISHED)["status"] == "cancelled"
+    with pytest.raises(tinker.BadRequestError, match="is over"):  # a session that ended
+        training.forward(data, loss_fn="cross_entropy").result()
+    service.close("success")
     again = tinker.ServiceClient()
     loaded = again.create_training_client_from_state_with_optimizer(path).result()
     assert loaded.forward(data, loss_fn="cross_entropy").result().metrics["loss:sum"] == pytest.approx(

@@ -269,7 +269,12 @@ def run_training_session(
                 queue.finish(command, json.dumps(reply).encode())
             elif command.kind == "save_state":
                 name, reply, overwrite = command.payload
-                save_state(model, tokenizer, optimizer, ctx.checkpoint_dir / "weights" / name, overwrite)
+                folder = ctx.checkpoint_dir / "weights" / name
+                save_state(model, tokenizer, optimizer, folder, overwrite)
+                # a checkpoint of the run at its optimizer step: run:<id>@<step> is a model (the latest
+                # save at a step is the one its checkpoint names)
+                size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+                reporter.checkpoint_saved(steps, folder, size, {"optim_steps": float(steps)})
                 queue.finish(command, json.dumps(reply).encode())
             else:
                 queue.finish(command, snapshots.sample(command.payload), "application/x-protobuf")
