@@ -1,17 +1,24 @@
 """What the bench scripts share besides the clock (bench/clock.py), torch-free: ``quiet`` (the
-datasets/transformers/accelerate chatter off before TRL runs) and ``throwaway_postgres`` (a new, empty
-database dropped afterwards). A sibling module (``python bench/x.py`` puts bench/ first on sys.path);
-running it does nothing (``make bench`` runs every file in bench/)."""
+datasets/transformers/accelerate chatter off before TRL runs), ``throwaway_postgres`` (a new, empty
+database dropped afterwards) and ``rlrun_serve`` (`rlrun serve` in a fresh home, until it answers). A
+sibling module (``python bench/x.py`` puts bench/ first on sys.path); running it does nothing (``make
+bench`` runs every file in bench/)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import time
 import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import httpx
 from sqlalchemy import create_engine, text
 
 
@@ -81,3 +88,32 @@ def throwaway_postgres(server_url: str) -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+def rlrun_serve(
+    home: Path, flags: list[str], env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``rlrun serve <flags>`` on a free port with ``home`` as its home (no other RLRUN_* setting but
+    ``env``); the process and its URL once ``/healthz`` answers (2 minutes at most)."""
+    from trainer.ports import free_port
+
+    port = free_port()
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("RLRUN_")}
+    environ |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port)} | (env or {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlrun.cli", "serve", *flags],
+        env=environ,
+        stdout=subprocess.DEVNULL,
+        stderr=(home / "serve.log").open("wb"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("rlrun serve did not come up: " + (home / "serve.log").read_text()[-2000:])

@@ -47,34 +47,14 @@ from typing import Any
 
 import httpx
 import torch
-
-from trainer.ports import free_port
+from common import rlrun_serve  # a sibling module: bench/ is first on sys.path
 
 MODEL = "tiny:llama-10m"
 PROMPT = "What is {a} plus {b}? Answer with the number."
 
 
 def serve(home: Path, backend: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLRUN_")}
-    env |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port), "RLRUN_INFERENCE_BACKEND": backend}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlrun.cli", "serve", "--no-worker"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=(home / "serve.log").open("wb"),
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("rlrun serve did not come up: " + (home / "serve.log").read_text()[-2000:])
+    return rlrun_serve(home, ["--no-worker"], {"RLRUN_INFERENCE_BACKEND": backend})
 
 
 def one_request(url: str, i: int, max_tokens: int, start: float, out: list[dict[str, float]]) -> None:

@@ -20,40 +20,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
-
-from trainer.ports import free_port
-
-
-def serve(home: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RLRUN_")}
-    env |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlrun.cli", "serve", "--no-inference"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=(home / "serve.log").open("wb"),
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("rlrun serve did not come up: " + (home / "serve.log").read_text()[-2000:])
+from common import rlrun_serve
 
 
 def preset_folder(model: str, cache: Path) -> str:
@@ -140,7 +113,7 @@ def main() -> None:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp)
-        proc, url = serve(home)
+        proc, url = rlrun_serve(home, ["--no-inference"])
         try:
             from trainer.models import load_causal_lm
 

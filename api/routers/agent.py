@@ -25,12 +25,12 @@ from api.errors import ApiError
 from api.schemas import AgentReward
 from api.services.agent_gateway import Gateway, gateway_of
 from rlrun.schemas import AgentEpisode, AgentRewarded, ErrorBody
+from trainer.gateway_server import TOKEN_HEADER
 
 router = APIRouter(prefix="/v1/runs/{run_id}/agent", tags=["agent"])
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 404, 409, 410, 413, 503)
 }
-TOKEN_HEADER = "X-Rlrun-Gateway-Token"  # trainer/rollout/agent_gateway.py's
 EpisodeId = Annotated[str, Path(pattern="^[0-9a-f]{32}$", description="The episode's id, from `next`.")]
 
 

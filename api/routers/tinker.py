@@ -42,17 +42,19 @@ from api.services.tinker import (
     Held,
     TinkerError,
     held,
+    saved_states,
     session_model,
     session_run,
     session_runs,
+    session_runs_page,
+    training_run,
 )
+from trainer.gateway_server import COMMAND_HEADER, TOKEN_HEADER
 from trainer.primitives.schema import message_class
 from trainer.specs import TINY_PRESETS, TrainingSessionSpec
 from trainer.specs.session import TRAINABLE_FILE
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
-TOKEN_HEADER = "X-Rlrun-Gateway-Token"  # trainer/primitives/commands.py's
-KIND_HEADER = "X-Rlrun-Command"
 SESSION_ID = re.compile(r"^[0-9a-f]{32}$")
 POLL_SECONDS = 25.0  # a retrieve_future is held this long at most (the SDK's timeout is 45 s)
 T = TypeVar("T")
@@ -135,6 +137,20 @@ async def get_server_capabilities(project_id: ProjectDep) -> dict[str, Any]:  # 
     return {"supported_models": [{"model_name": f"tiny:{p}"} for p in TINY_PRESETS]}
 
 
+def _model_name(body: dict[str, Any]) -> str:
+    """The id of the model a session creates, ``{session_id}:train:{model_seq_id}`` (as the SDK derives it).
+
+    Raises:
+        TinkerError: 400, not a session this server made, or a bad sequence number.
+    """
+    session_id, seq = body.get("session_id"), body.get("model_seq_id")
+    if not isinstance(session_id, str) or not SESSION_ID.match(session_id):
+        raise TinkerError(400, "unknown session (create one with create_session)", "session_id")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise TinkerError(400, "model_seq_id must be an integer >= 0", "model_seq_id")
+    return f"{session_id}:train:{seq}"
+
+
 @router.post("/create_model")
 async def create_model(
     request: Request,
@@ -146,13 +162,8 @@ async def create_model(
     """A LoRA training client: a ``training_session`` run, queued; its future resolves once a worker
     holds the model."""
     body = await _body(request)
-    session_id, seq = body.get("session_id"), body.get("model_seq_id")
-    if not isinstance(session_id, str) or not SESSION_ID.match(session_id):
-        raise TinkerError(400, "unknown session (create one with create_session)", "session_id")
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-        raise TinkerError(400, "model_seq_id must be an integer >= 0", "model_seq_id")
+    name = _model_name(body)
     lora = body.get("lora_config") or {}
-    name = f"{session_id}:train:{seq}"
     try:
         spec = TrainingSessionSpec.model_validate(
             {
@@ -241,7 +252,7 @@ async def _submit(at: Held, kind: str, raw: bytes, content_type: str) -> dict[st
             answer = await client.post(
                 f"{at.url}/commands",
                 content=raw,
-                headers={TOKEN_HEADER: at.token, KIND_HEADER: kind, "Content-Type": content_type},
+                headers={TOKEN_HEADER: at.token, COMMAND_HEADER: kind, "Content-Type": content_type},
             )
     except httpx.HTTPError as exc:
         raise TinkerError(
@@ -350,6 +361,46 @@ async def _created(
         if time.monotonic() >= deadline:
             return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
         await asyncio.sleep(0.25)
+
+
+@router.get("/training_runs")
+async def list_training_runs(
+    project_id: ProjectDep,
+    factory: SessionFactoryDep,
+    settings: SettingsDep,
+    limit: int = 20,
+    offset: int = 0,
+) -> dict[str, Any]:
+    """The project's training sessions (the SDK's ``RestClient.list_training_runs``), newest first."""
+    limit, offset = min(max(limit, 1), 200), max(offset, 0)
+    artifacts = settings.resolved_artifacts_dir
+
+    def page(session: Any) -> dict[str, Any]:
+        runs, total = session_runs_page(session, project_id, limit, offset)
+        return {
+            "training_runs": [training_run(r, artifacts) for r in runs],
+            "cursor": {"offset": offset, "limit": limit, "total_count": total},
+        }
+
+    return await _db(factory, page)
+
+
+@router.get("/training_runs/{model_id}")
+async def get_training_run(
+    model_id: str, project_id: ProjectDep, factory: SessionFactoryDep, settings: SettingsDep
+) -> dict[str, Any]:
+    artifacts = settings.resolved_artifacts_dir
+    return await _db(factory, lambda s: training_run(session_model(s, project_id, model_id), artifacts))
+
+
+@router.get("/training_runs/{model_id}/checkpoints")
+async def list_checkpoints(
+    model_id: str, project_id: ProjectDep, factory: SessionFactoryDep, settings: SettingsDep
+) -> dict[str, Any]:
+    """The states a session saved (``RestClient.list_checkpoints``), newest first."""
+    artifacts = settings.resolved_artifacts_dir
+    states = await _db(factory, lambda s: saved_states(artifacts, session_model(s, project_id, model_id)))
+    return {"checkpoints": states, "cursor": None}
 
 
 @router.post("/sessions/{session_id}/finish")
@@ -482,18 +533,14 @@ async def load_weights(
     """``create_training_client_from_state[_with_optimizer]``: a new session run (the model id the SDK
     derives) on the saved state's base model and rank, started from its adapter (and Adam state)."""
     body = await _body(request)
-    session_id, seq = body.get("session_id"), body.get("model_seq_id")
-    if not isinstance(session_id, str):
+    if not isinstance(body.get("session_id"), str):
         raise TinkerError(
             400,
             "loading a state into an existing training client (load_state) is not supported yet: create one "
             "from the state (create_training_client_from_state)",
             "model_id",
         )
-    if not SESSION_ID.match(session_id):
-        raise TinkerError(400, "unknown session (create one with create_session)", "session_id")
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-        raise TinkerError(400, "model_seq_id must be an integer >= 0", "model_seq_id")
+    name = _model_name(body)
     path = body.get("path")
     found = STATE_PATH.match(path) if isinstance(path, str) else None
     if found is None:
@@ -507,7 +554,6 @@ async def load_weights(
     if not (folder / TRAINABLE_FILE).exists():
         raise TinkerError(404, f"no state {found['name']!r} was saved by {found['model']}", "path")
     source = TrainingSessionSpec.model_validate(source_spec)
-    name = f"{session_id}:train:{seq}"
     spec = TrainingSessionSpec.model_validate(
         {
             "algorithm": "training_session",

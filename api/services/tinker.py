@@ -8,9 +8,11 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.models import FINISHED_STATUSES, Run
@@ -107,3 +109,55 @@ def session_run(session: Session, project_id: uuid.UUID, run_id: uuid.UUID, requ
     if run is None or run.project_id != project_id or run.algorithm != "training_session":
         raise TinkerError(404, f"no request {request_id!r}", "request_id")
     return run
+
+
+def session_runs_page(
+    session: Session, project_id: uuid.UUID, limit: int, offset: int
+) -> tuple[list[Run], int]:
+    """The project's session runs, newest first, and how many there are."""
+    where = (Run.project_id == project_id, Run.algorithm == "training_session")
+    total = session.scalar(select(func.count()).select_from(Run).where(*where)) or 0
+    runs = session.scalars(
+        select(Run).where(*where).order_by(Run.created_at.desc()).offset(offset).limit(limit)
+    )
+    return list(runs), int(total)
+
+
+def saved_states(artifacts: Path, run: Run) -> list[dict[str, Any]]:
+    """The states a session run saved (``save_state``: training checkpoints in the SDK's listing), newest
+    first; sampler snapshots live in the worker's memory and are not listed."""
+    folder = artifacts / "runs" / str(run.id) / "checkpoints" / "weights"
+    found = (
+        [f for f in folder.iterdir() if f.is_dir() and not f.name.endswith(".partial")]
+        if folder.is_dir()
+        else []
+    )
+    out = []
+    for f in sorted(found, key=lambda f: f.stat().st_mtime, reverse=True):
+        out.append(
+            {
+                "checkpoint_id": f"weights/{f.name}",
+                "checkpoint_type": "training",
+                "time": datetime.fromtimestamp(f.stat().st_mtime, UTC).isoformat(),
+                "tinker_path": f"tinker://{run.name}/weights/{f.name}",
+                "size_bytes": sum(p.stat().st_size for p in f.rglob("*") if p.is_file()),
+            }
+        )
+    return out
+
+
+def training_run(run: Run, artifacts: Path) -> dict[str, Any]:
+    """A session run as the SDK's ``TrainingRun``."""
+    spec = run.spec or {}
+    states = saved_states(artifacts, run)
+    last = run.finished_at or run.started_at or run.created_at
+    return {
+        "training_run_id": run.name,
+        "base_model": str(spec.get("model", "")),
+        "model_owner": str(run.project_id),
+        "is_lora": True,
+        "lora_rank": int((spec.get("hyperparameters") or {}).get("lora_rank", 32)),
+        "last_request_time": last.isoformat() if last else datetime.now(UTC).isoformat(),
+        "last_checkpoint": states[0] if states else None,
+        "last_sampler_checkpoint": None,
+    }

@@ -152,6 +152,12 @@ def test_a_saved_state_loads_into_a_new_client_with_the_same_loss(
     path = training.save_state("after-3").result().path
     assert path == f"tinker://{training.model_id}/weights/after-3"
     saved_loss = training.forward(data, loss_fn="cross_entropy").result().metrics["loss:sum"]
+    rest = service.create_rest_client()  # the SDK's listings
+    listed = rest.list_checkpoints(training.model_id).result().checkpoints
+    assert [(c.checkpoint_type, c.tinker_path) for c in listed] == [("training", path)]
+    runs = rest.list_training_runs(limit=50).result().training_runs
+    mine = next(r for r in runs if r.training_run_id == training.model_id)
+    assert (mine.base_model, mine.lora_rank, mine.last_checkpoint.tinker_path) == ("tiny:llama-0.4m", 8, path)
     with pytest.raises(tinker.RequestFailedError, match="exists"):
         training.save_state("after-3").result()  # a name is not overwritten unless asked
     run = next(r for r in all_runs(served) if r["spec"].get("name") == training.model_id)

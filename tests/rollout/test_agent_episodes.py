@@ -17,12 +17,13 @@ import openai
 import pytest
 import torch
 
+from trainer.gateway_server import TOKEN_HEADER
 from trainer.loops.multi_turn import reply_logprobs
 from trainer.loops.rl_common import forward_logps, to_token_batch
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.rollout.agent_chat import AgentRequestError
 from trainer.rollout.agent_episodes import AgentBoard, AgentEpisodes, BoardClosed
-from trainer.rollout.agent_gateway import TOKEN_HEADER, AgentGateway
+from trainer.rollout.agent_gateway import AgentGateway
 from trainer.rollout.base import Completion, SamplingParams
 from trainer.rollout.episodes import TaggedPrompt
 from trainer.rollout.hf_engine import HFEngine

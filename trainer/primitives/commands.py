@@ -14,24 +14,21 @@ order), and the API polls each call's result, which waits here until it is ready
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
-import secrets
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from trainer.gateway_server import COMMAND_HEADER, GatewayServer, token_matches
 from trainer.primitives.wire import WireError
 
 log = logging.getLogger("rlrun.worker")
-TOKEN_HEADER = "X-Rlrun-Gateway-Token"
-KIND_HEADER = "X-Rlrun-Command"
 KINDS = ("forward_backward", "optim_step", "save_sampler", "sample", "save_state", "finish")
 MAX_BODY = 256 * 1024 * 1024
 MAX_WAIT = 40.0
@@ -120,30 +117,12 @@ class CommandQueue:
             self.fail(c, why)
 
 
-class SessionGateway:
+class SessionGateway(GatewayServer):
     """``queue`` on HTTP (module docstring) until ``close``; ``address`` is what the API needs."""
 
     def __init__(self, queue: CommandQueue, host: str | None = None, advertise: str | None = None):
-        import os
-
         self.queue = queue
-        self.token = secrets.token_urlsafe(32)
-        host = host or os.environ.get("RLRUN_AGENT_GATEWAY_HOST", "127.0.0.1")
-        self.server = ThreadingHTTPServer((host, 0), _handler(queue, self.token))
-        self.server.daemon_threads = True
-        shown = advertise or os.environ.get("RLRUN_AGENT_GATEWAY_ADVERTISE") or host
-        self.url = f"http://{shown}:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, name="session-gateway", daemon=True)
-        self.thread.start()
-
-    @property
-    def address(self) -> dict[str, str]:
-        return {"url": self.url, "token": self.token}
-
-    def close(self) -> None:
-        if self.thread.is_alive():
-            self.server.shutdown()
-        self.server.server_close()
+        super().__init__(lambda token: _handler(queue, token), "session-gateway", host, advertise)
 
 
 def _handler(queue: CommandQueue, token: str) -> type[BaseHTTPRequestHandler]:
@@ -164,8 +143,7 @@ def _handler(queue: CommandQueue, token: str) -> type[BaseHTTPRequestHandler]:
             self._send(status, json.dumps(body).encode())
 
         def _allowed(self) -> bool:
-            given = self.headers.get(TOKEN_HEADER, "").encode("utf-8", "replace")
-            if hmac.compare_digest(given, token.encode()):
+            if token_matches(self.headers, token):
                 return True
             self._json(401, {"detail": "a gateway token is needed"})
             return False
@@ -173,7 +151,7 @@ def _handler(queue: CommandQueue, token: str) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:  # noqa: N802 - the base class's name
             if not self._allowed():
                 return
-            kind = self.headers.get(KIND_HEADER, "")
+            kind = self.headers.get(COMMAND_HEADER, "")
             length = int(self.headers.get("Content-Length") or 0)
             if urlsplit(self.path).path != "/commands" or kind not in KINDS:
                 self._json(404, {"detail": f"no command {kind!r} at {self.path}"})

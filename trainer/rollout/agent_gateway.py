@@ -14,22 +14,18 @@ where the API runs on another machine).
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
-import os
 import re
-import secrets
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from trainer.gateway_server import GatewayServer, token_matches
 from trainer.rollout.agent_chat import AgentRequestError
 from trainer.rollout.agent_episodes import AgentBoard, BoardClosed
 
 log = logging.getLogger("rlrun.worker")
-TOKEN_HEADER = "X-Rlrun-Gateway-Token"
 MAX_BODY = 16 * 1024 * 1024  # a chat completion request's JSON, at most
 MAX_WAIT = 60.0  # seconds a ``next`` long poll may wait
 _EPISODE = re.compile(r"^/episodes/([0-9a-f]{32})/(chat/completions|reward)$")
@@ -40,30 +36,17 @@ def error_body(message: str, param: str | None = None, code: str | None = None) 
     return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
 
 
-class AgentGateway:
+class AgentGateway(GatewayServer):
     """Serves ``board`` on HTTP until ``close``; ``address`` is what the API needs to reach it."""
 
     def __init__(self, board: AgentBoard, host: str | None = None, advertise: str | None = None):
         self.board = board
-        self.token = secrets.token_urlsafe(32)
-        host = host or os.environ.get("RLRUN_AGENT_GATEWAY_HOST", "127.0.0.1")
-        self.server = ThreadingHTTPServer((host, 0), _handler(board, self.token))
-        self.server.daemon_threads = True
-        shown = advertise or os.environ.get("RLRUN_AGENT_GATEWAY_ADVERTISE") or host
-        self.url = f"http://{shown}:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, name="agent-gateway", daemon=True)
-        self.thread.start()
-
-    @property
-    def address(self) -> dict[str, str]:
-        return {"url": self.url, "token": self.token}
+        super().__init__(lambda token: _handler(board, token), "agent-gateway", host, advertise)
 
     def close(self) -> None:
         """Refuse what is waiting (the board closes), stop listening; idempotent."""
         self.board.close()
-        if self.thread.is_alive():
-            self.server.shutdown()
-        self.server.server_close()
+        super().close()
 
 
 def _handler(board: AgentBoard, token: str) -> type[BaseHTTPRequestHandler]:
@@ -82,8 +65,7 @@ def _handler(board: AgentBoard, token: str) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def _allowed(self) -> bool:
-            given = self.headers.get(TOKEN_HEADER, "").encode("utf-8", "replace")
-            if hmac.compare_digest(given, token.encode()):
+            if token_matches(self.headers, token):
                 return True
             self._send(401, error_body("a gateway token is needed", code="unauthorized"))
             return False
