@@ -50,6 +50,7 @@ from api.services.tinker import (
     training_run,
 )
 from trainer.gateway_server import COMMAND_HEADER, TOKEN_HEADER
+from trainer.model_refs import models_in_roots
 from trainer.primitives.schema import message_class
 from trainer.specs import TINY_PRESETS, TrainingSessionSpec
 from trainer.specs.session import TRAINABLE_FILE
@@ -131,10 +132,14 @@ async def healthz() -> dict[str, Any]:
 
 
 @router.get("/get_server_capabilities")
-async def get_server_capabilities(project_id: ProjectDep) -> dict[str, Any]:  # noqa: ARG001 - checks the key
-    """The base models any server has (the tiny presets); model folders under the model roots and
-    imported models work too, by the name a run spec would give them."""
-    return {"supported_models": [{"model_name": f"tiny:{p}"} for p in TINY_PRESETS]}
+async def get_server_capabilities(
+    project_id: ProjectDep,  # noqa: ARG001 - checks the key
+    settings: SettingsDep,
+) -> dict[str, Any]:
+    """The base models this server can train: the tiny presets and the model folders under its model
+    roots (imported models among them), by the name a run spec gives them (``run:<id>`` works too)."""
+    names = [f"tiny:{p}" for p in TINY_PRESETS] + models_in_roots(settings.resolved_model_roots)
+    return {"supported_models": [{"model_name": n} for n in names]}
 
 
 def _model_name(body: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ def tml(session: Session) -> tuple[dict[str, str], uuid.UUID]:
     return {"X-API-Key": f"tml-{key}"}, row.project_id
 
 
-def test_the_sdks_start_up_calls_and_its_key(session: Session, client: TestClient) -> None:
+def test_the_sdks_start_up_calls_and_its_key(session: Session, client: TestClient, tmp_path: Path) -> None:
     headers, _ = tml(session)
     assert (
         client.post("/api/v1/client/config", json={"sdk_version": "0.38.0"}).json()["parallel_fwdbwd_chunks"]
@@ -40,8 +40,11 @@ def test_the_sdks_start_up_calls_and_its_key(session: Session, client: TestClien
     created = client.post("/api/v1/create_session", json={"tags": []}, headers=headers)
     assert created.status_code == 200 and len(created.json()["session_id"]) == 32
     assert client.post("/api/v1/telemetry", json={}).json() == {"status": "accepted"}
+    imported = tmp_path / "models" / "org" / "imported-model"  # a folder under the server's model roots
+    imported.mkdir(parents=True)
+    (imported / "config.json").write_text("{}")
     models = client.get("/api/v1/get_server_capabilities", headers=headers).json()["supported_models"]
-    assert {"model_name": "tiny:llama-0.4m"} in models
+    assert {"model_name": "tiny:llama-0.4m"} in models and {"model_name": "org/imported-model"} in models
     assert "/api/v1/create_model" not in client.get("/openapi.json").json()["paths"]  # the SDK's, not ours
 
 
