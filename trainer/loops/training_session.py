@@ -15,7 +15,9 @@ trainer/primitives/commands.py).
 
 The run's metrics: ``loss`` (``loss:sum`` per target token) at each ``forward_backward``, numbered by
 call. The session ends when the caller finishes it, after ``idle_timeout_s`` without a call (both
-succeed, the adapter saved as the run's model) or when the run is cancelled.
+succeed, the adapter saved as the run's model) or when the run is cancelled. A session whose worker was lost
+does not resume on another (its weights since the last ``save_state`` were that worker's): the next attempt
+fails the run saying so, and the SDK's calls answer that the session is over.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from trainer.specs import AdapterSpec, TrainingSessionSpec
 from trainer.specs.session import OPTIMIZER_FILE, TRAINABLE_FILE, SessionState
 
 STOP_CHECK_SECONDS = 2.0
+STARTED_MARK = "session.started"  # a second attempt of the run finds it: the session's state is gone
 
 
 def checker(vocab: int, max_length: int) -> Any:
@@ -210,6 +213,15 @@ def run_training_session(
     ctx: LoopContext,
 ) -> LoopResult:
     hp = spec.hyperparameters
+    started = ctx.checkpoint_dir / STARTED_MARK
+    if started.exists():
+        raise RuntimeError(
+            "a training session cannot continue after its worker was lost: the model's state since its "
+            "last save_state lived in that worker; create a new training client (from a saved state with "
+            "create_training_client_from_state)"
+        )
+    ctx.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    started.touch()
     torch.manual_seed(hp.seed)
     device = pick_device()
     path = ctx.resolve_model(spec.model)
