@@ -205,3 +205,24 @@ def all_pair_logps(
             progress.advance(len(group))
     model.train(was_training)
     return out
+
+
+@torch.no_grad()
+def reply_logprobs(model: Any, context: list[int], tokens: list[int], temperature: float) -> list[float]:
+    """The model's log-probs of ``tokens`` after ``context`` at temperature ``T``: log softmax(z/T) of each
+    token (T = 0 or 1 keeps the logits), in eval mode, without gradient. The distribution the transformers
+    engine sampled from (an agent endpoint's ``logprobs``; the trainer's own recomputation is
+    trainer/loops/rl_common.py ``forward_logps``), and at T = 1 a training session's sampler log-probs."""
+    if not tokens:
+        return []
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        ids = torch.tensor([context + tokens], device=device)
+        logits = model(input_ids=ids, logits_to_keep=len(tokens) + 1).logits[:, :-1].float()
+    finally:
+        model.train(was_training)
+    if temperature > 0 and temperature != 1:
+        logits = logits / temperature
+    return [float(x) for x in token_logprobs(logits, torch.tensor([tokens], device=device))[0]]

@@ -17,8 +17,8 @@ import openai
 import pytest
 import torch
 
+from trainer.completion_logps import reply_logprobs
 from trainer.gateway_server import TOKEN_HEADER
-from trainer.loops.multi_turn import reply_logprobs
 from trainer.loops.rl_common import forward_logps, to_token_batch
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.rollout.agent_chat import AgentRequestError

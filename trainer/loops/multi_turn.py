@@ -9,9 +9,7 @@ import dataclasses
 from contextlib import ExitStack
 from typing import Any
 
-import torch
-
-from trainer.algorithms.logprobs import token_logprobs
+from trainer.completion_logps import reply_logprobs
 from trainer.data.prompts import PromptSet
 from trainer.distributed import ONE, Ranks, gather_objects
 from trainer.reporting import Reporter, RunData
@@ -179,21 +177,3 @@ def agent_engine(
     )
     reporter.agent_gateway(gateway.address)
     return episodes
-
-
-@torch.no_grad()
-def reply_logprobs(model: Any, context: list[int], tokens: list[int], temperature: float) -> list[float]:
-    """The policy's log-probs of ``tokens`` after ``context`` at the sampling temperature: log softmax(z/T)
-    of each token (T = 0 keeps the logits), the distribution the transformers engine sampled from (the
-    trainer's own recomputation, trainer/loops/rl_common.py ``forward_logps``)."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        ids = torch.tensor([context + tokens], device=device)
-        logits = model(input_ids=ids, logits_to_keep=len(tokens) + 1).logits[:, :-1].float()
-    finally:
-        model.train(was_training)
-    if temperature > 0 and temperature != 1:
-        logits = logits / temperature
-    return [float(x) for x in token_logprobs(logits, torch.tensor([tokens], device=device))[0]]

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from trainer.adapters import load_trainable_state, trainable_state
+from trainer.completion_logps import reply_logprobs
 from trainer.primitives.wire import Sampled, WireError, sample_response
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.hf_engine import HFEngine
@@ -136,25 +137,14 @@ class Snapshots:
             sequences = [
                 Sampled(
                     list(c.token_ids),
-                    self._logprobs(call.prompt, list(c.token_ids)),
+                    reply_logprobs(self.model, call.prompt, list(c.token_ids), 1.0),
                     c.finish_reason == "eos",
                 )
                 for c in outs
             ]
-            prompt_lp = self._logprobs(call.prompt[:1], call.prompt[1:]) if call.prompt_logprobs else None
+            prompt_lp = (
+                reply_logprobs(self.model, call.prompt[:1], call.prompt[1:], 1.0)
+                if call.prompt_logprobs
+                else None
+            )
         return sample_response(sequences, prompt_lp)
-
-    def _logprobs(self, context: list[int], tokens: list[int]) -> list[float]:
-        """``log softmax(z)`` of each of ``tokens`` after ``context`` (raw logits)."""
-        if not tokens:
-            return []
-        device = next(self.model.parameters()).device
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            ids = torch.tensor([context + tokens], device=device)
-            logits = self.model(input_ids=ids, logits_to_keep=len(tokens) + 1).logits[0, :-1].float()
-        finally:
-            self.model.train(was_training)
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(tokens, device=device)[:, None])[:, 0]
-        return [float(x) for x in lp]
