@@ -6,6 +6,15 @@
 process group (NCCL on CUDA, one GPU per rank; gloo on CPU) and runs the spec's loop with its ``Ranks``
 in the loop context (trainer/distributed.py). Rank 0's reporter is the run's; the others' are silent.
 
+Ranks are forked from a forkserver that has imported torch, transformers and the loops once
+(``RANK_PRELOAD``), not spawned: a spawned rank imports all of them itself, ~5 CPU-seconds per rank and
+run attempt (2 ranks on 2 cores: ~6 s before the first step), where a fork from the preloaded server takes
+milliseconds. The server is started by the first launch of this process (a worker's first multi-rank run)
+and ends with it. The forkserver has imported only, never computed, so no OpenMP pool or CUDA context is
+inherited; each rank gets the launching process's environment and working folder of the moment it is
+launched (``RankStart``), as a spawned one would, sets its thread count from it, and dies with the launching
+process (``die_with``).
+
 The caller gets rank 0's return value (``job.collect``). A rank that raises or dies ends every rank
 (``RankFailed`` names each failed rank, earliest first, with its error or signal: a rank that fails
 makes its peers fail in their next collective, so several may be named); ``poll`` returning True ends
@@ -14,10 +23,13 @@ them too (``RanksStopped``), e.g. a cancel that the ranks did not honour in time
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import select
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -33,6 +45,8 @@ from trainer.ports import free_port
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
 
 POLL_SECONDS = 0.2
+# What every rank imports before its loop starts, loaded once into the forkserver ranks are forked from.
+RANK_PRELOAD = ("torch", "torch.distributed", "transformers", "trainer.loops", "trainer.specs", __name__)
 
 
 class RankFailed(RuntimeError):
@@ -98,31 +112,75 @@ class RankReporter:
             self.inner.agent_gateway(address)
 
 
-def run_rank(job: RankJob) -> Any:
-    """One rank: join the process group, run the loop, return ``job.collect(...)`` on rank 0."""
+@dataclass(frozen=True)
+class RankStart:
+    """The launching process's state a rank takes on before anything else: its pid, whole environment (the
+    rank's own variables included) and working folder at launch. A rank forked from the forkserver would
+    otherwise see the server's, from the first launch."""
+
+    launcher: int
+    environ: dict[str, str]
+    cwd: str
+
+    def apply(self) -> None:
+        """Die with the launcher; take on its environment (the launcher machinery's own per-rank variables,
+        ``TORCHELASTIC_*`` with the error file among them, are kept), folder and thread count."""
+        die_with(self.launcher)
+        elastic = {k: v for k, v in os.environ.items() if k.startswith("TORCHELASTIC_")}
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.environ.update(elastic)
+        os.chdir(self.cwd)
+        torch.set_num_threads(int(self.environ["OMP_NUM_THREADS"]))
+
+
+def run_rank(job: RankJob, start: RankStart) -> Any:
+    """One rank: take on the launcher's state, join the process group, run the loop, return
+    ``job.collect(...)`` on rank 0."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    start.apply()
     return record(_run_rank)(job)
 
 
-def _die_with_parent() -> None:
-    """Linux: this rank is killed when the process that started it dies (a worker killed with -9 must not
-    leave ranks training, and writing, behind it)."""
-    import ctypes
-    import sys
+def die_with(pid: int) -> None:
+    """End this process (SIGKILL) as soon as process ``pid`` has exited: a worker killed with -9 must not
+    leave ranks training, and writing, behind it.
 
-    if sys.platform.startswith("linux"):
+    A forked rank's parent is the forkserver, not the worker, so the parent-death signal cannot serve, and
+    the server itself stays up while any process it forked holds its liveness pipe (by design: it serves
+    them too). So the rank watches the worker itself: a daemon thread waits on a pidfd of ``pid`` (Linux
+    5.3+; readable once the process has exited), or polls it each second where there are no pidfds. When
+    the ranks are gone the server sees the pipe's last holder gone and exits too.
+    """
+
+    def watch() -> None:
         try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:  # no glibc: the lease still stops an orphan's writes
-            pass
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfds here (or pid already gone: the poll sees it at once)
+            while _running(pid):
+                time.sleep(1)
+        else:
+            select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="rlrun-die-with-launcher", daemon=True).start()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
 
 
 def _run_rank(job: RankJob) -> Any:
     from trainer.loops import LOOPS
     from trainer.specs import parse_spec
 
-    _die_with_parent()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -155,19 +213,31 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     }
 
 
+def rank_start_method() -> str:
+    """``forkserver`` with ``RANK_PRELOAD`` (set before this process's server starts; later calls change
+    nothing), or ``spawn`` where the platform has no forkserver."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(RANK_PRELOAD))
+    return "forkserver"
+
+
 def launch(job: RankJob, world: int, *, poll: Callable[[], bool] | None = None) -> Any:
     """Run ``job`` on ``world`` ranks; rank 0's ``collect`` value. Raises ``RankFailed`` or
     ``RanksStopped`` (every rank ended either way)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     port = free_port()
+    envs = {r: rank_env(r, world, port) for r in range(world)}
+    starts = {r: RankStart(os.getpid(), {**os.environ, **envs[r]}, os.getcwd()) for r in range(world)}
     with tempfile.TemporaryDirectory(prefix="rlrun-ranks-") as logs, _own_signal_handlers():
         context = start_processes(
             name="rlrun-rank",
             entrypoint=run_rank,
-            args=dict.fromkeys(range(world), (job,)),
-            envs={r: rank_env(r, world, port) for r in range(world)},
+            args={r: (job, starts[r]) for r in range(world)},
+            envs=envs,
             logs_specs=DefaultLogsSpecs(log_dir=logs),
+            start_method=rank_start_method(),
         )
         try:
             while (done := context.wait(timeout=POLL_SECONDS, period=0.05)) is None:

@@ -65,20 +65,22 @@ def losses(client: TestClient, run_id: str) -> dict[int, float]:
 
 
 def rank_pids(home: Path) -> list[int]:
-    """The rank processes of this test's worker (its RLRUN_HOME in their environment, started by
-    multiprocessing's spawn), oldest first: the launcher starts rank 0 first."""
-    found = []
+    """The rank processes of this test's worker, oldest first (the launcher starts rank 0 first): forked
+    by the worker's forkserver (trainer/rank_launch.py), whose environment holds the worker's RLRUN_HOME;
+    the server itself is the one whose parent is not a forkserver."""
+    servers = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             env = set((entry / "environ").read_bytes().split(b"\0"))
             cmd = (entry / "cmdline").read_bytes()
-        except OSError:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        if f"RLRUN_HOME={home}".encode() in env and b"spawn_main" in cmd:
-            found.append(int(entry.name))
-    return sorted(found)
+        if f"RLRUN_HOME={home}".encode() in env and b"multiprocessing.forkserver" in cmd:
+            servers[int(entry.name)] = parent
+    return sorted(pid for pid, parent in servers.items() if parent in servers)
 
 
 def test_killing_a_rank_requeues_the_run_which_resumes_and_finishes(client: TestClient, home: Path) -> None:

@@ -34,3 +34,32 @@ def failing_context(tiny_cache: str, out: str, ranks: Ranks) -> LoopContext:
     if ranks.rank == 1:
         raise OSError("rank 1 lost its disk")
     return rank_context(tiny_cache, out, ranks)
+
+
+def recording_context(folder: str, ranks: Ranks) -> LoopContext:
+    """Write what this rank sees of its start (environment mark, working folder, threads, pid) to
+    ``folder/rank<N>.json``, then refuse to train: the launch ends with ``RankFailed`` at once."""
+    import json
+    import os
+
+    import torch
+
+    seen = {
+        "mark": os.environ.get("RLRUN_RANK_MARK"),
+        "gone": os.environ.get("RLRUN_RANK_GONE"),
+        "cwd": os.getcwd(),
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+    }
+    (Path(folder) / f"rank{ranks.rank}.json").write_text(json.dumps(seen))
+    raise RuntimeError("recorded")
+
+
+def hanging_context(folder: str, ranks: Ranks) -> LoopContext:
+    """Write this rank's pid to ``folder/rank<N>.pid``, then hang (until the rank is killed)."""
+    import os
+    import time
+
+    (Path(folder) / f"rank{ranks.rank}.pid").write_text(str(os.getpid()))
+    while True:
+        time.sleep(1)

@@ -9,6 +9,11 @@ through the worker's lost-worker path)."""
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,13 @@ import torch
 
 from tests.loop_context import loop_ctx
 from tests.loops.addition_rows import PAIRS, PROMPTS, SFT, VOWEL_REWARD
-from tests.loops.rank_helpers import failing_context, memory_reporter, metrics_and_result, rank_context
+from tests.loops.rank_helpers import (
+    failing_context,
+    memory_reporter,
+    metrics_and_result,
+    rank_context,
+    recording_context,
+)
 from trainer.loops import LOOPS
 from trainer.models import load_causal_lm
 from trainer.rank_launch import RankFailed, RankJob, launch
@@ -173,6 +184,91 @@ def test_a_rank_that_fails_ends_every_rank_naming_it_and_why(tiny_cache: Path, t
     )
     with pytest.raises(RankFailed, match=r"rank 1 of 2 failed: [^;]*OSError: rank 1 lost its disk"):
         launch(job, 2)  # rank 0, waiting for rank 1 in the first collective, is ended too
+
+
+@pytest.mark.slow
+@gloo_only
+def test_ranks_take_the_launchers_environment_and_folder_of_the_moment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks are forked from a server started by this process's first launch; each launch's ranks still see
+    the launcher's environment and working folder as they are at that launch (as spawned ranks would), and
+    the thread count the launcher gives them."""
+    monkeypatch.setenv("RLRUN_RANK_GONE", "set before the first launch")
+    pids = set()
+    for mark in ("first", "second"):
+        folder = tmp_path / mark
+        folder.mkdir()
+        monkeypatch.setenv("RLRUN_RANK_MARK", mark)
+        monkeypatch.chdir(folder)
+        job = RankJob(
+            spec=run_spec(),
+            data=RunData(train=PAIRS),
+            context=functools.partial(recording_context, str(folder)),
+            reporter=memory_reporter,
+            collect=metrics_and_result,
+        )
+        with pytest.raises(RankFailed, match="RuntimeError: recorded"):
+            launch(job, 2)
+        for rank in (0, 1):
+            seen = json.loads((folder / f"rank{rank}.json").read_text())
+            pids.add(seen.pop("pid"))
+            gone = "set before the first launch" if mark == "first" else None
+            threads = max(1, (os.cpu_count() or 1) // 2)
+            assert seen == {"mark": mark, "gone": gone, "cwd": str(folder), "threads": threads}
+        monkeypatch.delenv("RLRUN_RANK_GONE", raising=False)
+    assert len(pids) == 4 and os.getpid() not in pids  # a process per rank and launch
+
+
+@pytest.mark.slow
+@gloo_only
+def test_ranks_end_when_the_process_that_launched_them_is_killed(tiny_cache: Path, tmp_path: Path) -> None:
+    """A worker killed with -9 leaves no rank behind: its forkserver sees the worker gone and exits, and
+    each rank dies with its parent (PR_SET_PDEATHSIG)."""
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import functools, sys\n"
+            "from tests.loops.addition_rows import PAIRS\n"
+            "from tests.loops.rank_helpers import hanging_context, memory_reporter, metrics_and_result\n"
+            "from tests.loops.test_distributed import run_spec\n"
+            "from trainer.rank_launch import RankJob, launch\n"
+            "from trainer.reporting import RunData\n"
+            "job = RankJob(spec=run_spec(), data=RunData(train=PAIRS),\n"
+            "    context=functools.partial(hanging_context, sys.argv[1]),\n"
+            "    reporter=memory_reporter, collect=metrics_and_result)\n"
+            "launch(job, 2)\n",
+            str(tmp_path),
+        ],
+        cwd=Path(__file__).parents[2],
+    )
+    try:
+        files = [tmp_path / f"rank{rank}.pid" for rank in (0, 1)]
+        deadline = time.monotonic() + 120
+        while not all(f.is_file() and f.read_text() for f in files):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        ranks = [int(f.read_text()) for f in files]
+        assert all(alive(pid) for pid in ranks)
+        launcher.kill()
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in ranks):
+            assert time.monotonic() < deadline, "a rank outlived its launcher by 10 s"
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie, dead but not yet reaped by whoever inherited it, does not count)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
 
 
 def test_a_worker_refuses_more_devices_than_it_sees_saying_how_many() -> None:
