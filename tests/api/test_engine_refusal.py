@@ -61,7 +61,9 @@ def test_the_engine_process_is_accepted_where_its_environment_exists(session: Se
     assert resp.json()["spec"]["hyperparameters"]["engine"] == "vllm_server"
 
 
-def test_a_quantized_adapter_or_several_devices_with_the_engine_process_are_refused(session: Session) -> None:
+def test_a_quantized_adapter_is_refused_and_several_devices_share_the_engine_process(
+    session: Session,
+) -> None:
     prompts = make_dataset(session, rows=PROMPTS, kind="prompts")
     with api_client(session, settings=Settings(engine_python=sys.executable)) as client:
         adapter = client.post("/v1/runs", json={**grpo(prompts.id, "vllm_server"), "adapter": {"r": 4}})
@@ -71,6 +73,11 @@ def test_a_quantized_adapter_or_several_devices_with_the_engine_process_are_refu
         devices = client.post(
             "/v1/runs", json={**grpo(prompts.id, "vllm_server"), "resources": {"devices": 2}}
         )
+        overlapped = {**grpo(prompts.id, "vllm_server"), "resources": {"devices": 2}}
+        overlapped["hyperparameters"] = {**overlapped["hyperparameters"], "async_rollouts": 1}
+        several_async = client.post("/v1/runs", json=overlapped)
     assert adapter.status_code == 201, adapter.text  # the engine takes the adapter as a LoRA
     assert quantized.status_code == 422 and "adapter.quantize" in quantized.text
-    assert devices.status_code == 422 and "engine 'vllm_server' on several devices" in devices.text
+    assert devices.status_code == 201, devices.text  # the ranks share one engine process
+    assert several_async.status_code == 422, several_async.text
+    assert "several devices with hyperparameters.async_rollouts" in several_async.text

@@ -282,7 +282,32 @@ DEVICE_REFUSALS = [
         "devices (2) must divide hyperparameters.prompts_per_step (3)",
     ),
     ({"devices": 2}, {"engine": "vllm"}, "grpo", "engine 'vllm' on several devices is not supported yet"),
+    (
+        {"devices": 2},
+        {"engine": "vllm_server", "async_rollouts": 1},
+        "grpo",
+        "engine 'vllm_server' on several devices with hyperparameters.async_rollouts is not supported yet",
+    ),
 ]
+
+
+def test_an_adapter_on_sharded_ranks_with_the_engine_process_is_refused(session: Session) -> None:
+    prompts = make_dataset(session, rows=PROMPTS, kind="prompts")
+    spec = rl(
+        prompts.id,
+        adapter={"r": 4},
+        hyperparameters={"engine": "vllm_server"},
+        resources={"devices": 2, "sharding": "fsdp"},
+    )
+    before = count(session)
+    with api_client(session) as client:
+        resp = client.post("/v1/runs", json=spec)
+        assert resp.status_code == 422, resp.text
+        assert "an adapter on sharded ranks" in resp.text and "use sharding 'ddp'" in resp.text
+        spec["resources"]["sharding"] = "ddp"  # the same on whole-model ranks: accepted
+        accepted = client.post("/v1/runs", json=spec)
+        assert accepted.status_code == 201, accepted.text
+    assert count(session) == before + 1
 
 
 @pytest.mark.parametrize(("resources", "hp", "algorithm", "message"), DEVICE_REFUSALS)

@@ -50,6 +50,7 @@ from trainer.rewards.composite import CompositeReward
 from trainer.rollout.base import Completion, RolloutEngine
 from trainer.rollout.env_episodes import sandbox_env
 from trainer.rollout.factory import make_engine
+from trainer.rollout.rank_engine import start_rank_shared_engine
 from trainer.specs import GroupRlSpec, OnlineRlHyperparameters, PpoSpec
 
 
@@ -97,17 +98,28 @@ def prepare_rl(
         engine_threads = None
         if hp.async_rollouts:  # the engine generates while the trainer updates: they split the cores
             engine_threads = split_cores_for_overlap(ctx)
-        engine = make_engine(
-            hp.engine,
-            model=unwrap(policy),
-            tokenizer=tokenizer,
-            # an adapter run's engine loads the frozen base and takes the adapter as a LoRA at each sync
-            model_path=start.start_path if has_adapter(policy) else start.model_path,
-            synced_gpus=ctx.ranks.active and is_sharded(policy),
-            max_model_len=engine_context(spec),
-            on_restart=lambda message: start.reporter.event("warning", message),
-            threads=engine_threads,
-        )
+        # an adapter run's engine loads the frozen base and takes the adapter as a LoRA at each sync
+        engine_path = start.start_path if has_adapter(policy) else start.model_path
+        engine: RolloutEngine
+        if ctx.ranks.active and hp.engine == "vllm_server":  # one engine process that every rank feeds
+            engine = start_rank_shared_engine(
+                engine_path,
+                policy,
+                ctx.ranks,
+                max_model_len=engine_context(spec),
+                on_restart=lambda message: start.reporter.event("warning", message),
+            )
+        else:
+            engine = make_engine(
+                hp.engine,
+                model=unwrap(policy),
+                tokenizer=tokenizer,
+                model_path=engine_path,
+                synced_gpus=ctx.ranks.active and is_sharded(policy),
+                max_model_len=engine_context(spec),
+                on_restart=lambda message: start.reporter.event("warning", message),
+                threads=engine_threads,
+            )
         ctx.cleanup.callback(engine.close)
         # an environment's step rewards, or the rewards an agent posts, are a component of the reward
         own = "environment" if spec.environment is not None else "agent" if spec.agent is not None else None

@@ -277,9 +277,35 @@ class ServedEngine:
             save_file(tensors, str(self.weights_dir / "model.safetensors"))
         else:
             save_model(model, str(self.weights_dir / "model.safetensors"))
+        self._reload()
+
+    def sync_state(self, state: dict[str, Any]) -> None:
+        """``sync_weights`` from a whole model's state dict (plain parameter names: e.g. gathered from the
+        ranks' shards) rather than from a model.
+
+        Raises:
+            EngineError: the engine refused the reload.
+        """
+        from safetensors.torch import save_file
+
+        save_file(
+            {name: t.contiguous() for name, t in state.items()}, str(self.weights_dir / "model.safetensors")
+        )
+        self._reload()
+
+    def _reload(self) -> None:
+        """The engine reloads the weights written to ``weights_dir``, and drops its prefix cache."""
         reload = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
         self._call("/collective_rpc", reload)
         self._post("/reset_prefix_cache", {})
+
+    def follow(self, base_url: str, model_name: str) -> None:
+        """Generate from the engine at ``base_url`` under ``model_name`` (the base, or an adapter another
+        process synced): a rank that shares the engine another rank started and syncs."""
+        if base_url.rstrip("/") != self.base_url:
+            self.base_url = base_url.rstrip("/")
+            self._new_client()
+        self.model_name = model_name
 
     def sync_adapter(self, model: Any) -> None:
         """Load ``model``'s adapter into the engine under a new name (the previous one unloaded, its folder

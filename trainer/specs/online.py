@@ -169,7 +169,8 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
     engine: EngineName = Field(
         default="hf",
         description="Rollout engine: hf (transformers generate), vllm (in-process, GPU extra) or vllm_server "
-        "(vLLM's server as a separate process from the engine environment, `make engine`; any machine).",
+        "(vLLM's server as a separate process from the engine environment, `make engine`; any machine; "
+        "a run's ranks share one).",
     )
     importance_sampling_cap: float | None = Field(
         default=None,
@@ -521,10 +522,23 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
                 f"a quantized adapter base (adapter.quantize) with engine '{hp.engine}' is not supported "
                 "(the engine would load the base unquantized): use engine 'hf'"
             )
-        if self.resources.devices > 1 and hp.engine != "hf":
+        if self.resources.devices > 1 and hp.engine == "vllm":
             raise ValueError(
-                f"engine '{hp.engine}' on several devices is not supported yet (the ranks would share one "
-                "engine with row-keyed seeds): use engine 'hf' with resources.devices > 1"
+                "engine 'vllm' on several devices is not supported yet (each rank would load its own "
+                "in-process engine): use engine 'vllm_server' (one engine process the ranks share) or 'hf'"
+            )
+        if self.resources.devices > 1 and hp.engine == "vllm_server" and hp.async_rollouts:
+            raise ValueError(
+                "engine 'vllm_server' on several devices with hyperparameters.async_rollouts is not "
+                "supported yet (the ranks' background rollouts would meet in collectives out of step with "
+                "their updates): set async_rollouts 0"
+            )
+        shards = self.resources.devices > 1 and self.resources.sharding == "fsdp"
+        if shards and hp.engine == "vllm_server" and self.adapter is not None:
+            raise ValueError(
+                "an adapter on sharded ranks (resources.sharding 'fsdp') with engine 'vllm_server' is not "
+                "supported yet (the gathered state has the adapter's names, which the engine cannot load): "
+                "use sharding 'ddp' or engine 'hf'"
             )
         return self
 

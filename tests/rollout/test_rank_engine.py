@@ -1,0 +1,140 @@
+"""Two ranks share one engine process (trainer/rollout/rank_engine.py): a GRPO run with ``engine:
+vllm_server`` on 2 gloo ranks, over DDP and over FSDP2, starts exactly one vLLM server, which generates every
+rank's share and follows every update (the engine's log-probs of the sampled tokens equal the trainer's at
+every step, after the weights moved), greedy held-out decoding through it equals the one-process
+transformers run's, and the engine is stopped when the run ends. A failed start reaches every rank."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.loop_context import loop_ctx
+from tests.loops.rank_helpers import memory_reporter, metrics_and_result, rank_context
+from tests.rollout.test_served_engine import LOGPROB_TOLERANCE, ROWS, engine_python_or_skip, engine_servers
+from trainer.loops import LOOPS
+from trainer.rank_launch import RankFailed, RankJob, launch
+from trainer.reporting import MemoryReporter, RunData
+from trainer.specs import parse_spec
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo ranks"),
+]
+
+STEPS = 3
+
+
+def spec(engine: str, sharding: str = "ddp") -> dict[str, Any]:
+    return {
+        "algorithm": "grpo",
+        "model": "tiny:llama-0.4m",
+        "dataset_id": str(uuid.uuid4()),
+        "rewards": [{"name": "length_penalty", "params": {"target_tokens": 3}}],
+        "resources": {"devices": 2 if engine == "vllm_server" else 1, "sharding": sharding},
+        "hyperparameters": {
+            "engine": engine,
+            "max_steps": STEPS,
+            "prompts_per_step": 4,
+            "samples_per_prompt": 4,
+            "max_new_tokens": 6,
+            "max_prompt_length": 16,
+            "temperature": 0.8,
+            "learning_rate": 1e-2,
+            "entropy_coef": 0.05,  # the weights move every step, also when a step's groups all scored alike
+            "eval_every": STEPS,
+            "dynamic_sampling": False,
+        },
+    }
+
+
+class EngineCount:
+    """The most vLLM servers of this test's own running at once, sampled every 0.2 s."""
+
+    def __init__(self) -> None:
+        self.before, self.most = engine_servers(), 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            self.most = max(self.most, len(engine_servers() - self.before))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.most
+
+
+def two_ranks(run: dict[str, Any], tiny_cache: Path, out: Path) -> dict[str, Any]:
+    job = RankJob(
+        spec=run,
+        data=RunData(train=ROWS, validation=ROWS),
+        context=functools.partial(rank_context, str(tiny_cache), str(out)),
+        reporter=memory_reporter,
+        collect=metrics_and_result,
+        sharding=run["resources"]["sharding"],
+    )
+    result: dict[str, Any] = launch(job, 2)
+    return result
+
+
+def test_two_ranks_share_one_engine_that_follows_every_update(tiny_cache: Path, tmp_path: Path) -> None:
+    engine_python_or_skip()
+    reporter = MemoryReporter()
+    one = LOOPS["grpo"](
+        parse_spec(spec("hf")),
+        RunData(train=ROWS, validation=ROWS),
+        reporter,
+        loop_ctx(tiny_cache, tmp_path / "hf"),
+    )
+    assert one.status == "succeeded", reporter.events
+    hf = {(step, key): value for step, key, value in reporter.metrics}
+    eval_keys = [k for (step, k) in hf if step == 0 and k.startswith("eval/")]
+    assert "eval/response_length" in eval_keys
+    for sharding in ("ddp", "fsdp"):
+        count = EngineCount()
+        try:
+            result = two_ranks(spec("vllm_server", sharding), tiny_cache, tmp_path / sharding)
+        finally:
+            most = count.stop()
+        assert result["status"] == "succeeded", result
+        assert most == 1, f"{sharding}: {most} engine processes at once"  # one for both ranks
+        assert not engine_servers() - count.before  # stopped when the run ended
+        got = {(step, key): value for step, key, value in result["metrics"]}
+        # greedy held-out decoding of the starting weights, each rank's share through the shared engine
+        assert {k: got[(0, k)] for k in eval_keys} == {k: hf[(0, k)] for k in eval_keys}, sharding
+        # every step's samples (both ranks' shares) scored by the engine as the trainer scores them: the
+        # engine held the weights of that step, after the updates before it moved them
+        for step in range(1, STEPS + 1):
+            assert got[(step, "mismatch/logp_abs_diff")] < LOGPROB_TOLERANCE, (sharding, step)
+            assert 1 - LOGPROB_TOLERANCE < got[(step, "mismatch/ratio_min")], (sharding, step)
+            assert got[(step, "mismatch/ratio_max")] < 1 + LOGPROB_TOLERANCE, (sharding, step)
+        assert got[(STEPS, "policy/entropy")] != pytest.approx(got[(1, "policy/entropy")], abs=1e-6)
+
+
+def test_an_engine_that_cannot_start_fails_every_rank_with_its_reason(
+    tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine_python_or_skip()
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'engine: cannot import vllm (a broken environment)' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("RLRUN_ENGINE_PYTHON", str(broken))
+    with pytest.raises(RankFailed) as failed:
+        two_ranks(spec("vllm_server"), tiny_cache, tmp_path / "out")
+    message = str(failed.value)  # each rank's first line
+    assert (
+        "rank 0 of 2 failed: EngineStartError: the engine exited with code 3 before it was ready" in message
+    )
+    assert (
+        "rank 1 of 2 failed: EngineError: rank 0 could not start the shared engine: EngineStartError: "
+        "the engine exited with code 3 before it was ready"
+    ) in message, message
