@@ -8,6 +8,7 @@ import copy
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -501,6 +502,78 @@ def test_a_start_that_times_out_stops_the_engine(tmp_path: Path, started_pids: l
     with pytest.raises(EngineStartError, match="did not answer /health within 1 s"):
         process.start()
     assert started_pids and all(gone(pid) for pid in started_pids)
+
+
+def answers_health(tmp_path: Path) -> Path:
+    """A stand-in for the engine's python: this project's python with the engine's environment (its
+    start-up file among it), answering /health on the port it is given (the engine's ``--port``) and
+    starting a child of its own, as vLLM's server starts its engine core."""
+    script = tmp_path / "python"
+    server = (
+        "import http.server, subprocess, sys\n"
+        "port = int(sys.argv[sys.argv.index('--port') + 1])\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "class Health(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200); self.end_headers()\n"
+        "http.server.HTTPServer(('127.0.0.1', port), Health).serve_forever()\n"
+    )
+    script.write_text(f'#!/bin/sh\nexec {sys.executable} -c "{server}" "$@"\n')
+    script.chmod(0o755)
+    return script
+
+
+def test_an_engine_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """A worker or rank killed with -9 leaves no engine behind: each engine process watches its starter
+    (trainer/rollout/engine_site/sitecustomize.py) and ends its process group, child included."""
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from trainer.rollout.engine_process import EngineOptions, EngineProcess\n"
+            "p = EngineProcess(EngineOptions(model_dir=Path(sys.argv[1])), python=Path(sys.argv[2]))\n"
+            "p.start()\n"
+            "print(p.proc.pid, flush=True)\n"
+            "time.sleep(600)\n",
+            str(tmp_path),
+            str(answers_health(tmp_path)),
+        ],
+        stdout=subprocess.PIPE,
+        cwd=Path(__file__).parents[2],
+    )
+    started = 0
+    try:
+        assert owner.stdout is not None
+        server = started = int(owner.stdout.readline())  # answering /health: its child is started
+        group = started_in_group(server)
+        assert len(group) == 2, group  # the server and its child
+        owner.kill()
+        owner.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while started_in_group(server):
+            assert time.monotonic() < deadline, "the engine outlived its starter by 10 s"
+            time.sleep(0.1)
+    finally:
+        owner.kill()
+        owner.wait(timeout=10)
+        if started and started_in_group(started):  # this test's failure must not leave it running
+            os.killpg(started, signal.SIGKILL)
+
+
+def started_in_group(group: int) -> list[int]:
+    """Running (not zombie) processes of process group ``group``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[3]) == group:
+                found.append(int(entry.name))
+    return found
 
 
 def test_a_killed_engine_restarts_with_the_full_weights_last_synced(

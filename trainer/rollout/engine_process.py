@@ -185,6 +185,7 @@ class EngineOptions:
             "DO_NOT_TRACK": "1",
             "HF_HUB_OFFLINE": "1",  # no hub downloads: the model is a local folder
             "TOKENIZERS_PARALLELISM": "false",
+            "RLRUN_ENGINE_OWNER_PID": str(os.getpid()),  # the engine ends with this process (engine_site)
         }
         if self.max_lora_rank is not None:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"

@@ -11,6 +11,12 @@ all each step waited on a socket: 26x slower generation). ``RLRUN_ENGINE_BUSY_LO
 
 The patch is applied when vLLM imports the module (an import hook), so processes that never import vLLM
 pay nothing.
+
+Every engine process also ends with the process that started the engine (``RLRUN_ENGINE_OWNER_PID``, set
+by ``EngineOptions.environment``): a daemon thread waits on a pidfd of the owner (or polls it each second
+where there are none) and then kills the engine's process group (the server and the engine core it spawned
+share one). A worker or rank killed with -9, or a rank ended by the launcher, would otherwise leave its
+engine holding memory, cores and a port.
 """
 
 from __future__ import annotations
@@ -18,7 +24,11 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import os
+import select
+import signal
 import sys
+import threading
+import time
 from typing import Any
 
 TARGET = "vllm.distributed.device_communicators.shm_broadcast"
@@ -58,3 +68,26 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 if BUSY_LOOP_S < 1:
     sys.meta_path.insert(0, _PatchOnImport())
+
+
+def end_with_owner(owner: int) -> None:
+    """Kill this process's group (the engine) once process ``owner`` has exited."""
+    try:
+        fd = os.pidfd_open(owner)
+    except (AttributeError, OSError):  # no pidfds (or the owner is already gone: the poll sees it)
+        while True:
+            try:
+                os.kill(owner, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass
+            time.sleep(1)
+    else:
+        select.select([fd], [], [])
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+if os.environ.get("RLRUN_ENGINE_OWNER_PID", "").isdigit():
+    _owner = int(os.environ["RLRUN_ENGINE_OWNER_PID"])
+    threading.Thread(target=end_with_owner, args=(_owner,), name="rlrun-end-with-owner", daemon=True).start()
