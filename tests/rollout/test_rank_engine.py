@@ -7,6 +7,7 @@ transformers run's, and the engine is stopped when the run ends. A failed start 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import uuid
 from pathlib import Path
@@ -54,18 +55,32 @@ def spec(engine: str, sharding: str = "ddp") -> dict[str, Any]:
     }
 
 
+def descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
 class EngineCount:
-    """The most vLLM servers of this test's own running at once, sampled every 0.2 s."""
+    """This test's own vLLM servers (started below this process: another xdist worker may run its own),
+    sampled every 0.2 s: the most at once, and every one seen."""
 
     def __init__(self) -> None:
-        self.before, self.most = engine_servers(), 0
+        self.most, self.seen = 0, set[int]()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
         self._thread.start()
 
     def _watch(self) -> None:
+        me = os.getpid()
         while not self._stop.wait(0.2):
-            self.most = max(self.most, len(engine_servers() - self.before))
+            own = {pid for pid in engine_servers() if descends_from(pid, me)}
+            self.most, self.seen = max(self.most, len(own)), self.seen | own
 
     def stop(self) -> int:
         self._stop.set()
@@ -107,7 +122,7 @@ def test_two_ranks_share_one_engine_that_follows_every_update(tiny_cache: Path, 
             most = count.stop()
         assert result["status"] == "succeeded", result
         assert most == 1, f"{sharding}: {most} engine processes at once"  # one for both ranks
-        assert not engine_servers() - count.before  # stopped when the run ended
+        assert count.seen and not count.seen & engine_servers()  # stopped when the run ended
         got = {(step, key): value for step, key, value in result["metrics"]}
         # greedy held-out decoding of the starting weights, each rank's share through the shared engine
         assert {k: got[(0, k)] for k in eval_keys} == {k: hf[(0, k)] for k in eval_keys}, sharding

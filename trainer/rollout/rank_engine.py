@@ -93,8 +93,9 @@ def start_rank_shared_engine(
     policy's current weights (it may already differ from its folder: a resumed run).
 
     Raises:
-        EngineStartError: rank 0's engine would not start (its reason, on every rank).
-        EngineUnavailable, ValueError, NotImplementedError: as ``start_served_engine``, on every rank.
+        EngineStartError, EngineUnavailable, ValueError, NotImplementedError: on rank 0, as
+            ``start_served_engine`` raises them.
+        EngineError: on the other ranks, when rank 0's start failed (its reason and the engine's last lines).
     """
     local: ServedEngine | None = None
     failure: Exception | None = None
