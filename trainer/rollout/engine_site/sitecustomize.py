@@ -71,7 +71,13 @@ if BUSY_LOOP_S < 1:
 
 
 def end_with_owner(owner: int) -> None:
-    """Kill this process's group (the engine) once process ``owner`` has exited."""
+    """Kill this process's group (the engine: ``EngineProcess`` starts it in a session of its own) once
+    process ``owner`` has exited; only this process where the group is the owner's too (a process started
+    with the engine's environment but not as an engine must not take its starter's group down)."""
+    try:
+        shared_group = os.getpgid(owner) == os.getpgid(0)
+    except ProcessLookupError:
+        shared_group = False
     try:
         fd = os.pidfd_open(owner)
     except (AttributeError, OSError):  # no pidfds (or the owner is already gone: the poll sees it)
@@ -85,7 +91,10 @@ def end_with_owner(owner: int) -> None:
             time.sleep(1)
     else:
         select.select([fd], [], [])
-    os.killpg(os.getpgid(0), signal.SIGKILL)
+    if shared_group:
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 if os.environ.get("RLRUN_ENGINE_OWNER_PID", "").isdigit():
