@@ -119,7 +119,7 @@ def start_rank_shared_engine(
         local = ServedEngine(str(told), max_model_len=max_model_len)
     engine = RankSharedEngine(local, ranks, sharded=is_sharded(model))
     try:
-        engine.sync_weights(model if is_sharded(model) else unwrap(model))
+        engine.sync_weights(unwrap(model))  # FSDP2 shards in place: unwrap leaves it as it is
     except BaseException:
         engine.close()
         raise
