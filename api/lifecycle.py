@@ -179,6 +179,7 @@ def claim(session: Session, run_id: uuid.UUID, worker_id: str, *, lease_seconds:
         "started_at": now,
         "step": 0,
         "agent_gateway": None,  # a lost worker's gateway is gone: agents wait for this worker's
+        "rendezvous": None,  # a multi-host run gathers its hosts anew at each claim
         **NO_PHASE,
     }
     expired = or_(Run.status == "queued", Run.lease_expires_at < now)
@@ -231,6 +232,20 @@ def release_paused(session: Session, run_id: uuid.UUID, worker_id: str) -> bool:
         return False
     step = session.scalar(select(Run.step).where(Run.id == run_id))
     add_event(session, run_id, "status", "paused", {"step": step})
+    return True
+
+
+def release_ungathered(session: Session, run_id: uuid.UUID, worker_id: str, reason: str) -> bool:
+    """A multi-host run's hosts did not all come within the rendezvous' timeout (none of them trained):
+    back to ``queued``, held by no worker, to be gathered again; no worker was lost, so ``lost_workers``
+    stays. False if ``worker_id`` no longer holds it."""
+    values = {"worker_id": None, "lease_expires_at": None, "rendezvous": None, "enqueued_at": None}
+    values.update(NO_PHASE)
+    if not _move(
+        session, run_id, sources=("running",), to="queued", guard=[Run.worker_id == worker_id], values=values
+    ):
+        return False
+    add_event(session, run_id, "status", "queued", {"reason": reason})
     return True
 
 

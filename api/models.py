@@ -228,6 +228,12 @@ class Run(Base):
         doc="Where a running agent run's or training session's gateway listens ({url, token}); the API "
         "proxies agents' and the tinker SDK's calls to it.",
     )
+    rendezvous: Mapped[dict[str, Any] | None] = mapped_column(
+        JsonType,
+        nullable=True,
+        doc="Where a multi-host run's hosts meet ({endpoint, token, hosts}): written by its lease holder "
+        "while it gathers them, read by the workers that join it.",
+    )
 
 
 class Pipeline(Base):

@@ -21,6 +21,8 @@ from celery import Celery
 from api.settings import Settings
 
 TASK_NAME = "rlrun.train_run"
+# A worker's part in another worker's multi-host run (trainer/worker_hosts.py): sent by that run's leader.
+JOIN_TASK_NAME = "rlrun.join_run"
 log = logging.getLogger("rlrun.queue")
 
 
@@ -117,6 +119,14 @@ class CeleryEnqueue:
             self._health.fault()
             raise
         log.info("run %s enqueued", run_id)
+
+    def join(self, run_id: uuid.UUID, token: str, count: int, queue: str | None = None) -> None:
+        """Ask ``count`` workers of ``queue`` to join the gathering ``token`` of multi-host run ``run_id``."""
+        for _ in range(count):
+            self._celery().send_task(
+                JOIN_TASK_NAME, args=[str(run_id), token], queue=queue or self._settings.queue
+            )
+        log.info("run %s: %d join task(s) sent", run_id, count)
 
     def ping(self) -> None:
         """Connect to the broker once, without retries (raises if it is down); note a restarted Redis."""

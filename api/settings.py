@@ -66,6 +66,18 @@ class Settings(BaseSettings):
         "`resources.devices` asks for more is refused at submit (422). Unset: each worker checks when it "
         "starts the run and fails it, saying how many it sees.",
     )
+    host_address: str | None = Field(
+        default=None,
+        description="The address the other hosts of a multi-host run (`resources.nodes > 1`) reach this "
+        "worker at, for the run's rendezvous and its ranks' process group (unset: this host's fully "
+        "qualified name).",
+    )
+    rendezvous_timeout_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="How long the hosts of a multi-host run wait for each other (torch's rendezvous join "
+        "timeout). After it none of them trains and the run goes back to the queue, saying how many came.",
+    )
     engine_python: str | None = Field(
         default=None,
         description="Python of the generation engine's environment, for runs with `engine: vllm_server` "

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.distributed import Ranks, Sharding, current, from_main
+from trainer.hosts import HostPlace
 from trainer.phases import NoPhase, Phase
 from trainer.ports import free_port
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
@@ -200,16 +201,28 @@ def _run_rank(job: RankJob) -> Any:
         dist.destroy_process_group()
 
 
-def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
-    threads = max(1, (os.cpu_count() or 1) // world)  # ranks share the machine's cores
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
+def rank_env(local_rank: int, devices: int, port: int, place: HostPlace | None = None) -> dict[str, str]:
+    """The torch.distributed variables of local rank ``local_rank`` of ``devices`` on this host: on one host
+    rank 0 serves the process group's store on loopback at ``port``; among several (``place``) every rank
+    is a client of the store the rendezvous serves (as under ``torchrun``)."""
+    threads = max(1, (os.cpu_count() or 1) // devices)  # a host's ranks share its cores
+    env = {
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(devices),
         "OMP_NUM_THREADS": str(threads),
+    }
+    if place is None:
+        return {**env, "RANK": str(local_rank), "WORLD_SIZE": str(devices), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port)}  # fmt: skip
+    return {
+        **env,
+        "RANK": str(place.global_rank(local_rank, devices)),
+        "WORLD_SIZE": str(place.hosts * devices),
+        "GROUP_RANK": str(place.position),
+        "MASTER_ADDR": place.store_addr,
+        "MASTER_PORT": str(place.store_port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
     }
 
 
@@ -222,13 +235,16 @@ def rank_start_method() -> str:
     return "forkserver"
 
 
-def launch(job: RankJob, world: int, *, poll: Callable[[], bool] | None = None) -> Any:
-    """Run ``job`` on ``world`` ranks; rank 0's ``collect`` value. Raises ``RankFailed`` or
-    ``RanksStopped`` (every rank ended either way)."""
+def launch(
+    job: RankJob, world: int, *, poll: Callable[[], bool] | None = None, place: HostPlace | None = None
+) -> Any:
+    """Run ``job`` on ``world`` ranks of this host (at ``place`` among a run's hosts, trainer/hosts.py);
+    rank 0's ``collect`` value (None on a host without global rank 0). Raises ``RankFailed`` or
+    ``RanksStopped`` (every rank of this host ended either way)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     port = free_port()
-    envs = {r: rank_env(r, world, port) for r in range(world)}
+    envs = {r: rank_env(r, world, port, place) for r in range(world)}
     starts = {r: RankStart(os.getpid(), {**os.environ, **envs[r]}, os.getcwd()) for r in range(world)}
     with tempfile.TemporaryDirectory(prefix="rlrun-ranks-") as logs, _own_signal_handlers():
         context = start_processes(
@@ -246,11 +262,20 @@ def launch(job: RankJob, world: int, *, poll: Callable[[], bool] | None = None) 
         finally:
             context.close()
         if done.failures:
-            raise RankFailed(_failures(done.failures, context.error_files, world))
+            raise RankFailed(_failures(done.failures, context.error_files, _rank_label(world, place)))
         return done.return_values.get(0)
 
 
-def _failures(first: Mapping[int, Any], error_files: Mapping[int, str], world: int) -> str:
+def _rank_label(devices: int, place: HostPlace | None) -> Callable[[int], str]:
+    """How a failure names local rank ``r``: its global rank and the run's rank count (and the host's
+    position among several)."""
+    if place is None:
+        return lambda r: f"rank {r} of {devices}"
+    total = devices * place.hosts
+    return lambda r: f"rank {place.global_rank(r, devices)} of {total} (host {place.position})"
+
+
+def _failures(first: Mapping[int, Any], error_files: Mapping[int, str], label: Callable[[int], str]) -> str:
     """Every failed rank, earliest first: the launcher reports the first failure it sees, but the rank
     that caused it may be another (its peers then fail in their next collective), so each rank's error
     file is read too."""
@@ -261,7 +286,7 @@ def _failures(first: Mapping[int, Any], error_files: Mapping[int, str], world: i
         if rank not in failures and os.path.isfile(path) and os.path.getsize(path) > 0:
             failures[rank] = ProcessFailure(local_rank=rank, pid=0, exitcode=1, error_file=path)
     order = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    return "; ".join(f"rank {r} of {world} failed: {_reason(f)}" for r, f in order)
+    return "; ".join(f"{label(r)} failed: {_reason(f)}" for r, f in order)
 
 
 def _reason(failure: Any) -> str:

@@ -32,7 +32,7 @@ from api import lifecycle
 from api.db import make_engine, make_session_factory
 from api.metric_store import write_points
 from api.models import Checkpoint, Run, RunSample, utcnow
-from api.queue import TASK_NAME, CeleryEnqueue, make_celery
+from api.queue import JOIN_TASK_NAME, TASK_NAME, CeleryEnqueue, make_celery
 from api.services.datasets import load_rows
 from api.services.pipelines import advance
 from api.settings import Settings, get_settings
@@ -557,9 +557,10 @@ def _execute_claimed(
 ) -> str | None:
     # torch and transformers load with the first run, not when the worker starts: an idle worker is up in
     # about a second instead of five (a restart after a crash, or a `rlrun serve` with nothing to train)
-    from trainer.models import resolve_model
+    from trainer.hosts import HostsNotGathered
     from trainer.rank_launch import RankFailed
-    from trainer.worker_ranks import run_on_ranks
+    from trainer.worker_hosts import lead_on_hosts
+    from trainer.worker_ranks import STOP_GRACE_SECONDS, StopPoll, run_on_ranks
 
     try:
         with session_factory() as session:
@@ -573,35 +574,42 @@ def _execute_claimed(
         # null: the worker's default (RLRUN_METRIC_SINKS), where tracking servers and credentials are known
         chosen = settings.metric_sinks if spec.metric_sinks is None else spec.metric_sinks
         sinks = (identity, list(chosen)) if chosen else None
-        cache_dir = settings.resolved_cache_dir
-        ctx = LoopContext(
-            cache_dir=cache_dir,
-            checkpoint_dir=settings.resolved_artifacts_dir / "runs" / str(run_id) / "checkpoints",
-            resolve_model=lambda ref: resolve_model(
-                ref,
-                cache_dir=cache_dir,
-                run_output=lambda r: model_path_of_run_ref(session_factory, r),
-                roots=settings.resolved_model_roots,
-                allow_hub=settings.allow_hub,
-            ),
-            resume_from=latest_checkpoint(session_factory, run_id),
+        ctx = run_context(
+            settings,
+            session_factory,
+            settings.resolved_artifacts_dir / "runs" / str(run_id) / "checkpoints",
+            latest_checkpoint(session_factory, run_id),
         )
-        if spec.resources.devices > 1:  # several ranks, this process their lease holder
-            result = run_on_ranks(
+        ranks_reporter = functools.partial(
+            rank_zero_reporter,
+            settings.resolved_database_url,
+            str(run_id),
+            worker_id,
+            settings.lease_seconds,
+            sinks,
+        )
+        if spec.resources.nodes > 1:  # several hosts, this one their leader and the lease holder
+            result = lead_on_hosts(
                 spec,
                 data,
                 ctx,
-                reporter=functools.partial(
-                    rank_zero_reporter,
-                    settings.resolved_database_url,
-                    str(run_id),
-                    worker_id,
-                    settings.lease_seconds,
-                    sinks,
-                ),
+                reporter=ranks_reporter,
+                events=reporter,
                 session_factory=session_factory,
+                settings=settings,
                 run_id=run_id,
+                worker_id=worker_id,
             )
+        elif spec.resources.devices > 1:  # several ranks, this process their lease holder
+            on_ranks = run_on_ranks(
+                spec,
+                data,
+                ctx,
+                reporter=ranks_reporter,
+                poll=StopPoll(session_factory, run_id, STOP_GRACE_SECONDS),
+            )
+            assert on_ranks is not None  # this host has rank 0
+            result = on_ranks
         else:
             if sinks is not None:
                 reporter.attach_sinks(*sinks)
@@ -618,6 +626,9 @@ def _execute_claimed(
     except RankFailed as exc:  # the lost-worker path, at once: requeued to resume, or failed at last
         log.warning("run %s: %s", run_id, exc)
         return requeue_lost_rank(session_factory, settings, run_id, worker_id, str(exc))
+    except HostsNotGathered as exc:  # nobody trained: gathered again from the queue
+        log.warning("run %s: %s", run_id, exc)
+        return requeue_ungathered(session_factory, settings, run_id, worker_id, str(exc))
     except Exception as exc:
         log.exception("run %s failed", run_id)
         try:
@@ -640,6 +651,114 @@ def _execute_claimed(
     return status
 
 
+def run_context(
+    settings: Settings, session_factory: SessionFactory, checkpoint_dir: Path, resume_from: Path | None
+) -> LoopContext:
+    """A run's loop context on this worker: its models resolved with this worker's cache, model roots and
+    the database's run outputs; checkpoints under ``checkpoint_dir``, resumed from ``resume_from``."""
+    from trainer.models import resolve_model
+
+    cache_dir = settings.resolved_cache_dir
+    return LoopContext(
+        cache_dir=cache_dir,
+        checkpoint_dir=checkpoint_dir,
+        resolve_model=lambda ref: resolve_model(
+            ref,
+            cache_dir=cache_dir,
+            run_output=lambda r: model_path_of_run_ref(session_factory, r),
+            roots=settings.resolved_model_roots,
+            allow_hub=settings.allow_hub,
+        ),
+        resume_from=resume_from,
+    )
+
+
+def _send_again(session_factory: SessionFactory, settings: Settings, run_id: uuid.UUID, why: str) -> None:
+    """Send a run this worker has just put back in the queue to the broker at once (the reconciler sends
+    it otherwise)."""
+    try:
+        with session_factory.begin() as session:
+            run = session.get_one(Run, run_id)
+            run.enqueued_at = utcnow()
+        with session_factory() as session:
+            lifecycle.send_committed(
+                session=session, enqueue=CeleryEnqueue(settings), runs=[session.get_one(Run, run_id)]
+            )
+    except Exception:  # noqa: BLE001 - queued in the DB: the reconciler sends it
+        log.warning("run %s: could not send it again after %s", run_id, why, exc_info=True)
+
+
+def requeue_ungathered(
+    session_factory: SessionFactory, settings: Settings, run_id: uuid.UUID, worker_id: str, reason: str
+) -> str | None:
+    """A multi-host run's hosts did not all come: back in the queue (``lifecycle.release_ungathered``),
+    sent to the broker at once, to be gathered again by whichever worker takes it."""
+
+    def write() -> bool:
+        with session_factory.begin() as session:
+            return lifecycle.release_ungathered(session, run_id, worker_id, reason)
+
+    if not retry_busy(f"run {run_id}: ungathered", write, seconds=FINISH_RETRY_SECONDS):
+        return None
+    _send_again(session_factory, settings, run_id, "its hosts did not gather")
+    return "queued"
+
+
+def join_run(
+    run_id: uuid.UUID,
+    token: str,
+    *,
+    session_factory: SessionFactory,
+    settings: Settings,
+    worker_id: str | None = None,
+) -> str:
+    """This worker's part in another worker's multi-host run (trainer/worker_hosts.py): join the
+    gathering ``token`` and train this host's ranks until the run ends. What became of it: ``stale`` (the
+    run is no longer gathering as ``token``), ``done``, ``not_gathered``, ``left`` (the run left this
+    gathering: its leader was lost) or ``failed`` (a rank failed; the leader requeues the run)."""
+    from trainer.hosts import HostsNotGathered
+    from trainer.rank_launch import RankFailed
+    from trainer.worker_hosts import current_rendezvous, join_hosts
+
+    worker_id = worker_id or default_worker_id()
+    gathering = current_rendezvous(session_factory, run_id)
+    if gathering is None or gathering.get("token") != token:
+        log.info("run %s: gathering %s is over; nothing to join", run_id, token)
+        return "stale"
+    with session_factory() as session:
+        run = session.get_one(Run, run_id)
+        spec = parse_spec(run.spec)
+        data = load_run_data(session, spec)
+    try:
+        join_hosts(
+            spec,
+            data,
+            functools.partial(run_context, settings, session_factory),
+            reporter=functools.partial(
+                rank_zero_reporter,
+                settings.resolved_database_url,
+                str(run_id),
+                worker_id,
+                settings.lease_seconds,
+            ),
+            session_factory=session_factory,
+            settings=settings,
+            run_id=run_id,
+            gathering=gathering,
+            worker_id=worker_id,
+        )
+    except HostsNotGathered as exc:
+        log.warning("run %s: %s", run_id, exc)
+        return "not_gathered"
+    except RunStopped:
+        log.warning("run %s: the run left gathering %s; this host's ranks were ended", run_id, token)
+        return "left"
+    except RankFailed as exc:
+        log.warning("run %s: this host's ranks failed: %s", run_id, exc)
+        return "failed"
+    return "done"
+
+
 def requeue_lost_rank(
     session_factory: SessionFactory, settings: Settings, run_id: uuid.UUID, worker_id: str, reason: str
 ) -> str | None:
@@ -655,16 +774,7 @@ def requeue_lost_rank(
 
     status = retry_busy(f"run {run_id}: lost rank", write, seconds=FINISH_RETRY_SECONDS)
     if status == "queued":
-        try:
-            with session_factory.begin() as session:
-                run = session.get_one(Run, run_id)
-                run.enqueued_at = utcnow()
-            with session_factory() as session:
-                lifecycle.send_committed(
-                    session=session, enqueue=CeleryEnqueue(settings), runs=[session.get_one(Run, run_id)]
-                )
-        except Exception:  # noqa: BLE001 - queued in the DB: the reconciler sends it
-            log.warning("run %s: could not send it again after a lost rank", run_id, exc_info=True)
+        _send_again(session_factory, settings, run_id, "a lost rank")
     elif status in ("failed", "cancelled"):
         advance_pipeline_of(run_id, session_factory, settings)
     return status
@@ -726,6 +836,15 @@ def make_worker_app(settings: Settings | None = None) -> Celery:
     def train_run(run_id: str) -> None:
         execute_run(
             uuid.UUID(run_id),
+            session_factory=_session_factory(settings.resolved_database_url),
+            settings=settings,
+        )
+
+    @app.task(name=JOIN_TASK_NAME, acks_late=True, ignore_result=True)  # type: ignore[untyped-decorator]
+    def join_multi_host_run(run_id: str, token: str) -> None:
+        join_run(
+            uuid.UUID(run_id),
+            token,
             session_factory=_session_factory(settings.resolved_database_url),
             settings=settings,
         )

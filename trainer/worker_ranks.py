@@ -29,6 +29,7 @@ from sqlalchemy import select
 
 from api.models import Run
 from trainer.distributed import Ranks
+from trainer.hosts import HostPlace
 from trainer.phases import RunStopped
 from trainer.rank_launch import RankJob, RanksStopped, launch
 from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
@@ -116,13 +117,15 @@ def run_on_ranks(
     ctx: LoopContext,
     *,
     reporter: Callable[[], Reporter],
-    session_factory: Any,
-    run_id: uuid.UUID,
-) -> LoopResult:
-    """Train ``spec`` on ``spec.resources.devices`` ranks; the loop's result as rank 0 saw it. Rank 0 builds
+    poll: Callable[[], bool],
+    place: HostPlace | None = None,
+) -> LoopResult | None:
+    """Train ``spec`` on ``spec.resources.devices`` ranks of this host (at ``place`` among the run's hosts,
+    trainer/hosts.py); the loop's result as rank 0 saw it (None on a host without rank 0). Rank 0 builds
     its reporter with ``reporter`` (picklable: it travels to the rank's process; the worker's database
-    reporter, ``trainer.worker.rank_zero_reporter``). A stop the ranks did not honour in time raises
-    ``RunStopped``; a lost rank raises ``RankFailed``."""
+    reporter, ``trainer.worker.rank_zero_reporter``). ``poll`` returning True ends the ranks (``StopPoll``:
+    a stop the ranks did not honour in time), which raises ``RunStopped``; a lost rank raises
+    ``RankFailed``."""
     devices = spec.resources.devices
     check_devices(devices)
     # Every model reference of the spec (``model_refs`` holds reference_model and reward models too).
@@ -142,9 +145,11 @@ def run_on_ranks(
         sharding=spec.resources.sharding,
     )
     try:
-        out = launch(job, devices, poll=StopPoll(session_factory, run_id, STOP_GRACE_SECONDS))
+        out = launch(job, devices, poll=poll, place=place)
     except RanksStopped as exc:
         raise RunStopped(str(exc)) from exc
+    if out is None:  # a host without rank 0
+        return None
     output = out["output"]
     return LoopResult(
         status=out["status"], output_path=Path(output) if output else None, final_metrics=out["final_metrics"]

@@ -288,6 +288,17 @@ DEVICE_REFUSALS = [
         "grpo",
         "engine 'vllm_server' on several devices with hyperparameters.async_rollouts is not supported yet",
     ),
+    # across hosts the batch splits over nodes x devices ranks
+    (
+        {"nodes": 3},
+        {},
+        "dpo",
+        "resources.devices x resources.nodes (3) must divide hyperparameters.batch_size",
+    ),
+    ({"nodes": 2, "devices": 2}, {"batch_size": 6}, "dpo", "x resources.nodes (4) must divide"),
+    ({"nodes": 2}, {}, "ppo", "resources.devices x resources.nodes > 1 is supported for sft, dpo"),
+    ({"nodes": 2}, {"engine": "vllm_server"}, "grpo", "engine 'vllm_server' with resources.nodes > 1 is not"),
+    ({"nodes": 65}, {}, "dpo", "resources.nodes"),
 ]
 
 

@@ -180,12 +180,25 @@ class ResourcesSpec(_Frozen):
         "processes (gloo) on a CPU worker. Each takes an equal share of every batch: `batch_size` (online "
         "RL: `prompts_per_step`) must divide evenly. Supported for " + MULTI_RANK_RUNS + " so far.",
     )
+    nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Hosts (worker machines) this run trains on, each with `devices` ranks: the worker that "
+        "takes the run gathers `nodes - 1` more from its queue, all or none, through torch's c10d rendezvous "
+        "(docs/runs.md, runs across hosts). The batch splits over `nodes x devices` ranks.",
+    )
     sharding: Literal["ddp", "fsdp"] = Field(
         default="ddp",
         description="ddp: every rank holds the whole model, gradients all-reduced (DistributedDataParallel). "
         "fsdp: parameters, gradients and optimizer state sharded over the ranks, gathered block by block "
         "(FSDP2 fully_shard per transformer block, then the root): for models that do not fit one device.",
     )
+
+    @property
+    def ranks(self) -> int:
+        """Every rank of the run: ``devices`` on each of its ``nodes`` hosts."""
+        return self.devices * self.nodes
 
 
 class _SpecCore(_Frozen):
@@ -245,24 +258,26 @@ class _SpecCore(_Frozen):
 
     @model_validator(mode="after")
     def _ranks_split_the_batch(self) -> _SpecCore:
-        n = self.resources.devices
+        n = self.resources.ranks
         if n == 1:
             return self
+        # "resources.devices" alone on one host; the product across hosts
+        what = "resources.devices" if self.resources.nodes == 1 else "resources.devices x resources.nodes"
         split = self.rank_split()
         if split is None:
             raise ValueError(
-                f"resources.devices > 1 is supported for {MULTI_RANK_RUNS} runs so far, "
+                f"{what} > 1 is supported for {MULTI_RANK_RUNS} runs so far, "
                 f"not {getattr(self, 'algorithm', '')}"
             )
         name, size = split
         if size % n:
-            raise ValueError(f"resources.devices ({n}) must divide {name} ({size})")
+            raise ValueError(f"{what} ({n}) must divide {name} ({size})")
         hp: Any = getattr(self, "hyperparameters", None)
         online = hasattr(hp, "prompts_per_step")  # online RL splits each minibatch as it comes
         if not online and hp.micro_batch_size is not None and (size // n) % hp.micro_batch_size:
             raise ValueError(
                 f"hyperparameters.micro_batch_size ({hp.micro_batch_size}) must divide each device's share "
-                f"of the batch ({size // n} = batch_size / resources.devices)"
+                f"of the batch ({size // n} = batch_size / {what})"
             )
         adapter: AdapterSpec | None = getattr(self, "adapter", None)
         if adapter is not None and adapter.quantize is not None and self.resources.sharding == "fsdp":

@@ -476,10 +476,10 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
             raise ValueError(
                 "rewards: at least one reward component (only an environment or an agent gives its own)"
             )
-        if self.agent is not None and self.resources.devices > 1:
+        if self.agent is not None and self.resources.ranks > 1:
             raise ValueError(
-                "agent with resources.devices > 1 is not supported yet (one endpoint serves the policy; "
-                "the ranks would each need the episodes their share holds): use one device"
+                "agent with resources.devices > 1 (or nodes > 1) is not supported yet (one endpoint serves "
+                "the policy; the ranks would each need the episodes their share holds): use one device"
             )
         if self.agent is not None and getattr(hp, "advantage", None) == "remax":
             raise ValueError(
@@ -492,7 +492,7 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
                 "served by the thread that trains): set async_rollouts false"
             )
         episodes = self.tools or self.environment or self.agent
-        if episodes is not None and self.resources.devices > 1 and self.resources.sharding == "fsdp":
+        if episodes is not None and self.resources.ranks > 1 and self.resources.sharding == "fsdp":
             raise ValueError(
                 "tools or an environment with resources.sharding 'fsdp' is not supported yet (each rank's "
                 "episodes take a different number of turns, but a sharded model generates only when every "
@@ -522,18 +522,24 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
                 f"a quantized adapter base (adapter.quantize) with engine '{hp.engine}' is not supported "
                 "(the engine would load the base unquantized): use engine 'hf'"
             )
-        if self.resources.devices > 1 and hp.engine == "vllm":
+        if self.resources.ranks > 1 and hp.engine == "vllm":
             raise ValueError(
                 "engine 'vllm' on several devices is not supported yet (each rank would load its own "
                 "in-process engine): use engine 'vllm_server' (one engine process the ranks share) or 'hf'"
             )
-        if self.resources.devices > 1 and hp.engine == "vllm_server" and hp.async_rollouts:
+        if self.resources.ranks > 1 and hp.engine == "vllm_server" and hp.async_rollouts:
             raise ValueError(
                 "engine 'vllm_server' on several devices with hyperparameters.async_rollouts is not "
                 "supported yet (the ranks' background rollouts would meet in collectives out of step with "
                 "their updates): set async_rollouts 0"
             )
-        shards = self.resources.devices > 1 and self.resources.sharding == "fsdp"
+        if self.resources.nodes > 1 and hp.engine == "vllm_server":
+            raise ValueError(
+                "engine 'vllm_server' with resources.nodes > 1 is not supported yet (the ranks on other "
+                "hosts cannot reach the leader's engine, and one engine per host is not built): use engine "
+                "'hf'"
+            )
+        shards = self.resources.ranks > 1 and self.resources.sharding == "fsdp"
         if shards and hp.engine == "vllm_server" and self.adapter is not None:
             raise ValueError(
                 "an adapter on sharded ranks (resources.sharding 'fsdp') with engine 'vllm_server' is not "

@@ -1,0 +1,166 @@
+"""Runs across hosts with real processes: three `rlrun worker` processes stand for three hosts (each its
+own RLRUN_HOME, cache and forkserver; the artifacts folder shared, as multi-host runs require), with
+PostgreSQL, a private Redis and an API process that runs the reconciler (tests/integration/
+test_fault_drills.py's stack). A 2-host run is gathered through torch's c10d rendezvous on the leader's
+store, all or none: two such runs submitted together on the three hosts run one after the other, with
+one process's losses (DDP and FSDP2; GRPO too: tests/loops/test_hosts.py), and a host killed mid-run
+ends every rank of the run, which resumes from its checkpoint on the hosts left and ends with each step
+once."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.integration.flow import FINISHED, all_metrics, wait_for
+from tests.integration.test_fault_drills import Proc, Stack, loss_steps, open_stack, upload
+from tests.integration.test_multi_rank_runs import rank_pids
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server binary not installed"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU gloo ranks"),
+]
+
+LEASE_SECONDS = 6
+
+
+class Hosts:
+    """The stack and its worker processes, one per "host"."""
+
+    def __init__(self, stack: Stack):
+        self.stack, self.procs = stack, []
+
+    def start(self) -> Proc:
+        n = len(self.procs)
+        home = self.stack.home / f"host{n}"
+        home.mkdir()
+        env = {**self.stack.env, "RLRUN_HOME": str(home)}
+        proc = Proc(f"host{n}", [sys.executable, "-m", "rlrun.cli", "worker"], env, self.stack.home).start()
+        self.procs.append(proc)
+        self.stack.workers.append(proc)  # stopped with the stack
+        return proc
+
+    def home_of(self, worker_id: str) -> Path:
+        pid = int(worker_id.rsplit(":", 1)[1])
+        for proc in self.procs:
+            if proc.p is not None and proc.p.pid == pid:
+                return Path(proc.env["RLRUN_HOME"])
+        raise AssertionError(f"no host of this test is {worker_id}")
+
+    def proc_of(self, worker_id: str) -> Proc:
+        home = self.home_of(worker_id)
+        return next(p for p in self.procs if p.env["RLRUN_HOME"] == str(home))
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    home = tmp_path_factory.mktemp("multi-host")
+    env = {
+        "RLRUN_ARTIFACTS_DIR": str(home / "shared-artifacts"),  # storage every host mounts at one path
+        "RLRUN_HOST_ADDRESS": "127.0.0.1",
+        "RLRUN_RENDEZVOUS_TIMEOUT_SECONDS": "120",
+        "RLRUN_LEASE_SECONDS": str(LEASE_SECONDS),
+    }
+    with open_stack(home, **env) as stack:
+        h = Hosts(stack)
+        for _ in range(3):
+            h.start()
+        yield h
+
+
+def submit(hosts: Hosts, dataset_id: str, nodes: int = 2, **hp: Any) -> str:
+    spec = {
+        "algorithm": "dpo",
+        "model": "tiny:llama-0.4m",
+        "dataset_id": dataset_id,
+        "resources": {"nodes": nodes, "devices": 1, "sharding": hp.pop("sharding", "ddp")},
+        "hyperparameters": {"learning_rate": 1e-3, "batch_size": 8, **hp},
+    }
+    resp = hosts.stack.client.post("/v1/runs", json=spec)
+    assert resp.status_code == 201, resp.text
+    run_id: str = resp.json()["id"]
+    return run_id
+
+
+def events(hosts: Hosts, run_id: str) -> list[dict[str, Any]]:
+    data: list[dict[str, Any]] = hosts.stack.client.get(
+        f"/v1/runs/{run_id}/events", params={"limit": 1000}
+    ).json()["data"]
+    return data
+
+
+def gathered(hosts: Hosts, run_id: str) -> list[dict[str, Any]]:
+    return [e for e in events(hosts, run_id) if e["message"] == "2 hosts gathered"]
+
+
+def at(event: dict[str, Any]) -> datetime:
+    return datetime.fromisoformat(event["created_at"])
+
+
+def losses(hosts: Hosts, run_id: str) -> list[float]:
+    points = [m for m in all_metrics(hosts.stack.client, run_id) if m["key"] == "loss"]
+    return [m["value"] for m in sorted(points, key=lambda m: m["step"])]
+
+
+def test_two_2_host_runs_on_3_hosts_run_one_after_the_other_and_both_finish(hosts: Hosts) -> None:
+    """A DDP and an FSDP2 run on two hosts each, and the same run on one process beside them: the 2-host
+    runs never train at once (2 + 2 hosts > 3), both finish, and their losses are the one process's."""
+    dataset = upload(hosts.stack.client, 64)
+    runs = [submit(hosts, dataset, max_steps=12, sharding=sharding) for sharding in ("ddp", "fsdp")]
+    one = submit(hosts, dataset, nodes=1, max_steps=12)
+    done = [
+        wait_for(hosts.stack.client, r, lambda x: x["status"] in FINISHED, timeout=300) for r in [*runs, one]
+    ]
+    assert [d["status"] for d in done] == ["succeeded"] * 3, done
+    expected = losses(hosts, one)
+    assert len(expected) == 12
+    spans = []
+    for run_id in runs:
+        assert loss_steps(hosts.stack.client, run_id) == list(range(1, 13))
+        assert losses(hosts, run_id) == pytest.approx(expected, abs=1e-5)
+        placed = gathered(hosts, run_id)[-1]
+        assert len(set(placed["data"]["hosts"])) == 2  # two different workers
+        ended = [e for e in events(hosts, run_id) if e["kind"] == "status" and e["message"] == "succeeded"]
+        spans.append((at(placed), at(ended[0])))
+    # all or none: 2 + 2 hosts never trained at once on 3, so one run was gathered after the other ended
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert a1 <= b0, spans
+
+
+def test_killing_the_leading_host_mid_run_ends_every_rank_and_the_run_resumes_on_the_hosts_left(
+    hosts: Hosts,
+) -> None:
+    client = hosts.stack.client
+    run_id = submit(hosts, upload(client, 64), max_steps=40, checkpoint_every=4, sharding="fsdp")
+    deadline = time.monotonic() + 180
+    while max(loss_steps(client, run_id), default=0) < 6:  # a checkpoint (step 4) exists
+        assert time.monotonic() < deadline, "the run never reached step 6"
+        time.sleep(0.3)
+    leader, joiner = gathered(hosts, run_id)[-1]["data"]["hosts"]
+    joiner_home = hosts.home_of(joiner)
+    joiner_ranks = rank_pids(joiner_home)
+    assert len(joiner_ranks) == 1, joiner_ranks
+    hosts.proc_of(leader).kill9()  # the lease holder, with global rank 0
+    killed = time.monotonic()
+    while any(Path(f"/proc/{pid}").exists() for pid in joiner_ranks):  # no rank left waiting in a collective
+        assert time.monotonic() - killed < LEASE_SECONDS, "the other host's rank outlived the lease"
+        time.sleep(0.2)
+    done = wait_for(client, run_id, lambda r: r["status"] in FINISHED, timeout=300)
+    assert done["status"] == "succeeded", done
+    assert loss_steps(client, run_id) == list(range(1, 41))  # each step once (upserted on resume)
+    evs = events(hosts, run_id)
+    assert "resumed from checkpoint" in " ".join(e["message"] for e in evs)
+    second = gathered(hosts, run_id)[-1]["data"]["hosts"]
+    assert leader not in second and len(set(second)) == 2  # the two hosts left
+    checkpoints = client.get(f"/v1/runs/{run_id}/checkpoints").json()
+    assert max(c["step"] for c in checkpoints) == 40

@@ -1,0 +1,108 @@
+"""The leader's side of a multi-host run with no other host about (trainer/worker_hosts.py): hosts that do
+not all come within the rendezvous' timeout put the run back in the queue, saying how many came, with no
+worker counted lost; a cancel while gathering ends the run at once; a join task for a gathering that is
+over does nothing. Both database backends; the broker is the embedded SQL one (the join tasks and the
+re-sent run go to it). A run gathered and trained on real hosts: tests/integration/test_multi_host_runs.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.models import Event, Run
+from api.services.runs import cancel_run
+from api.settings import Settings
+from tests.factories import make_dataset, make_run
+from trainer.worker import execute_run, join_run
+
+
+def two_host_spec(dataset_id: uuid.UUID) -> dict[str, Any]:
+    return {
+        "algorithm": "dpo",
+        "model": "tiny:llama-0.4m",
+        "dataset_id": str(dataset_id),
+        "resources": {"nodes": 2},
+        "hyperparameters": {"max_steps": 4, "batch_size": 4, "learning_rate": 1e-3},
+    }
+
+
+def settings(tmp_path: Path, timeout: float) -> Settings:
+    return Settings(home=tmp_path, host_address="127.0.0.1", rendezvous_timeout_seconds=timeout)
+
+
+def new_run(factory: sessionmaker[Session]) -> uuid.UUID:
+    with factory.begin() as s:
+        ds = make_dataset(s)
+        return make_run(s, ds, spec=two_host_spec(ds.id)).id
+
+
+def events(factory: sessionmaker[Session], run_id: uuid.UUID) -> list[Event]:
+    with factory() as s:
+        return list(s.scalars(select(Event).where(Event.run_id == run_id).order_by(Event.id)))
+
+
+def test_hosts_that_do_not_come_put_the_run_back_in_the_queue_saying_how_many_came(
+    committing_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    run_id = new_run(committing_factory)
+    started = time.monotonic()
+    status = execute_run(run_id, session_factory=committing_factory, settings=settings(tmp_path, 2))
+    assert status == "queued"
+    assert time.monotonic() - started < 30
+    with committing_factory() as s:
+        run = s.get_one(Run, run_id)
+        assert (run.status, run.worker_id, run.rendezvous, run.lost_workers) == ("queued", None, None, 0)
+        assert run.enqueued_at is not None  # sent to the broker again at once
+    evs = events(committing_factory, run_id)
+    gathering = next(e for e in evs if e.message.startswith("gathering 2 hosts at 127.0.0.1:"))
+    assert gathering.data is not None and gathering.data["hosts"] == 2
+    queued = evs[-1]
+    assert (queued.kind, queued.message) == ("status", "queued")
+    assert queued.data == {"reason": "2 hosts did not gather within 2 s (1 came)"}
+
+
+def test_a_cancel_while_the_hosts_gather_ends_the_run_at_once(
+    committing_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    run_id = new_run(committing_factory)
+    out: dict[str, Any] = {}
+    worker = threading.Thread(
+        target=lambda: out.update(
+            status=execute_run(run_id, session_factory=committing_factory, settings=settings(tmp_path, 300))
+        )
+    )
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not any(e.message.startswith("gathering") for e in events(committing_factory, run_id)):
+        assert time.monotonic() < deadline, "the leader never started gathering"
+        time.sleep(0.1)
+    with committing_factory.begin() as s:
+        cancel_run(session=s, run=s.get_one(Run, run_id))
+    asked = time.monotonic()
+    worker.join(timeout=60)
+    assert not worker.is_alive()
+    assert time.monotonic() - asked < 10  # not the 300 s of the rendezvous' timeout
+    assert out["status"] == "cancelled"
+    with committing_factory() as s:
+        assert s.get_one(Run, run_id).status == "cancelled"
+
+
+def test_a_join_task_for_a_gathering_that_is_over_does_nothing(
+    committing_factory: sessionmaker[Session], tmp_path: Path
+) -> None:
+    run_id = new_run(committing_factory)
+    gathering = {"endpoint": "127.0.0.1:1", "token": "current", "hosts": 2}
+    with committing_factory.begin() as s:
+        run = s.get_one(Run, run_id)
+        run.status, run.worker_id, run.rendezvous = "running", "leader:1", gathering
+    kwargs: dict[str, Any] = {"session_factory": committing_factory, "settings": settings(tmp_path, 2)}
+    assert join_run(run_id, "an-earlier-one", **kwargs) == "stale"
+    with committing_factory.begin() as s:
+        s.get_one(Run, run_id).status = "succeeded"
+    assert join_run(run_id, "current", **kwargs) == "stale"  # the run is over
