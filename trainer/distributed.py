@@ -110,15 +110,6 @@ def from_main(flag: bool, ranks: Ranks) -> bool:
     return bool(t.item())
 
 
-def object_from_main(obj: T, ranks: Ranks) -> T:
-    """Rank 0's ``obj`` (any picklable value) on every rank; every rank must call it."""
-    if not ranks.active:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def wrap(model: Any, ranks: Ranks) -> Any:
     """``model`` spread over the ranks: DDP (a wrapper; the model is ``.module``) or FSDP2 (sharded in
     place, every transformer block then the root). Unchanged on one rank."""

@@ -1,8 +1,9 @@
-"""Two ranks share one engine process (trainer/rollout/rank_engine.py): a GRPO run with ``engine:
-vllm_server`` on 2 gloo ranks, over DDP and over FSDP2, starts exactly one vLLM server, which generates every
-rank's share and follows every update (the engine's log-probs of the sampled tokens equal the trainer's at
-every step, after the weights moved), greedy held-out decoding through it equals the one-process
-transformers run's, and the engine is stopped when the run ends. A failed start reaches every rank."""
+"""The ranks of a host share one engine process (trainer/rollout/rank_engine.py): a GRPO run with
+``engine: vllm_server`` on 2 gloo ranks of one host (FSDP2) starts exactly one vLLM server, and on two
+hosts of one rank each (DDP) one per host; the engines generate every rank's share and follow every update
+(the engine's log-probs of the sampled tokens equal the trainer's at every step, after the weights moved),
+greedy held-out decoding through them equals the one-process transformers run's, and the engines are
+stopped when the run ends. A failed start reaches every rank."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 
 from tests.loop_context import loop_ctx
 from tests.loops.rank_helpers import memory_reporter, metrics_and_result, rank_context
+from tests.loops.test_hosts import two_hosts
 from tests.rollout.test_served_engine import LOGPROB_TOLERANCE, ROWS, engine_python_or_skip, engine_servers
 from trainer.loops import LOOPS
 from trainer.rank_launch import RankFailed, RankJob, launch
@@ -32,13 +34,14 @@ pytestmark = [
 STEPS = 3
 
 
-def spec(engine: str, sharding: str = "ddp") -> dict[str, Any]:
+def spec(engine: str, sharding: str = "ddp", hosts: int = 1) -> dict[str, Any]:
+    devices = 1 if engine == "hf" or hosts > 1 else 2
     return {
         "algorithm": "grpo",
         "model": "tiny:llama-0.4m",
         "dataset_id": str(uuid.uuid4()),
         "rewards": [{"name": "length_penalty", "params": {"target_tokens": 3}}],
-        "resources": {"devices": 2 if engine == "vllm_server" else 1, "sharding": sharding},
+        "resources": {"devices": devices, "nodes": hosts, "sharding": sharding},
         "hyperparameters": {
             "engine": engine,
             "max_steps": STEPS,
@@ -89,6 +92,8 @@ class EngineCount:
 
 
 def two_ranks(run: dict[str, Any], tiny_cache: Path, out: Path) -> dict[str, Any]:
+    """``run`` on 2 ranks: of one host, or one on each of two hosts (``resources.nodes``: two threads of
+    this process as hosts, tests/loops/test_hosts.py)."""
     job = RankJob(
         spec=run,
         data=RunData(train=ROWS, validation=ROWS),
@@ -97,11 +102,18 @@ def two_ranks(run: dict[str, Any], tiny_cache: Path, out: Path) -> dict[str, Any
         collect=metrics_and_result,
         sharding=run["resources"]["sharding"],
     )
+    if run["resources"]["nodes"] > 1:
+        lead, _ = two_hosts(job)
+        return dict(lead)
     result: dict[str, Any] = launch(job, 2)
     return result
 
 
-def test_two_ranks_share_one_engine_that_follows_every_update(tiny_cache: Path, tmp_path: Path) -> None:
+def test_the_ranks_of_a_host_share_one_engine_that_follows_every_update(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    """FSDP2 on one host's 2 ranks: one engine, which rank 1 follows and rank 0 syncs from the gathered
+    shards. DDP on 2 hosts of one rank each: an engine per host, each synced by its own host's rank."""
     engine_python_or_skip()
     reporter = MemoryReporter()
     one = LOOPS["grpo"](
@@ -114,14 +126,14 @@ def test_two_ranks_share_one_engine_that_follows_every_update(tiny_cache: Path, 
     hf = {(step, key): value for step, key, value in reporter.metrics}
     eval_keys = [k for (step, k) in hf if step == 0 and k.startswith("eval/")]
     assert "eval/response_length" in eval_keys
-    for sharding in ("ddp", "fsdp"):
+    for sharding, hosts in (("fsdp", 1), ("ddp", 2)):
         count = EngineCount()
         try:
-            result = two_ranks(spec("vllm_server", sharding), tiny_cache, tmp_path / sharding)
+            result = two_ranks(spec("vllm_server", sharding, hosts), tiny_cache, tmp_path / sharding)
         finally:
             most = count.stop()
         assert result["status"] == "succeeded", result
-        assert most == 1, f"{sharding}: {most} engine processes at once"  # one for both ranks
+        assert most == hosts, f"{sharding}: {most} engine processes at once"  # one per host
         assert count.seen and not count.seen & engine_servers()  # stopped when the run ended
         got = {(step, key): value for step, key, value in result["metrics"]}
         # greedy held-out decoding of the starting weights, each rank's share through the shared engine

@@ -1,66 +1,85 @@
-"""One engine process for all the ranks of a run (``engine: vllm_server`` with ``resources.devices > 1``).
+"""One engine process per host for all the ranks of a run there (``engine: vllm_server`` with several
+ranks: ``resources.devices > 1``, or ``resources.nodes > 1``).
 
-Rank 0 starts the engine (``start_served_engine``, as a one-process run does) and tells the other ranks its
-address; every rank then generates its own share of a step's prompts by posting them to that one engine,
-which batches the ranks' requests together (continuous batching), and the loop gathers the shares as with
-the transformers engine. Starting one engine per rank would load the model N times on the same host and
-split its cores or devices N ways; verl and OpenRLHF likewise run one rollout engine group that all
-training ranks feed.
+Each host's first rank (its local rank 0: rank 0 on one host) starts the engine (``start_served_engine``,
+as a one-process run does), and every rank learns the address of its host's engine; each rank then
+generates its own share of a step's prompts by posting them to that engine, which batches the requests of
+the host's ranks together (continuous batching), and the loop gathers the shares as with the transformers
+engine. Starting one engine per rank would load the model N times on the same host and split its cores or
+devices N ways; verl and OpenRLHF likewise run one rollout engine group that all training ranks feed.
 
-Weights reach the engine at each sync, which every rank calls at the same point of the loop:
-- DDP: every rank holds the whole model, so rank 0 alone writes and reloads it (``ServedEngine.sync_weights``:
-  an adapter as a LoRA, or merged where the engine runs none).
-- FSDP2: the shards are gathered into rank 0's whole state dict (a collective every rank joins), which rank
-  0 writes and reloads (``ServedEngine.sync_state``). An adapter policy over FSDP2 is refused at submit
-  (its gathered state has the adapter's parameter names, which the engine cannot load).
+Weights reach the engines at each sync, which every rank calls at the same point of the loop:
+- DDP: every rank holds the whole model, so each host's first rank alone writes and reloads it into its
+  engine (``ServedEngine.sync_weights``: an adapter as a LoRA, or merged where the engine runs none).
+- FSDP2 (one host only): the shards are gathered into rank 0's whole state dict (a collective every rank
+  joins), which rank 0 writes and reloads (``ServedEngine.sync_state``). Across hosts the gathered weights
+  would have to travel to every host's engine at each step, which is not built: refused at submit, as is
+  an adapter policy over FSDP2 (its gathered state has the adapter's parameter names, which the engine
+  cannot load).
 
-Rank 0 then broadcasts the outcome (the name to generate under, the engine's address, or its error) to
-every rank: the broadcast is also the barrier that keeps any rank from generating with the old weights,
-and a failed start or sync fails every rank with rank 0's reason instead of leaving them waiting. An engine
-that died is restarted by rank 0 at its next call, as on one process; a rank that was generating when it
-died fails the attempt (its error names the engine), and the run resumes from its checkpoint.
+Every rank then hears every host's outcome (the name to generate under, the engine's address, or its
+error): the exchange is also the barrier that keeps any rank from generating with the old weights, and a
+failed start or sync on any host fails every rank with that host's reason instead of leaving them
+waiting. An engine that died is restarted by its host's first rank at its next call, as on one process; a
+rank that was generating when it died fails the attempt (its error names the engine), and the run resumes
+from its checkpoint.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from trainer.distributed import Ranks, full_model_state, is_sharded, object_from_main, unwrap
+from trainer.distributed import Ranks, full_model_state, gather_objects, is_sharded, unwrap
 from trainer.reporting import one_line
 from trainer.rollout.base import Completion, SamplingParams
 from trainer.rollout.engine_process import EngineError
 from trainer.rollout.served_engine import ServedEngine, start_served_engine
 
 
+def host_first_rank(ranks: Ranks) -> int:
+    """The global rank of the first rank on this rank's host: a host's ranks are consecutive
+    (trainer/rank_launch.py, trainer/hosts.py), and ``LOCAL_RANK`` is this rank's place among them."""
+    return ranks.rank - int(os.environ.get("LOCAL_RANK", ranks.rank))
+
+
+def host_ranks() -> int | None:
+    """How many ranks run on this host (``LOCAL_WORLD_SIZE``), None where the launcher did not say."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value else None
+
+
 class RankSharedEngine:
-    """A ``RolloutEngine`` on each rank over the one engine process rank 0 started (see the module doc).
+    """A ``RolloutEngine`` on each rank over its host's engine process (see the module doc).
 
     Args:
-        local: this rank's client of the engine (rank 0's owns the process).
+        local: this rank's client of its host's engine (the host's first rank owns the process).
         ranks: this rank among the run's.
-        sharded: the policy is sharded over the ranks (FSDP2): syncs gather it on rank 0.
+        sharded: the policy is sharded over the ranks (FSDP2, one host): syncs gather it on rank 0.
     """
 
     def __init__(self, local: ServedEngine, ranks: Ranks, *, sharded: bool) -> None:
         self.local, self.ranks, self.sharded = local, ranks, sharded
+        self.first = host_first_rank(ranks)
+        self.leads = ranks.rank == self.first
 
     def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
-        """This rank's prompts, generated by the shared engine (see ``ServedEngine.generate``)."""
+        """This rank's prompts, generated by its host's engine (see ``ServedEngine.generate``)."""
         return self.local.generate(prompts, n, params)
 
     def sync_weights(self, model: Any) -> None:
-        """Give the engine ``model``'s current weights (every rank calls it, at the same point); returns
-        once the engine holds them, on every rank.
+        """Give the engines ``model``'s current weights (every rank calls it, at the same point); returns
+        once every host's engine holds them, on every rank.
 
         Raises:
-            EngineError: rank 0 could not sync the engine (its reason, on every rank).
+            EngineError: a host's first rank could not sync its engine (its reason, on every rank).
         """
         state = full_model_state(model, self.ranks) if self.sharded else None  # every rank gathers
         error = None
-        if self.ranks.main:
+        if self.leads:
             try:
                 if state is not None:
                     self.local.sync_state(state)
@@ -68,15 +87,16 @@ class RankSharedEngine:
                     self.local.sync_weights(model)
             except Exception as exc:  # every rank must hear of it, or the others would wait forever
                 error = one_line(exc)
-        outcome = object_from_main((error, self.local.base_url, self.local.model_name), self.ranks)
-        error, base_url, model_name = outcome
-        if error is not None:
-            raise EngineError(f"rank 0 could not sync the shared engine: {error}")
-        if not self.ranks.main:
+        outcomes = gather_objects((error, self.local.base_url, self.local.model_name), self.ranks)
+        for rank, (failed, _, _) in enumerate(outcomes):
+            if failed is not None:
+                raise EngineError(f"rank {rank} could not sync the shared engine: {failed}")
+        if not self.leads:
+            _, base_url, model_name = outcomes[self.first]
             self.local.follow(base_url, model_name)
 
     def close(self) -> None:
-        """Rank 0 stops the engine process; the others close their connections."""
+        """A host's first rank stops its engine process; the others close their connections."""
         self.local.close()
 
 
@@ -88,35 +108,44 @@ def start_rank_shared_engine(
     max_model_len: int,
     on_restart: Callable[[str], None] | None = None,
 ) -> RankSharedEngine:
-    """The shared engine for ``model`` (the wrapped policy) on every rank: rank 0 starts the process from
-    ``model_path`` (``start_served_engine``), the others connect to it, and the engine starts from the
-    policy's current weights (it may already differ from its folder: a resumed run).
+    """The shared engine for ``model`` (the wrapped policy) on every rank: each host's first rank starts
+    its host's process from ``model_path`` (``start_served_engine``), the host's other ranks connect to
+    it, and the engines start from the policy's current weights (they may already differ from its folder:
+    a resumed run).
 
     Raises:
-        EngineStartError, EngineUnavailable, ValueError, NotImplementedError: on rank 0, as
-            ``start_served_engine`` raises them.
-        EngineError: on the other ranks, when rank 0's start failed (its reason and the engine's last lines).
+        EngineStartError, EngineUnavailable, ValueError, NotImplementedError: on a rank that started an
+            engine, as ``start_served_engine`` raises them.
+        EngineError: on the other ranks, when a host's start failed (its reason and the engine's last
+            lines).
     """
     local: ServedEngine | None = None
     failure: Exception | None = None
     told: Any = None
-    if ranks.main:
+    first = host_first_rank(ranks)
+    if ranks.rank == first:
         try:
-            # the ranks wait while it generates: it takes the cores they share
-            threads = torch.get_num_threads() * ranks.world
+            # the host's ranks wait while it generates: it takes the cores they share
+            threads = torch.get_num_threads() * (host_ranks() or ranks.world)
             local = start_served_engine(
                 model_path, unwrap(model), max_model_len=max_model_len, on_restart=on_restart, threads=threads
             )
             told = local.base_url
         except Exception as exc:  # told to every rank, then raised here as it was
             failure, told = exc, ("failed", f"{type(exc).__name__}: {exc}")  # with the engine's last lines
-    told = object_from_main(told, ranks)
+    everyone = gather_objects(told, ranks)
     if failure is not None:
+        if local is not None:
+            local.close()
         raise failure
-    if isinstance(told, tuple):
-        raise EngineError(f"rank 0 could not start the shared engine: {told[1]}")
+    failed = [(rank, t[1]) for rank, t in enumerate(everyone) if isinstance(t, tuple)]
+    if failed:
+        if local is not None:
+            local.close()
+        rank, reason = failed[0]
+        raise EngineError(f"rank {rank} could not start the shared engine: {reason}")
     if local is None:
-        local = ServedEngine(str(told), max_model_len=max_model_len)
+        local = ServedEngine(str(everyone[first]), max_model_len=max_model_len)
     engine = RankSharedEngine(local, ranks, sharded=is_sharded(model))
     try:
         engine.sync_weights(unwrap(model))  # FSDP2 shards in place: unwrap leaves it as it is

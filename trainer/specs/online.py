@@ -533,11 +533,11 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
                 "supported yet (the ranks' background rollouts would meet in collectives out of step with "
                 "their updates): set async_rollouts 0"
             )
-        if self.resources.nodes > 1 and hp.engine == "vllm_server":
+        if self.resources.nodes > 1 and hp.engine == "vllm_server" and self.resources.sharding == "fsdp":
             raise ValueError(
-                "engine 'vllm_server' with resources.nodes > 1 is not supported yet (the ranks on other "
-                "hosts cannot reach the leader's engine, and one engine per host is not built): use engine "
-                "'hf'"
+                "engine 'vllm_server' with resources.nodes > 1 and sharding 'fsdp' is not supported yet (the "
+                "weights gathered from the shards would have to reach every host's engine at each step): use "
+                "sharding 'ddp' (each host's engine syncs from its own ranks) or engine 'hf'"
             )
         shards = self.resources.ranks > 1 and self.resources.sharding == "fsdp"
         if shards and hp.engine == "vllm_server" and self.adapter is not None:
