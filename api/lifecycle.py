@@ -13,6 +13,8 @@ yet"):
     running    paused                          release_paused: that worker, once a pause stopped it
     running    queued | failed | cancelled     recover_lost: the reconciler, when the lease expired
     running    queued | failed | cancelled     release_lost_rank: the worker, when a rank of its run died
+    running    queued | paused | cancelled     release_ungathered: the worker, when a multi-host run's
+                                               hosts did not all come
     paused     queued | cancelled              resume_run | cancel_run: the API
     succeeded, failed, cancelled: final.
 
@@ -235,18 +237,33 @@ def release_paused(session: Session, run_id: uuid.UUID, worker_id: str) -> bool:
     return True
 
 
-def release_ungathered(session: Session, run_id: uuid.UUID, worker_id: str, reason: str) -> bool:
+def release_ungathered(session: Session, run_id: uuid.UUID, worker_id: str, reason: str) -> str | None:
     """A multi-host run's hosts did not all come within the rendezvous' timeout (none of them trained):
-    back to ``queued``, held by no worker, to be gathered again; no worker was lost, so ``lost_workers``
-    stays. False if ``worker_id`` no longer holds it."""
-    values = {"worker_id": None, "lease_expires_at": None, "rendezvous": None, "enqueued_at": None}
+    back to ``queued``, held by no worker, to be gathered again (no worker was lost, so ``lost_workers``
+    stays); or ``cancelled`` / ``paused`` where that was asked meanwhile. The new status, or None if
+    ``worker_id`` no longer holds it."""
+    flags = session.execute(
+        select(Run.cancel_requested, Run.pause_requested).where(Run.id == run_id)
+    ).one_or_none()
+    if flags is None:
+        return None
+    values: dict[str, Any] = {"worker_id": None, "lease_expires_at": None, "rendezvous": None}
     values.update(NO_PHASE)
+    if flags[0]:
+        to, data = "cancelled", {"reason": reason}
+        values["finished_at"] = utcnow()
+    elif flags[1]:
+        to, data = "paused", {"reason": reason}
+        values["pause_requested"] = False
+    else:
+        to, data = "queued", {"reason": reason}
+        values["enqueued_at"] = None
     if not _move(
-        session, run_id, sources=("running",), to="queued", guard=[Run.worker_id == worker_id], values=values
+        session, run_id, sources=("running",), to=to, guard=[Run.worker_id == worker_id], values=values
     ):
-        return False
-    add_event(session, run_id, "status", "queued", {"reason": reason})
-    return True
+        return None
+    add_event(session, run_id, "status", to, data)
+    return to
 
 
 # The reconciler's transition

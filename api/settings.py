@@ -66,6 +66,14 @@ class Settings(BaseSettings):
         "`resources.devices` asks for more is refused at submit (422). Unset: each worker checks when it "
         "starts the run and fails it, saying how many it sees.",
     )
+    worker_hosts: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="How many worker hosts this deployment has to gather for one run: a run whose "
+        "`resources.nodes` asks for more is refused at submit (422), as it could never start. Unset: such a "
+        "run waits, going back to the queue after each RLRUN_RENDEZVOUS_TIMEOUT_SECONDS.",
+    )
     host_address: str | None = Field(
         default=None,
         description="The address the other hosts of a multi-host run (`resources.nodes > 1`) reach this "

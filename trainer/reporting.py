@@ -76,6 +76,10 @@ class LoopContext:
     cleanup: ExitStack = field(default_factory=ExitStack)
 
 
+class LeaseLost(RuntimeError):
+    """Another worker owns the run now (our lease expired and it was re-claimed)."""
+
+
 @dataclass
 class LoopResult:
     status: Literal["succeeded", "cancelled"]

@@ -38,7 +38,7 @@ from api.services.pipelines import advance
 from api.settings import Settings, get_settings
 from trainer.metric_sinks import Point, RunIdentity, make_sink
 from trainer.phases import Phase, RunStopped
-from trainer.reporting import LoopContext, LoopResult, Reporter, RunData, one_line
+from trainer.reporting import LeaseLost, LoopContext, LoopResult, Reporter, RunData, one_line
 from trainer.sink_mirror import SinkMirror
 from trainer.specs import (
     AnyRunSpec,
@@ -86,10 +86,6 @@ def retry_busy(what: str, fn: Callable[[], T], *, seconds: float = BUSY_RETRY_SE
             log.warning("%s: database is locked; trying again in %.2f s", what, delay)
         time.sleep(delay)
         delay = min(2 * delay, 1.0)
-
-
-class LeaseLost(RuntimeError):
-    """Another worker owns the run now (our lease expired and it was re-claimed)."""
 
 
 def default_worker_id() -> str:
@@ -601,15 +597,13 @@ def _execute_claimed(
                 worker_id=worker_id,
             )
         elif spec.resources.devices > 1:  # several ranks, this process their lease holder
-            on_ranks = run_on_ranks(
+            result = run_on_ranks(
                 spec,
                 data,
                 ctx,
                 reporter=ranks_reporter,
                 poll=StopPoll(session_factory, run_id, STOP_GRACE_SECONDS),
             )
-            assert on_ranks is not None  # this host has rank 0
-            result = on_ranks
         else:
             if sinks is not None:
                 reporter.attach_sinks(*sinks)
@@ -692,16 +686,19 @@ def requeue_ungathered(
     session_factory: SessionFactory, settings: Settings, run_id: uuid.UUID, worker_id: str, reason: str
 ) -> str | None:
     """A multi-host run's hosts did not all come: back in the queue (``lifecycle.release_ungathered``),
-    sent to the broker at once, to be gathered again by whichever worker takes it."""
+    sent to the broker at once, to be gathered again by whichever worker takes it (or cancelled or paused
+    where that was asked meanwhile)."""
 
-    def write() -> bool:
+    def write() -> str | None:
         with session_factory.begin() as session:
             return lifecycle.release_ungathered(session, run_id, worker_id, reason)
 
-    if not retry_busy(f"run {run_id}: ungathered", write, seconds=FINISH_RETRY_SECONDS):
-        return None
-    _send_again(session_factory, settings, run_id, "its hosts did not gather")
-    return "queued"
+    status = retry_busy(f"run {run_id}: ungathered", write, seconds=FINISH_RETRY_SECONDS)
+    if status == "queued":
+        _send_again(session_factory, settings, run_id, "its hosts did not gather")
+    elif status == "cancelled":
+        advance_pipeline_of(run_id, session_factory, settings)
+    return status
 
 
 def join_run(
@@ -714,10 +711,10 @@ def join_run(
 ) -> str:
     """This worker's part in another worker's multi-host run (trainer/worker_hosts.py): join the
     gathering ``token`` and train this host's ranks until the run ends. What became of it: ``stale`` (the
-    run is no longer gathering as ``token``), ``done``, ``not_gathered``, ``left`` (the run left this
-    gathering: its leader was lost) or ``failed`` (a rank failed; the leader requeues the run)."""
+    run is no longer gathering as ``token``, or the gathering has all its hosts), ``done``,
+    ``not_gathered``, ``left`` (the run left this gathering: its leader was lost, or it ended) or
+    ``failed`` (this host could not train: the leader hears why and requeues the run)."""
     from trainer.hosts import HostsNotGathered
-    from trainer.rank_launch import RankFailed
     from trainer.worker_hosts import current_rendezvous, join_hosts
 
     worker_id = worker_id or default_worker_id()
@@ -730,7 +727,7 @@ def join_run(
         spec = parse_spec(run.spec)
         data = load_run_data(session, spec)
     try:
-        join_hosts(
+        place = join_hosts(
             spec,
             data,
             functools.partial(run_context, settings, session_factory),
@@ -751,11 +748,16 @@ def join_run(
         log.warning("run %s: %s", run_id, exc)
         return "not_gathered"
     except RunStopped:
-        log.warning("run %s: the run left gathering %s; this host's ranks were ended", run_id, token)
+        log.warning(
+            "run %s: the run is no longer running as gathering %s; this host's ranks ended", run_id, token
+        )
         return "left"
-    except RankFailed as exc:
-        log.warning("run %s: this host's ranks failed: %s", run_id, exc)
+    except Exception as exc:  # told to the leader (Rendezvous.fail), which requeues the run
+        log.warning("run %s: this host could not train its ranks: %s", run_id, one_line(exc))
         return "failed"
+    if place is None:
+        log.info("run %s: gathering %s has all its hosts; nothing to join", run_id, token)
+        return "stale"
     return "done"
 
 

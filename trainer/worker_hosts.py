@@ -2,29 +2,38 @@
 join, and each host starts its ``devices`` ranks once all have met (trainer/hosts.py: torch's c10d
 rendezvous, all hosts or none).
 
-- The leader holds the run's lease as for one host. It serves the rendezvous store at its address
-  (``RLRUN_HOST_ADDRESS``), writes ``{endpoint, token, hosts}`` on the run's row (``runs.rendezvous``) and
-  sends ``nodes - 1`` join tasks (``rlrun.join_run``) to the run's queue; the token names this gathering,
-  so a join task that arrives after it (a run requeued since) finds a different one and ends.
+- The leader holds the run's lease as for one host. It checks it can take the run itself (devices, models),
+  serves the gathering's store at its address (``RLRUN_HOST_ADDRESS``), writes ``{endpoint, token, hosts}``
+  on the run's row (``runs.rendezvous``) and sends ``nodes - 1`` join tasks (``rlrun.join_run``) to the
+  run's queue; the token names this gathering, so a join task that arrives after it (a run requeued since)
+  finds a different one and ends, and one more than the gathering has seats for (a redelivered task) ends
+  too.
+- A joining host checks it can take the run (devices, its models resolved from its own cache and roots)
+  before it joins; one that cannot says why through the gathering, and the leader lets go at once.
 - Global rank 0 trains on the leader's host and alone talks to the database, as on one host. The leader
-  hands the other hosts the run's checkpoint folder and the checkpoint it resumes from through the
-  rendezvous store: every host must see the artifacts folder at the same path (shared storage), since
-  whichever host leads next resumes from it.
-- Hosts that do not all come within ``RLRUN_RENDEZVOUS_TIMEOUT_SECONDS`` train nothing (``HostsNotGathered``):
-  the leader puts the run back in the queue, saying how many came, and is free for other work. Two runs
-  that each hold some of the hosts the other needs therefore both let go at their timeouts instead of
-  waiting on each other forever. A cancel or pause while gathering closes the rendezvous at once.
+  hands the other hosts the run's checkpoint folder and the checkpoint it resumes from through the store:
+  every host must see the artifacts folder at the same path (shared storage), since whichever host leads
+  next resumes from it.
+- Hosts that do not all come within ``RLRUN_RENDEZVOUS_TIMEOUT_SECONDS`` (times 1 to 1.2, drawn per
+  gathering) train nothing (``HostsNotGathered``): the leader puts the run back in the queue, saying how
+  many came, and is free for other work. Two runs that each hold some of the hosts the other needs let go
+  at different times, and the one that lets go first frees its hosts for the other. A cancel or pause while
+  gathering closes the rendezvous at once; a broker that will not take the join tasks ends the gathering
+  before it begins (the run back in the queue).
 - A host lost mid-run fails every rank: its ranks die with their worker (trainer/rank_launch.py
-  ``die_with``), and the peers' next collective fails on the closed connections. The leader's ranks failing
-  is the lost-rank path (requeued to resume from the last checkpoint); a joining host whose ranks fail, or
-  whose gathering is no longer the run's (the leader was lost and the run requeued), ends its ranks and its
-  task. A host that vanishes without closing its connections is noticed by torch's collective timeout.
+  ``die_with``), and the peers' next collective fails on the closed connections. A host whose ranks fail,
+  or that cannot start them, also says so through the gathering, so the leader ends its own ranks even
+  where they would wait (e.g. to form the process group). The leader's ranks failing is the lost-rank path
+  (requeued to resume from the last checkpoint); a joining host whose gathering is no longer the run's (the
+  leader was lost and the run requeued, or the run ended) ends its ranks within a second. A host that
+  vanishes without closing its connections is noticed by torch's collective timeout.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import random
 import threading
 import time
 import uuid
@@ -39,9 +48,10 @@ from api.queue import CeleryEnqueue
 from api.settings import Settings
 from trainer.hosts import HostPlace, HostsNotGathered, Rendezvous, connect_rendezvous, serve_rendezvous
 from trainer.phases import RunStopped
-from trainer.reporting import LoopContext, LoopResult, Reporter, RunData
+from trainer.rank_launch import RankFailed
+from trainer.reporting import LeaseLost, LoopContext, LoopResult, Reporter, RunData, one_line
 from trainer.specs import AnyRunSpec
-from trainer.worker_ranks import STOP_GRACE_SECONDS, StopPoll, run_on_ranks
+from trainer.worker_ranks import STOP_GRACE_SECONDS, StopPoll, rank_job, train_on_ranks
 
 log = logging.getLogger("rlrun.worker")
 PLAN_KEY = "rlrun/plan"
@@ -97,16 +107,49 @@ class GatheringLeft:
         return self.left
 
 
-def _close_on_stop(rdzv: Rendezvous, stop_asked: Callable[[], bool], done: threading.Event) -> None:
-    """A thread that closes the rendezvous (every host's wait ends) when ``stop_asked`` turns True."""
+def _close_on(rdzv: Rendezvous, asked: Callable[[], bool], done: threading.Event) -> None:
+    """A thread that closes the rendezvous (every host's wait ends) when ``asked`` turns True."""
 
     def watch() -> None:
         while not done.wait(POLL_SECONDS):
-            if stop_asked():
-                rdzv.stop()
-                return
+            try:
+                if asked():
+                    rdzv.stop()
+                    return
+            except Exception:  # noqa: BLE001 - a database hiccup: ask again next time
+                log.debug("gathering watch failed", exc_info=True)
 
     threading.Thread(target=watch, name="rlrun-gather-stop", daemon=True).start()
+
+
+class LeaderPoll:
+    """The leader's poll while its ranks train: a stop they did not honour in time (``StopPoll``), or
+    another host's failure (``Rendezvous.fail``: its ranks are gone, so the leader's would wait in their
+    next collective), which it keeps to raise as ``RankFailed``."""
+
+    def __init__(self, stop: Callable[[], bool], rdzv: Rendezvous):
+        self.stop, self.rdzv = stop, rdzv
+        self.host_failure: str | None = None
+        self.checked = 0.0
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self.checked >= POLL_SECONDS:
+            self.checked = now
+            self.host_failure = self.rdzv.failed()
+            if self.host_failure is not None:
+                return True
+        return self.stop()
+
+
+def send_joins(settings: Settings, run_id: uuid.UUID, token: str, count: int, queue: str | None) -> None:
+    """Ask ``count`` workers to join; a broker that does not take the tasks is a fault noted for the
+    reconciler, and this gathering ends before it began (``HostsNotGathered``: the run goes back to the
+    queue)."""
+    try:
+        CeleryEnqueue(settings).join(run_id, token, count, queue=queue)
+    except Exception as exc:  # noqa: BLE001 - noted by CeleryEnqueue, told in the run's events
+        raise HostsNotGathered(f"could not ask the broker for {count} more host(s): {one_line(exc)}") from exc
 
 
 def lead_on_hosts(
@@ -123,8 +166,10 @@ def lead_on_hosts(
 ) -> LoopResult:
     """Gather the run's hosts as their leader, then train on this host's ranks; the loop's result as rank
     0 saw it. Raises ``HostsNotGathered`` (nobody trained), ``RunStopped`` (a cancel or pause while
-    gathering, or one the ranks did not honour in time) or ``RankFailed``."""
+    gathering, or one the ranks did not honour in time), ``RankFailed`` (a rank here, or another host,
+    failed) or ``LeaseLost``."""
     hosts = spec.resources.nodes
+    job = rank_job(spec, data, ctx, reporter)  # this host can take the run: before anyone waits on it
     address = host_address(settings)
     store = serve_rendezvous(address)
     token = uuid.uuid4().hex
@@ -133,39 +178,44 @@ def lead_on_hosts(
     store.set(PLAN_KEY, json.dumps({"checkpoint_dir": str(ctx.checkpoint_dir), "resume_from": resume_from}))
     gathering = {"endpoint": endpoint, "token": token, "hosts": hosts}
     if not publish_rendezvous(session_factory, run_id, worker_id, gathering):
-        raise RunStopped("the run is no longer this worker's")
-    CeleryEnqueue(settings).join(run_id, token, hosts - 1, queue=spec.queue)
-    wait = settings.rendezvous_timeout_seconds
-    events.event("info", f"gathering {hosts} hosts at {endpoint} (waiting up to {wait:g} s)", gathering)
+        raise LeaseLost(f"run {run_id} is no longer held by {worker_id}")
+    send_joins(settings, run_id, token, hosts - 1, spec.queue)
+    # a little longer or shorter for each leader: two runs that each hold hosts the other needs time out
+    # apart, and the first to let go frees its hosts for the other
+    wait = settings.rendezvous_timeout_seconds * random.uniform(1.0, 1.2)
+    events.event("info", f"gathering {hosts} hosts at {endpoint} (waiting up to {wait:.0f} s)", gathering)
     stop = StopPoll(session_factory, run_id, grace=0.0)
     done = threading.Event()
-    with Rendezvous(
+    rdzv = Rendezvous(
         store,
         rendezvous_key(run_id, token),
         hosts,
         address=address,
-        timeout=settings.rendezvous_timeout_seconds,
+        timeout=wait,
         leader=True,
         identity=worker_id,
-    ) as rdzv:
-        _close_on_stop(rdzv, stop, done)
+    )
+    with rdzv:
+        _close_on(rdzv, lambda: stop() or rdzv.failed() is not None, done)
         try:
             place = rdzv.gather()
         except HostsNotGathered:
-            if rdzv.stopped:
+            if rdzv.stopped and rdzv.failed() is None:
                 raise RunStopped("a cancel or pause came while the run's hosts gathered") from None
             raise
         finally:
             done.set()
         events.event("info", f"{hosts} hosts gathered", {"hosts": rdzv.identities()})
-        result = run_on_ranks(
-            spec,
-            data,
-            ctx,
-            reporter=reporter,
-            poll=StopPoll(session_factory, run_id, STOP_GRACE_SECONDS),
-            place=place,
-        )
+        poll = LeaderPoll(StopPoll(session_factory, run_id, STOP_GRACE_SECONDS), rdzv)
+        try:
+            result = train_on_ranks(job, spec.resources.devices, poll=poll, place=place)
+        except RunStopped:
+            if poll.host_failure is not None:
+                raise RankFailed(f"another host failed: {poll.host_failure}") from None
+            raise
+        except RankFailed as exc:  # the other hosts' ranks fail in their next collective with ours
+            rdzv.fail(str(exc))
+            raise
     assert result is not None  # the leader's host has rank 0
     return result
 
@@ -181,31 +231,46 @@ def join_hosts(
     run_id: uuid.UUID,
     gathering: dict[str, Any],
     worker_id: str,
-) -> HostPlace:
+) -> HostPlace | None:
     """Join the gathering ``gathering`` (the run's ``rendezvous`` when the join task was read) and train on
-    this host's ranks until the run ends; this host's place. ``context(checkpoint_dir, resume_from)`` is
-    the loop context with the leader's folders. Raises ``HostsNotGathered``, ``RunStopped`` (the run left
-    this gathering) or ``RankFailed``."""
+    this host's ranks until the run ends; this host's place, or None when the gathering's seats were
+    taken (a duplicate join task). ``context(checkpoint_dir, resume_from)`` is the loop context with the
+    leader's folders. Raises ``HostsNotGathered``, ``RunStopped`` (the run left this gathering), or, told to
+    the leader first, ``RankFailed`` and whatever kept this host from starting its ranks."""
     token = gathering["token"]
     store = connect_rendezvous(gathering["endpoint"], CONNECT_SECONDS)
-    plan = json.loads(store.get(PLAN_KEY).decode())
-    ctx = context(Path(plan["checkpoint_dir"]), Path(plan["resume_from"]) if plan["resume_from"] else None)
-    left = GatheringLeft(session_factory, run_id, token)
-    done = threading.Event()
-    with Rendezvous(
+    rdzv = Rendezvous(
         store,
         rendezvous_key(run_id, token),
         int(gathering["hosts"]),
         address=host_address(settings),
-        timeout=settings.rendezvous_timeout_seconds,
+        timeout=settings.rendezvous_timeout_seconds * 1.2,  # the longest a leader waits
         leader=False,
         identity=worker_id,
-    ) as rdzv:
-        _close_on_stop(rdzv, left, done)
+    )
+    if not rdzv.take_seat():
+        return None
+    plan = json.loads(store.get(PLAN_KEY).decode())
+    left = GatheringLeft(session_factory, run_id, token)
+    done = threading.Event()
+    with rdzv:
+        try:  # this host can take the run, before anyone waits on it
+            ctx = context(
+                Path(plan["checkpoint_dir"]), Path(plan["resume_from"]) if plan["resume_from"] else None
+            )
+            job = rank_job(spec, data, ctx, reporter)
+        except Exception as exc:
+            rdzv.fail(one_line(exc))
+            raise
+        _close_on(rdzv, left, done)
         try:
             place = rdzv.gather()
         finally:
             done.set()
         log.info("run %s: joined as host %d of %d", run_id, place.position, place.hosts)
-        run_on_ranks(spec, data, ctx, reporter=reporter, poll=left, place=place)
+        try:
+            train_on_ranks(job, spec.resources.devices, poll=left, place=place)
+        except RankFailed as exc:
+            rdzv.fail(str(exc))
+            raise
     return place

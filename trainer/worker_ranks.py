@@ -111,26 +111,16 @@ class StopPoll:
         return self.asked_at is not None and now - self.asked_at >= self.grace
 
 
-def run_on_ranks(
-    spec: AnyRunSpec,
-    data: RunData,
-    ctx: LoopContext,
-    *,
-    reporter: Callable[[], Reporter],
-    poll: Callable[[], bool],
-    place: HostPlace | None = None,
-) -> LoopResult | None:
-    """Train ``spec`` on ``spec.resources.devices`` ranks of this host (at ``place`` among the run's hosts,
-    trainer/hosts.py); the loop's result as rank 0 saw it (None on a host without rank 0). Rank 0 builds
-    its reporter with ``reporter`` (picklable: it travels to the rank's process; the worker's database
-    reporter, ``trainer.worker.rank_zero_reporter``). ``poll`` returning True ends the ranks (``StopPoll``:
-    a stop the ranks did not honour in time), which raises ``RunStopped``; a lost rank raises
-    ``RankFailed``."""
-    devices = spec.resources.devices
-    check_devices(devices)
+def rank_job(spec: AnyRunSpec, data: RunData, ctx: LoopContext, reporter: Callable[[], Reporter]) -> RankJob:
+    """What this host's ranks of ``spec`` run, after checking the host has the devices and resolving the
+    run's models here (so the ranks never query the database for them). Rank 0 builds its reporter with
+    ``reporter`` (picklable: it travels to the rank's process; the worker's database reporter,
+    ``trainer.worker.rank_zero_reporter``). Raises ``ValueError`` for a host with too few devices, and what
+    resolving a model raises."""
+    check_devices(spec.resources.devices)
     # Every model reference of the spec (``model_refs`` holds reference_model and reward models too).
     models = {ref: ctx.resolve_model(ref) for ref in {spec.model, *spec.model_refs.values()}}
-    job = RankJob(
+    return RankJob(
         spec=spec.model_dump(mode="json"),
         data=data,
         context=functools.partial(
@@ -144,6 +134,15 @@ def run_on_ranks(
         collect=rank_zero_result,
         sharding=spec.resources.sharding,
     )
+
+
+def train_on_ranks(
+    job: RankJob, devices: int, *, poll: Callable[[], bool], place: HostPlace | None = None
+) -> LoopResult | None:
+    """Run ``job`` on ``devices`` ranks of this host (at ``place`` among the run's hosts, trainer/hosts.py);
+    the loop's result as rank 0 saw it (None on a host without rank 0). ``poll`` returning True ends the
+    ranks (``StopPoll``: a stop the ranks did not honour in time), which raises ``RunStopped``; a lost rank
+    raises ``RankFailed``."""
     try:
         out = launch(job, devices, poll=poll, place=place)
     except RanksStopped as exc:
@@ -154,3 +153,18 @@ def run_on_ranks(
     return LoopResult(
         status=out["status"], output_path=Path(output) if output else None, final_metrics=out["final_metrics"]
     )
+
+
+def run_on_ranks(
+    spec: AnyRunSpec,
+    data: RunData,
+    ctx: LoopContext,
+    *,
+    reporter: Callable[[], Reporter],
+    poll: Callable[[], bool],
+) -> LoopResult:
+    """Train ``spec`` on ``spec.resources.devices`` ranks of this worker's host (``rank_job``, then
+    ``train_on_ranks``); the loop's result as rank 0 saw it."""
+    result = train_on_ranks(rank_job(spec, data, ctx, reporter), spec.resources.devices, poll=poll)
+    assert result is not None  # one host: rank 0 is here
+    return result

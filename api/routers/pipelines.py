@@ -34,6 +34,7 @@ def create_pipeline(
         allow_hub=settings.allow_hub,
         project_id=project_id,
         worker_devices=settings.worker_devices,
+        worker_hosts=settings.worker_hosts,
         engine_python=settings.engine_python,
     )
     created = service.advance(session=session, pipeline_id=pipeline.id)

@@ -82,6 +82,7 @@ def create_run(
         project_id=project_id,
         max_in_flight=settings.max_runs_in_flight,
         worker_devices=settings.worker_devices,
+        worker_hosts=settings.worker_hosts,
     )
     if not commit_unless_conflict(session):  # a concurrent retry with the same key won the insert
         existing = service.find_by_idempotency_key(session=session, key=scoped_key or "", spec=spec)
@@ -104,6 +105,7 @@ def dry_run(
         allow_hub=settings.allow_hub,
         project_id=project_id,
         worker_devices=settings.worker_devices,
+        worker_hosts=settings.worker_hosts,
     )
     return RunValidation(
         spec=resolved.model_dump(mode="json"),

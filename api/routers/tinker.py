@@ -203,6 +203,7 @@ async def _submit_session(
             project_id=project_id,
             max_in_flight=settings.max_runs_in_flight,
             worker_devices=settings.worker_devices,
+            worker_hosts=settings.worker_hosts,
         )
         session.commit()
         lifecycle.send_committed(session=session, enqueue=enqueue, runs=[run])

@@ -68,6 +68,7 @@ def create_pipeline(
     allow_hub: bool = False,
     project_id: uuid.UUID = DEFAULT_PROJECT_ID,
     worker_devices: int | None = None,
+    worker_hosts: int | None = None,
     engine_python: str | None = None,
 ) -> Pipeline:
     """Check every stage now (names, references, datasets), store the pipeline, start what can start.
@@ -87,7 +88,7 @@ def create_pipeline(
             prefix=f"{where}.spec.",
         )
         check_learnable(stage.spec, prefix=f"{where}.spec.")
-        check_devices(stage.spec, worker_devices, prefix=f"{where}.spec.")
+        check_devices(stage.spec, worker_devices, prefix=f"{where}.spec.", worker_hosts=worker_hosts)
         check_engine(stage.spec, engine_python, prefix=f"{where}.spec.")
         seen[stage.name] = stage.spec.algorithm
     pipeline = Pipeline(

@@ -156,13 +156,23 @@ def check_learnable(spec: AnyRunSpec, prefix: str = "") -> None:
         raise InvalidRequest(f"{prefix}{field}: {why}", field=prefix + field)
 
 
-def check_devices(spec: AnyRunSpec, worker_devices: int | None, prefix: str = "") -> None:
-    """422 when the run asks for more devices than the operator says any worker has (``worker_devices``)."""
+def check_devices(
+    spec: AnyRunSpec, worker_devices: int | None, prefix: str = "", worker_hosts: int | None = None
+) -> None:
+    """422 when the run asks for more devices than the operator says any worker has (``worker_devices``),
+    or for more hosts than the deployment has workers to gather (``worker_hosts``)."""
     if worker_devices is not None and spec.resources.devices > worker_devices:
         field = f"{prefix}resources.devices"
         raise InvalidRequest(
             f"{field}: {spec.resources.devices} devices asked, but no worker of this deployment has more "
             f"than {worker_devices} (RLRUN_WORKER_DEVICES)",
+            field=field,
+        )
+    if worker_hosts is not None and spec.resources.nodes > worker_hosts:
+        field = f"{prefix}resources.nodes"
+        raise InvalidRequest(
+            f"{field}: {spec.resources.nodes} hosts asked, but this deployment has {worker_hosts} worker "
+            "host(s) to gather (RLRUN_WORKER_HOSTS): the run could never start",
             field=field,
         )
 

@@ -81,13 +81,14 @@ def checked_spec(
     allow_hub: bool,
     project_id: uuid.UUID,
     worker_devices: int | None,
+    worker_hosts: int | None = None,
 ) -> AnyRunSpec:
     """``spec`` as a run would store it (the default learning rate filled in), after the checks every
     submit makes: its references against the project, that it can learn, that its devices fit. Raises
     the submit's errors (each naming its field); stores nothing."""
     check_references(session=session, spec=spec, project_id=project_id, roots=roots, allow_hub=allow_hub)
     check_learnable(spec)
-    check_devices(spec, worker_devices)
+    check_devices(spec, worker_devices, worker_hosts=worker_hosts)
     spec = with_environment_source(session, spec, project_id)
     return with_default_learning_rate(session, spec, roots or [])
 
@@ -104,6 +105,7 @@ def submit_run(
     project_id: uuid.UUID = DEFAULT_PROJECT_ID,
     max_in_flight: int | None = None,
     worker_devices: int | None = None,
+    worker_hosts: int | None = None,
 ) -> Run:
     """Store a new queued run (flush only), after every reference in it was checked against the project
     (api/services/references.py). ``roots=None``: plain model names were checked earlier."""
@@ -114,6 +116,7 @@ def submit_run(
         allow_hub=allow_hub,
         project_id=project_id,
         worker_devices=worker_devices,
+        worker_hosts=worker_hosts,
     )
     if max_in_flight is not None:
         in_flight = session.scalar(

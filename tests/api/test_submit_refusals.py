@@ -371,3 +371,18 @@ def test_more_devices_than_any_worker_has_is_refused_when_the_operator_says_how_
     assert refused.status_code == 422 and refused.json()["error"]["field"] == "resources.devices"
     assert "no worker of this deployment has more than 2" in refused.json()["error"]["message"]
     assert fits.status_code == 201 and unchecked.status_code == 201
+
+
+def test_more_hosts_than_the_deployment_has_is_refused_when_the_operator_says_how_many(
+    session: Session,
+) -> None:
+    pairs = make_dataset(session)
+    spec = {**dpo_spec(pairs.id), "resources": {"nodes": 4}}
+    with api_client(session, Settings(worker_hosts=2)) as client:
+        refused = client.post("/v1/runs", json=spec)
+        fits = client.post("/v1/runs", json={**spec, "resources": {"nodes": 2}})
+    with api_client(session) as client:  # not declared: the run waits for its hosts
+        unchecked = client.post("/v1/runs", json=spec)
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "resources.nodes"
+    assert "4 hosts asked, but this deployment has 2 worker host(s)" in refused.json()["error"]["message"]
+    assert fits.status_code == 201 and unchecked.status_code == 201

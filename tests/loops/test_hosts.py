@@ -18,9 +18,17 @@ import torch
 
 from tests.loops.rank_helpers import failing_context, memory_reporter, metrics_and_result, rank_context
 from tests.loops.test_distributed import COUNTS, KEYS, STEPS, gloo_only, rows, run_spec, series, single_once
-from trainer.hosts import HostPlace, HostsNotGathered, Rendezvous, connect_rendezvous, serve_rendezvous
+from trainer.hosts import (
+    HostPlace,
+    HostsNotGathered,
+    Rendezvous,
+    connect_rendezvous,
+    host_position,
+    serve_rendezvous,
+)
 from trainer.models import load_causal_lm
-from trainer.rank_launch import RankFailed, RankJob, launch
+from trainer.rank_launch import RankFailed, RankJob, RanksStopped, launch
+from trainer.worker_hosts import LeaderPoll
 
 LOOPBACK = "127.0.0.1"
 
@@ -188,4 +196,73 @@ def test_a_stop_while_gathering_ends_every_hosts_wait_at_once() -> None:
         on_threads(leader.gather, lambda: host(store, key, 3, leader=False, timeout=120))
     assert time.monotonic() - started < 30
     assert leader.stopped
-    leader.close()
+
+
+def test_the_leaders_host_is_placed_first_and_the_others_keep_the_rendezvous_order() -> None:
+    """Every node rank the rendezvous may give the leader, for up to 5 hosts: the leader at 0, the others
+    at 1.. in their node order (checked against a list built by hand)."""
+    for hosts in range(1, 6):
+        for leader in range(hosts):
+            expected = [leader] + [n for n in range(hosts) if n != leader]  # position -> node
+            assert [host_position(node, leader) for node in expected] == list(range(hosts))
+
+
+def test_a_duplicate_join_finds_no_seat_left() -> None:
+    """A gathering of 3 hosts has 2 seats beside the leader: a third joining host is told so, instead of
+    waiting on torch's full rendezvous until the run ends."""
+    store = serve_rendezvous(LOOPBACK)
+    key = f"test-{uuid.uuid4().hex}"
+    joiners = [
+        Rendezvous(
+            connect_rendezvous(f"{LOOPBACK}:{store.port}", 30),
+            key,
+            3,
+            address=LOOPBACK,
+            timeout=5,
+            leader=False,
+        )  # fmt: skip
+        for _ in range(3)
+    ]
+    assert [j.take_seat() for j in joiners] == [True, True, False]
+
+
+@gloo_only
+def test_a_host_that_fails_after_the_gathering_ends_the_leaders_ranks_at_once(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    """The other host gathers, then cannot start its ranks (it tells the gathering): the leader's rank,
+    waiting for its peer to join the process group, is ended within seconds with that host's reason,
+    not after torch's 30-minute timeout."""
+    spec = run_spec()
+    job = RankJob(
+        spec=spec,
+        data=rows(spec),
+        context=functools.partial(rank_context, str(tiny_cache), str(tmp_path)),
+        reporter=memory_reporter,
+        collect=metrics_and_result,
+    )
+    store = serve_rendezvous(LOOPBACK)
+    key = f"test-{uuid.uuid4().hex}"
+    polls: list[LeaderPoll] = []
+
+    def lead() -> float:
+        with Rendezvous(store, key, 2, address=LOOPBACK, timeout=60, leader=True) as rdzv:
+            place = rdzv.gather()
+            polls.append(LeaderPoll(lambda: False, rdzv))
+            started = time.monotonic()
+            with pytest.raises(RanksStopped):
+                launch(job, 1, place=place, poll=polls[0])
+            return time.monotonic() - started
+
+    def join_then_fail() -> None:
+        client = connect_rendezvous(f"{LOOPBACK}:{store.port}", 30)
+        with Rendezvous(
+            client, key, 2, address=LOOPBACK, timeout=60, leader=False, identity="host-b"
+        ) as rdzv:
+            rdzv.gather()
+            time.sleep(1.0)  # the leader's rank is waiting for this host's by now
+            rdzv.fail("OSError: no space left on device")
+
+    waited, _ = on_threads(lead, join_then_fail)
+    assert waited < 15
+    assert polls[0].host_failure == "host-b: OSError: no space left on device"

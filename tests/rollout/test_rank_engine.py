@@ -58,15 +58,33 @@ def spec(engine: str, sharding: str = "ddp", hosts: int = 1) -> dict[str, Any]:
     }
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def descends_from(pid: int, ancestor: int) -> bool:
     while pid > 1:
         try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            pid = parent_of(pid)
         except OSError:
             return False
         if pid == ancestor:
             return True
     return False
+
+
+def engine_roots(pids: set[int]) -> set[int]:
+    """The servers among ``pids`` that are not a child of another: vLLM forks its engine core from the
+    server, and the child shows the server's command line until it sets its own title (a moment that a
+    loaded machine stretches long enough to be sampled)."""
+    roots = set()
+    for pid in pids:
+        try:
+            if parent_of(pid) not in pids:
+                roots.add(pid)
+        except OSError:
+            continue
+    return roots
 
 
 class EngineCount:
@@ -82,7 +100,7 @@ class EngineCount:
     def _watch(self) -> None:
         me = os.getpid()
         while not self._stop.wait(0.2):
-            own = {pid for pid in engine_servers() if descends_from(pid, me)}
+            own = engine_roots({pid for pid in engine_servers() if descends_from(pid, me)})
             self.most, self.seen = max(self.most, len(own)), self.seen | own
 
     def stop(self) -> int:
