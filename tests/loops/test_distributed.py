@@ -96,15 +96,20 @@ def single_once(algorithm: str, tiny_cache: Path, out: Path) -> dict[str, Any]:
     return SINGLE[algorithm]
 
 
-def two_ranks(spec: dict[str, Any], sharding: str, tiny_cache: Path, out: Path) -> dict[str, Any]:
-    job = RankJob(
+def rank_job(spec: dict[str, Any], context: Any, sharding: str = "ddp") -> RankJob:
+    """``spec`` on the test rows, in ``context`` (a rank's loop context), with memory reporters."""
+    return RankJob(
         spec=spec,
         data=rows(spec),
-        context=functools.partial(rank_context, str(tiny_cache), str(out)),
+        context=context,
         reporter=memory_reporter,
         collect=metrics_and_result,
         sharding=sharding,  # type: ignore[arg-type]
     )
+
+
+def two_ranks(spec: dict[str, Any], sharding: str, tiny_cache: Path, out: Path) -> dict[str, Any]:
+    job = rank_job(spec, functools.partial(rank_context, str(tiny_cache), str(out)), sharding)
     result: dict[str, Any] = launch(job, 2)
     return result
 
@@ -139,18 +144,24 @@ def test_two_ranks_make_the_single_process_updates(
 ) -> None:
     one = single_once(algorithm, tiny_cache, tmp_path / "one")
     two = two_ranks(run_spec(algorithm), sharding, tiny_cache, tmp_path / "two")
-    assert two["status"] == "succeeded"
+    assert_single_process_updates(algorithm, one, two)
+
+
+def assert_single_process_updates(algorithm: str, one: dict[str, Any], many: dict[str, Any]) -> None:
+    """``many`` (rank 0's metrics and result) made ``one``'s updates: the same metrics to 1e-5 at every
+    step, and the same final model (rank 0's save: the whole model, gathered from the shards)."""
+    assert many["status"] == "succeeded"
     for key in KEYS[algorithm]:
         expected = series(one["metrics"], key)
         assert len(expected) == COUNTS.get(key, STEPS), key
         tolerance = {"rel": 1e-5} if key == "grad_norm" else {"abs": 1e-5}  # norms ~10: float32 rounding
-        got = series(two["metrics"], key)
+        got = series(many["metrics"], key)
         if key == "rewards/accuracy":  # step 1: policy == reference, each implicit reward is float noise
             got, expected = got[1:], expected[1:]  # around 0 and its sign (the accuracy) means nothing
         assert got == pytest.approx(expected, **tolerance), key
-    assert two["checkpoints"] == one["checkpoints"] == [STEPS]
+    assert many["checkpoints"] == one["checkpoints"] == [STEPS]
     a, _ = load_causal_lm(one["output"])
-    b, _ = load_causal_lm(two["output"])  # rank 0's save: the whole model, gathered from the shards
+    b, _ = load_causal_lm(many["output"])
     for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 

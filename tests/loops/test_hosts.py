@@ -14,10 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from tests.loops.rank_helpers import failing_context, memory_reporter, metrics_and_result, rank_context
-from tests.loops.test_distributed import COUNTS, KEYS, STEPS, gloo_only, rows, run_spec, series, single_once
+from tests.loops.rank_helpers import failing_context, rank_context
+from tests.loops.test_distributed import (
+    assert_single_process_updates,
+    gloo_only,
+    rank_job,
+    run_spec,
+    single_once,
+)
 from trainer.hosts import (
     HostPlace,
     HostsNotGathered,
@@ -26,7 +31,6 @@ from trainer.hosts import (
     host_position,
     serve_rendezvous,
 )
-from trainer.models import load_causal_lm
 from trainer.rank_launch import RankFailed, RankJob, RanksStopped, launch
 from trainer.worker_hosts import LeaderPoll
 
@@ -90,31 +94,12 @@ def test_two_hosts_make_the_single_process_updates(
     algorithm: str, sharding: str, tiny_cache: Path, tmp_path: Path
 ) -> None:
     one = single_once(algorithm, tiny_cache, tmp_path / "one")
-    spec = run_spec(algorithm)
-    job = RankJob(
-        spec=spec,
-        data=rows(spec),
-        context=functools.partial(rank_context, str(tiny_cache), str(tmp_path / "two")),
-        reporter=memory_reporter,
-        collect=metrics_and_result,
-        sharding=sharding,  # type: ignore[arg-type]
+    job = rank_job(
+        run_spec(algorithm), functools.partial(rank_context, str(tiny_cache), str(tmp_path / "two")), sharding
     )
     lead, other = two_hosts(job)
     assert other is None  # rank 0, and with it the run's outputs, is on the leader's host
-    assert lead["status"] == "succeeded"
-    for key in KEYS[algorithm]:
-        expected = series(one["metrics"], key)
-        assert len(expected) == COUNTS.get(key, STEPS), key
-        tolerance = {"rel": 1e-5} if key == "grad_norm" else {"abs": 1e-5}
-        got = series(lead["metrics"], key)
-        if key == "rewards/accuracy":  # step 1: policy == reference, the implicit rewards are float noise
-            got, expected = got[1:], expected[1:]
-        assert got == pytest.approx(expected, **tolerance), key
-    assert lead["checkpoints"] == one["checkpoints"] == [STEPS]
-    a, _ = load_causal_lm(one["output"])
-    b, _ = load_causal_lm(lead["output"])
-    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
-        torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    assert_single_process_updates(algorithm, one, lead)
 
 
 @pytest.mark.slow
@@ -124,14 +109,7 @@ def test_a_rank_that_fails_on_one_host_ends_the_ranks_of_both_naming_it(
 ) -> None:
     """Global rank 1 (the other host's only rank) raises: both hosts' launches fail, the other host's
     naming its rank by its global number and host."""
-    spec = run_spec()
-    job = RankJob(
-        spec=spec,
-        data=rows(spec),
-        context=functools.partial(failing_context, str(tiny_cache), str(tmp_path)),
-        reporter=memory_reporter,
-        collect=metrics_and_result,
-    )
+    job = rank_job(run_spec(), functools.partial(failing_context, str(tiny_cache), str(tmp_path)))
     store = serve_rendezvous(LOOPBACK)
     key = f"test-{uuid.uuid4().hex}"
     errors: dict[bool, BaseException] = {}
@@ -233,14 +211,7 @@ def test_a_host_that_fails_after_the_gathering_ends_the_leaders_ranks_at_once(
     """The other host gathers, then cannot start its ranks (it tells the gathering): the leader's rank,
     waiting for its peer to join the process group, is ended within seconds with that host's reason,
     not after torch's 30-minute timeout."""
-    spec = run_spec()
-    job = RankJob(
-        spec=spec,
-        data=rows(spec),
-        context=functools.partial(rank_context, str(tiny_cache), str(tmp_path)),
-        reporter=memory_reporter,
-        collect=metrics_and_result,
-    )
+    job = rank_job(run_spec(), functools.partial(rank_context, str(tiny_cache), str(tmp_path)))
     store = serve_rendezvous(LOOPBACK)
     key = f"test-{uuid.uuid4().hex}"
     polls: list[LeaderPoll] = []
