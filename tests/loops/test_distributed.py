@@ -1,10 +1,11 @@
-"""One run on 2 ranks (gloo on CPU, started by torch's elastic launcher): DPO and GRPO over DDP and over
-FSDP2, and SFT with a LoRA adapter over FSDP2, make the single-process run's updates on the same global
-batch, so their losses and metrics match to 1e-5 over 10 steps, and the final model (written by rank 0
-alone, gathered from the shards under FSDP2) equals the single-process one. GRPO's ranks each sample their
-half of a step's prompts (row-keyed sampling draws what one process would) and gather the rollouts. A rank
-that raises ends every rank, naming it (a rank killed outright: tests/integration/test_multi_rank_runs.py,
-through the worker's lost-worker path)."""
+"""One run on 2 ranks (gloo on CPU, started by torch's elastic launcher), of one host or one on each of two
+hosts (trainer/hosts.py; tests/loops/host_helpers.py): DPO and GRPO over DDP and over FSDP2, and SFT with a
+LoRA adapter over FSDP2, make the single-process run's updates on the same global batch, so their losses
+and metrics match to 1e-5 over 10 steps, and the final model (written by rank 0 alone, gathered from the
+shards under FSDP2) equals the single-process one. GRPO's ranks each sample their half of a step's prompts
+(row-keyed sampling draws what one process would) and gather the rollouts. A rank that raises ends every
+rank, naming it (a rank killed outright: tests/integration/test_multi_rank_runs.py, through the worker's
+lost-worker path)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 
 from tests.loop_context import loop_ctx
 from tests.loops.addition_rows import PAIRS, PROMPTS, SFT, VOWEL_REWARD
+from tests.loops.host_helpers import two_hosts
 from tests.loops.rank_helpers import (
     failing_context,
     memory_reporter,
@@ -164,6 +166,26 @@ def assert_single_process_updates(algorithm: str, one: dict[str, Any], many: dic
     b, _ = load_causal_lm(many["output"])
     for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(y, x, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+@gloo_only
+@pytest.mark.parametrize(
+    ("algorithm", "sharding"),
+    [("dpo", "ddp"), ("dpo", "fsdp"), ("grpo", "ddp"), ("grpo", "fsdp")],
+)
+def test_two_hosts_make_the_single_process_updates(
+    algorithm: str, sharding: str, tiny_cache: Path, tmp_path: Path
+) -> None:
+    """One rank on each of two hosts (tests/loops/host_helpers.py; through worker processes:
+    tests/integration/test_multi_host_runs.py): the same updates as one process, DDP and FSDP2."""
+    one = single_once(algorithm, tiny_cache, tmp_path / "one")
+    job = rank_job(
+        run_spec(algorithm), functools.partial(rank_context, str(tiny_cache), str(tmp_path / "two")), sharding
+    )
+    lead, other = two_hosts(job)
+    assert other is None  # rank 0, and with it the run's outputs, is on the leader's host
+    assert_single_process_updates(algorithm, one, lead)
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
-"""One run's ranks on two hosts (trainer/hosts.py): the hosts gather through torch's c10d rendezvous on the
-leader's store, each starts its ranks at its place, and the run makes the single-process updates (DPO and
-GRPO, DDP and FSDP2, losses and metrics to 1e-5 over 10 steps, as for two ranks of one host). Here the two
-"hosts" are two threads of the test process, each with its own rendezvous handler and ranks, meeting over
-loopback; tests/integration/test_multi_host_runs.py runs them as two Celery workers."""
+"""A run's hosts (trainer/hosts.py): placement (the leader's host first), the rendezvous' timeout, a stop
+while gathering, seats against duplicate joins, and failures that cross hosts (a rank failing on one host
+ends both; a host failing after the gathering ends the leader's rank at once). The "hosts" are threads of
+the test process, each with its own rendezvous handler and ranks, meeting over loopback
+(tests/loops/host_helpers.py); that two hosts make one process's updates is in
+tests/loops/test_distributed.py, and through worker processes in tests/integration/test_multi_host_runs.py."""
 
 from __future__ import annotations
 
@@ -15,13 +16,12 @@ from typing import Any
 
 import pytest
 
+from tests.loops.host_helpers import LOOPBACK, host, on_threads
 from tests.loops.rank_helpers import failing_context, rank_context
 from tests.loops.test_distributed import (
-    assert_single_process_updates,
     gloo_only,
     rank_job,
     run_spec,
-    single_once,
 )
 from trainer.hosts import (
     HostPlace,
@@ -31,75 +31,8 @@ from trainer.hosts import (
     host_position,
     serve_rendezvous,
 )
-from trainer.rank_launch import RankFailed, RankJob, RanksStopped, launch
+from trainer.rank_launch import RankFailed, RanksStopped, launch
 from trainer.worker_hosts import LeaderPoll
-
-LOOPBACK = "127.0.0.1"
-
-
-def on_threads(*calls: Any) -> list[Any]:
-    """Run each call on a thread of its own; their results (an exception is raised here, the first)."""
-    out: list[Any] = [None] * len(calls)
-
-    def run(i: int) -> None:
-        try:
-            out[i] = calls[i]()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    for value in out:
-        if isinstance(value, BaseException):
-            raise value
-    return out
-
-
-def host(store: Any, key: str, hosts: int, *, leader: bool, timeout: float = 60.0, then: Any = None) -> Any:
-    """One host's part: gather (as the leader on ``store``, or as a client of it), then ``then(place)``."""
-    if not leader:
-        store = connect_rendezvous(f"{LOOPBACK}:{store.port}", 30)
-    with Rendezvous(store, key, hosts, address=LOOPBACK, timeout=timeout, leader=leader,
-                    identity="leader" if leader else f"joiner-{threading.get_ident()}") as rdzv:  # fmt: skip
-        place = rdzv.gather()
-        return (place, then(place) if then is not None else None, rdzv.identities())
-
-
-def two_hosts(job: RankJob, devices: int = 1) -> tuple[Any, Any]:
-    """``job`` on two hosts of ``devices`` ranks each: (the leader's result, the other host's)."""
-    store = serve_rendezvous(LOOPBACK)
-    key = f"test-{uuid.uuid4().hex}"
-
-    def train(place: HostPlace) -> Any:
-        return launch(job, devices, place=place)
-
-    lead, other = on_threads(
-        lambda: host(store, key, 2, leader=True, then=train),
-        lambda: host(store, key, 2, leader=False, then=train),
-    )
-    assert (lead[0].position, other[0].position) == (0, 1)
-    return lead[1], other[1]
-
-
-@pytest.mark.slow
-@gloo_only
-@pytest.mark.parametrize(
-    ("algorithm", "sharding"),
-    [("dpo", "ddp"), ("dpo", "fsdp"), ("grpo", "ddp"), ("grpo", "fsdp")],
-)
-def test_two_hosts_make_the_single_process_updates(
-    algorithm: str, sharding: str, tiny_cache: Path, tmp_path: Path
-) -> None:
-    one = single_once(algorithm, tiny_cache, tmp_path / "one")
-    job = rank_job(
-        run_spec(algorithm), functools.partial(rank_context, str(tiny_cache), str(tmp_path / "two")), sharding
-    )
-    lead, other = two_hosts(job)
-    assert other is None  # rank 0, and with it the run's outputs, is on the leader's host
-    assert_single_process_updates(algorithm, one, lead)
 
 
 @pytest.mark.slow

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.loop_context import loop_ctx
+from tests.loops.host_helpers import two_hosts
 from tests.loops.rank_helpers import memory_reporter, metrics_and_result, rank_context
-from tests.loops.test_hosts import two_hosts
 from tests.rollout.test_served_engine import LOGPROB_TOLERANCE, ROWS, engine_python_or_skip, engine_servers
 from trainer.loops import LOOPS
 from trainer.rank_launch import RankFailed, RankJob, launch
