@@ -111,21 +111,23 @@ class CeleryEnqueue:
             self._app = make_celery(self._settings)
         return self._app
 
-    def __call__(self, run_id: uuid.UUID, queue: str | None = None) -> None:
-        """Send ``run_id`` to ``queue`` (the run spec's), or the server's default queue."""
+    def _send(self, task: str, args: list[str], queue: str | None) -> None:
+        """Send ``task`` to ``queue``, or the server's default queue; a failure is a broker fault."""
         try:
-            self._celery().send_task(TASK_NAME, args=[str(run_id)], queue=queue or self._settings.queue)
+            self._celery().send_task(task, args=args, queue=queue or self._settings.queue)
         except Exception:
             self._health.fault()
             raise
+
+    def __call__(self, run_id: uuid.UUID, queue: str | None = None) -> None:
+        """Send ``run_id`` to ``queue`` (the run spec's), or the server's default queue."""
+        self._send(TASK_NAME, [str(run_id)], queue)
         log.info("run %s enqueued", run_id)
 
     def join(self, run_id: uuid.UUID, token: str, count: int, queue: str | None = None) -> None:
         """Ask ``count`` workers of ``queue`` to join the gathering ``token`` of multi-host run ``run_id``."""
         for _ in range(count):
-            self._celery().send_task(
-                JOIN_TASK_NAME, args=[str(run_id), token], queue=queue or self._settings.queue
-            )
+            self._send(JOIN_TASK_NAME, [str(run_id), token], queue)
         log.info("run %s: %d join task(s) sent", run_id, count)
 
     def ping(self) -> None:

@@ -731,13 +731,6 @@ def join_run(
             spec,
             data,
             functools.partial(run_context, settings, session_factory),
-            reporter=functools.partial(
-                rank_zero_reporter,
-                settings.resolved_database_url,
-                str(run_id),
-                worker_id,
-                settings.lease_seconds,
-            ),
             session_factory=session_factory,
             settings=settings,
             run_id=run_id,

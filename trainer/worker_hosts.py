@@ -148,7 +148,7 @@ def send_joins(settings: Settings, run_id: uuid.UUID, token: str, count: int, qu
     queue)."""
     try:
         CeleryEnqueue(settings).join(run_id, token, count, queue=queue)
-    except Exception as exc:  # noqa: BLE001 - noted by CeleryEnqueue, told in the run's events
+    except Exception as exc:  # noqa: BLE001 - a broker fault (CeleryEnqueue notes it), told in the events
         raise HostsNotGathered(f"could not ask the broker for {count} more host(s): {one_line(exc)}") from exc
 
 
@@ -220,12 +220,16 @@ def lead_on_hosts(
     return result
 
 
+def no_rank_zero() -> Reporter:
+    """The rank-0 reporter of a joining host's job, never built: global rank 0 trains on the leader's."""
+    raise RuntimeError("a joining host has no rank 0 (it trains on the leader's host)")
+
+
 def join_hosts(
     spec: AnyRunSpec,
     data: RunData,
     context: Callable[[Path, Path | None], LoopContext],
     *,
-    reporter: Callable[[], Reporter],
     session_factory: Any,
     settings: Settings,
     run_id: uuid.UUID,
@@ -258,7 +262,7 @@ def join_hosts(
             ctx = context(
                 Path(plan["checkpoint_dir"]), Path(plan["resume_from"]) if plan["resume_from"] else None
             )
-            job = rank_job(spec, data, ctx, reporter)
+            job = rank_job(spec, data, ctx, no_rank_zero)
         except Exception as exc:
             rdzv.fail(one_line(exc))
             raise

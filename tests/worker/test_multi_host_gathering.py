@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -181,3 +182,14 @@ def test_a_broker_that_will_not_take_the_join_tasks_puts_the_run_back_in_the_que
     assert queued.message == "queued" and queued.data is not None
     reason = queued.data
     assert reason["reason"].startswith("could not ask the broker for 1 more host(s): ")
+
+
+def test_join_tasks_the_broker_refuses_are_a_broker_fault(tmp_path: Path) -> None:
+    """As for a run id (api/queue.py): the reconciler re-sends every queued run once the broker is back."""
+    from api.queue import BrokerHealth, CeleryEnqueue
+
+    health = BrokerHealth()
+    gone = f"sqla+sqlite:///{tmp_path / 'no-such-folder' / 'broker.db'}"
+    with pytest.raises(Exception, match="unable to open database file"):
+        CeleryEnqueue(Settings(home=tmp_path, broker_url=gone), health=health).join(uuid.uuid4(), "t", 1)
+    assert health.pending() == 1
