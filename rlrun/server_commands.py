@@ -37,6 +37,7 @@ def cmd_migrate(_args: argparse.Namespace) -> int:
 def cmd_worker(_args: argparse.Namespace) -> int:
     """One Celery worker, solo pool (CUDA and prefork do not mix; DataLoader workers need a parent)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from celery.signals import celeryd_init
     from transformers.utils import logging as hf_logging
 
     from trainer.worker import default_worker_id, make_worker_app
@@ -45,6 +46,11 @@ def cmd_worker(_args: argparse.Namespace) -> int:
     settings = _settings()
     settings.home.mkdir(parents=True, exist_ok=True)
     app = make_worker_app(settings)
+    # Celery's worker_main (and app.start) drop the worker's exit code; read it off the worker, so one that
+    # Celery stopped on an error it cannot recover from exits 1 and `rlrun serve` (or systemd, or Docker)
+    # sees it and starts another
+    workers: list[Any] = []
+    celeryd_init.connect(lambda instance, **_: workers.append(instance), weak=False)
     app.worker_main(
         [
             "worker",
@@ -60,7 +66,7 @@ def cmd_worker(_args: argparse.Namespace) -> int:
             "--without-heartbeat",
         ]
     )
-    return 0
+    return int(workers[-1].exitcode or 0) if workers else 1
 
 
 def cmd_inference(args: argparse.Namespace) -> int:
@@ -94,17 +100,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from api.settings import get_settings
+    from rlrun.kept_process import KeptProcess
     from trainer.ports import free_port
 
     cmd_migrate(args)
     settings = _settings()
-    inference = None
+    children: list[KeptProcess] = []
     if not args.no_inference and not settings.inference_url:
         inference_port = free_port()
-        inference = subprocess.Popen(
-            [sys.executable, "-m", "rlrun.cli", "inference", "--port", str(inference_port)],
-            preexec_fn=_die_with_parent,
-        )
+        command = [sys.executable, "-m", "rlrun.cli", "inference", "--port", str(inference_port)]
+        children.append(KeptProcess("inference process", lambda: _child(command)))
         os.environ["RLRUN_INFERENCE_URL"] = f"http://127.0.0.1:{inference_port}"
         get_settings.cache_clear()  # the API (built by uvicorn from the environment) must see the URL
         settings = _settings()
@@ -122,9 +127,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with the default handler that would
     # kill this process before `finally` stops the worker. Exiting through SystemExit keeps `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    worker = None
     if not args.no_worker:
-        worker = subprocess.Popen([sys.executable, "-m", "rlrun.cli", "worker"], preexec_fn=_die_with_parent)
+        children.append(KeptProcess("worker", lambda: _child([sys.executable, "-m", "rlrun.cli", "worker"])))
+    for child in children:  # each starts another process when its own exits, until stopped
+        child.start()
     reconciler = _start_reconciler(settings)
     dispatcher = _start_webhook_dispatcher(settings)
     try:
@@ -138,16 +144,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         reconciler.stop()
         dispatcher.stop()
-        for child in (worker, inference):
-            if child is not None:
-                child.send_signal(signal.SIGTERM)
-        for child in (worker, inference):
-            if child is not None:
-                try:
-                    child.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    child.kill()
+        for process in [child.stop() for child in children]:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
     return 0
+
+
+def _child(command: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(command, preexec_fn=_die_with_parent)
 
 
 def _start_reconciler(settings: Settings) -> Any:
@@ -178,7 +184,9 @@ def _start_webhook_dispatcher(settings: Settings) -> Any:
 
 
 def _die_with_parent() -> None:
-    """Linux: the worker gets SIGTERM if `rlrun serve` dies, even by SIGKILL (no orphaned workers)."""
+    """Linux: the worker gets SIGTERM if `rlrun serve` dies, even by SIGKILL (no orphaned workers). The
+    kernel sends it when the thread that started the child ends: the main thread, or the KeptProcess thread
+    of a restarted child, which lives until its child has exited."""
     if sys.platform.startswith("linux"):
         import ctypes
 

@@ -89,10 +89,27 @@ def embedded_server(
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             wait_healthy(client, proc)
             yield client
+    except BaseException:  # a failing test shows what the server (and its worker) said meanwhile
+        print(f"--- the end of {home / 'serve.log'} ---\n{(home / 'serve.log').read_text()[-6000:]}")
+        raise
     finally:
         stop_process(proc, timeout=40)
         log.close()
     assert proc.returncode == 0, (home / "serve.log").read_text()[-3000:]
+
+
+def serve_workers(home: Path) -> list[int]:
+    """The pids of the `rlrun worker` processes running with RLRUN_HOME ``home`` (Linux /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):  # not a process, or gone meanwhile
+            continue
+        if argv[1:4] == [b"-m", b"rlrun.cli", b"worker"] and f"RLRUN_HOME={home}".encode() in environ:
+            pids.append(int(entry.name))
+    return pids
 
 
 def create_key(home: Path, project: str) -> str:

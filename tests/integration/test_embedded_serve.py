@@ -6,6 +6,8 @@ long run end to end.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,15 +20,28 @@ import pytest
 
 from rlrun.demo import addition_pairs, rl_part
 from tests.factories import jsonl
-from tests.integration.flow import FINISHED, all_metrics, embedded_server, submit_dpo, upload_pairs, wait_for
+from tests.integration.flow import (
+    FINISHED,
+    all_metrics,
+    embedded_server,
+    serve_workers,
+    submit_dpo,
+    upload_pairs,
+    wait_for,
+)
 from trainer.specs import GroupAlgorithm
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    with embedded_server(tmp_path_factory.mktemp("embedded")) as client:
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("embedded")
+
+
+@pytest.fixture(scope="module")
+def served(home: Path) -> Iterator[httpx.Client]:
+    with embedded_server(home) as client:
         yield client
 
 
@@ -199,3 +214,17 @@ def test_the_example_openai_agent_trains_an_agent_run_on_sqlite(served: httpx.Cl
     metrics = {(m["key"], m["step"]): m["value"] for m in all_metrics(served, run_id)}
     assert metrics[("episode/timeout_frac", 2)] == 0.0 and ("loss/total", 2) in metrics
     assert ("eval/accuracy", 0) in metrics and ("eval/accuracy", 2) in metrics
+
+
+def test_a_killed_worker_is_started_again_and_takes_the_next_run(served: httpx.Client, home: Path) -> None:
+    """`rlrun serve` keeps its worker: killed (as the OOM killer does), another starts, and a run sent
+    afterwards trains (it sat queued for good before: nothing was left to take it)."""
+    (killed,) = serve_workers(home)
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while not (started := [pid for pid in serve_workers(home) if pid != killed]):
+        assert time.monotonic() < deadline, "no worker was started again"
+        time.sleep(0.2)
+    run = submit_dpo(served, upload_pairs(served, n=40)["id"], steps=2)
+    assert wait_for(served, run["id"], lambda r: r["status"] in FINISHED)["status"] == "succeeded"
+    assert serve_workers(home) == started  # the run's worker, still the one started again

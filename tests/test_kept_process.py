@@ -1,0 +1,58 @@
+"""rlrun/kept_process.py: `rlrun serve`'s children are started again when they exit, with a backoff, and
+not after stop()."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from rlrun.kept_process import KeptProcess
+
+
+def starter(code: str, starts: list[float]) -> object:
+    def start() -> subprocess.Popen[bytes]:
+        starts.append(time.monotonic())
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    return start
+
+
+def test_a_child_that_exits_is_started_again_with_a_doubling_delay() -> None:
+    starts: list[float] = []
+    kept = KeptProcess("child", starter("raise SystemExit(3)", starts), first_delay=0.3, max_delay=0.6)  # type: ignore[arg-type]
+    kept.start()
+    deadline = time.monotonic() + 60
+    while len(starts) < 4:
+        assert time.monotonic() < deadline, starts
+        time.sleep(0.05)
+    kept.stop().wait(timeout=30)
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    # each gap: the child's own life (a Python start-up) plus the delay: 0.3, then 0.6, then 0.6 (the cap)
+    assert gaps[0] >= 0.3 and gaps[1] >= 0.6 and gaps[2] >= 0.6, gaps
+    assert kept.restarts >= 3
+
+
+def test_stop_ends_the_running_child_and_starts_no_other() -> None:
+    starts: list[float] = []
+    kept = KeptProcess("child", starter("import time; time.sleep(300)", starts), first_delay=0.05)  # type: ignore[arg-type]
+    kept.start()
+    process = kept.stop()
+    assert process.wait(timeout=30) == -15  # SIGTERM
+    kept.join(timeout=30)
+    assert not kept.is_alive() and len(starts) == 1 and kept.restarts == 0
+
+
+def test_a_child_that_lived_long_enough_is_started_again_after_the_first_delay() -> None:
+    starts: list[float] = []
+    # the child lives 0.5 s, longer than healthy_after: the delay never grows past the first
+    code = "import time; time.sleep(0.5)"
+    kept = KeptProcess("child", starter(code, starts), first_delay=0.1, max_delay=10, healthy_after=0.4)  # type: ignore[arg-type]
+    kept.start()
+    deadline = time.monotonic() + 60
+    while len(starts) < 4:
+        assert time.monotonic() < deadline, starts
+        time.sleep(0.05)
+    kept.stop().wait(timeout=30)
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert all(gap < 0.5 + 0.1 + 2.0 for gap in gaps), gaps  # not 0.1 + 0.2 + 0.4 ... (would reach 10 s)
