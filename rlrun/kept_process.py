@@ -40,6 +40,7 @@ class KeptProcess(threading.Thread):
         self._stopped = threading.Event()
         self.process = start()
         self.restarts = 0
+        self.delays: list[float] = []  # the wait before each start after the first
 
     def run(self) -> None:
         delay = self._first_delay
@@ -51,6 +52,7 @@ class KeptProcess(threading.Thread):
             if time.monotonic() - began >= self._healthy_after:
                 delay = self._first_delay
             log.warning("the %s exited with code %s; starting another in %.0f s", self.what, code, delay)
+            self.delays.append(delay)
             if self._stopped.wait(delay):
                 return
             with self._lock:  # stop() either sees the new process or stops this loop before it starts
