@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -106,13 +107,24 @@ def test_killing_a_rank_requeues_the_run_which_resumes_and_finishes(client: Test
     checkpoints = client.get(f"/v1/runs/{run_id}/checkpoints").json()
     assert max(c["step"] for c in checkpoints) == 24  # rank 0 wrote the final one, the whole model gathered
     attempts = sorted(home.rglob(f"offline-run-*-{uuid.UUID(run_id).hex}"))
-    # one W&B run id, written by each attempt's rank 0 (the first may be killed before its mirror opened it)
-    assert 1 <= len(attempts) <= 2
+    # one W&B run id, logged to by each attempt's rank 0 (the first may be killed before its mirror opened
+    # it). A try whose init failed (seen once under heavy load: "run ID in use" while the killed rank's
+    # W&B service let go of it) leaves a folder with no history, and the sink tries again.
+    logged = [records for records in map(_records, attempts) if any("history" in r for r in records)]
+    assert 1 <= len(logged) <= 2, attempts
     mirrored = {}
-    for record in wandb_records(attempts[-1]):
+    for record in logged[-1]:
         item = record.get("history", {}).get("item", {})
         if "loss" in item:
             mirrored[int(item["rlrun_step"])] = float(item["loss"])
     resumed = min(mirrored)
     assert 4 <= resumed and sorted(mirrored) == list(range(resumed, 25))
     assert all(mirrored[s] == pytest.approx(loss[s], rel=1e-6) for s in mirrored)
+
+
+def _records(folder: Path) -> list[dict[str, Any]]:
+    """The records of an offline W&B run folder; none where W&B wrote no log there (an init that failed)."""
+    try:
+        return wandb_records(folder)
+    except subprocess.CalledProcessError:
+        return []
