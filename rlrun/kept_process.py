@@ -65,6 +65,10 @@ class KeptProcess(threading.Thread):
                     log.exception("could not start the %s", self.what)
             delay = min(2 * delay, self._max_delay)
 
+    def no_more_restarts(self) -> None:
+        """Start no other process from now on (what a signal handler may call: it only sets an event)."""
+        self._stopped.set()
+
     def stop(self) -> subprocess.Popen[bytes]:
         """No more restarts; SIGTERM to the process now running (waiting on it is the caller's)."""
         with self._lock:

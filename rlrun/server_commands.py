@@ -16,6 +16,8 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from api.settings import Settings
 
 
@@ -98,6 +100,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Migrate, start one worker process, the inference process and the reconciler, then serve the API
     until interrupted."""
     import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
 
     from api.settings import get_settings
     from rlrun.kept_process import KeptProcess
@@ -131,16 +134,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         children.append(KeptProcess("worker", lambda: _child([sys.executable, "-m", "rlrun.cli", "worker"])))
     for child in children:  # each starts another process when its own exits, until stopped
         child.start()
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Ctrl+C reaches the children too (one process group): a worker that stops on it must not be
+            # started again while the API shuts down
+            for child in children:
+                child.no_more_restarts()
+            super().handle_exit(sig, frame)
+
     reconciler = _start_reconciler(settings)
     dispatcher = _start_webhook_dispatcher(settings)
+    server = Server(
+        uvicorn.Config("api.main:create_app", factory=True, host=host, port=port, log_level="warning")
+    )
     try:
-        uvicorn.run(
-            "api.main:create_app",
-            factory=True,
-            host=host,
-            port=port,
-            log_level="warning",
-        )
+        server.run()
+        if not server.started:  # the port is taken, say (uvicorn has said so): as `uvicorn.run` exits
+            return STARTUP_FAILURE
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl+C again once it has shut down: no traceback
+        return 128 + signal.SIGINT
     finally:
         reconciler.stop()
         dispatcher.stop()
