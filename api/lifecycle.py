@@ -247,22 +247,23 @@ def release_ungathered(session: Session, run_id: uuid.UUID, worker_id: str, reas
     ).one_or_none()
     if flags is None:
         return None
+    cancel_requested, pause_requested = flags
     values: dict[str, Any] = {"worker_id": None, "lease_expires_at": None, "rendezvous": None}
     values.update(NO_PHASE)
-    if flags[0]:
-        to, data = "cancelled", {"reason": reason}
+    if cancel_requested:
+        to = "cancelled"
         values["finished_at"] = utcnow()
-    elif flags[1]:
-        to, data = "paused", {"reason": reason}
+    elif pause_requested:
+        to = "paused"
         values["pause_requested"] = False
     else:
-        to, data = "queued", {"reason": reason}
+        to = "queued"
         values["enqueued_at"] = None
     if not _move(
         session, run_id, sources=("running",), to=to, guard=[Run.worker_id == worker_id], values=values
     ):
         return None
-    add_event(session, run_id, "status", to, data)
+    add_event(session, run_id, "status", to, {"reason": reason})
     return to
 
 

@@ -35,7 +35,6 @@ import json
 import logging
 import random
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -51,7 +50,7 @@ from trainer.phases import RunStopped
 from trainer.rank_launch import RankFailed
 from trainer.reporting import LeaseLost, LoopContext, LoopResult, Reporter, RunData, one_line
 from trainer.specs import AnyRunSpec
-from trainer.worker_ranks import STOP_GRACE_SECONDS, StopPoll, rank_job, train_on_ranks
+from trainer.worker_ranks import STOP_GRACE_SECONDS, StopPoll, Throttle, rank_job, train_on_ranks
 
 log = logging.getLogger("rlrun.worker")
 PLAN_KEY = "rlrun/plan"
@@ -95,13 +94,11 @@ class GatheringLeft:
     ended): a joining host's ranks then have no run to train for. Read at most every ``every`` seconds."""
 
     def __init__(self, session_factory: Any, run_id: uuid.UUID, token: str, every: float = POLL_SECONDS):
-        self.sf, self.run_id, self.token, self.every = session_factory, run_id, token, every
-        self.checked, self.left = 0.0, False
+        self.sf, self.run_id, self.token, self.due = session_factory, run_id, token, Throttle(every)
+        self.left = False
 
     def __call__(self) -> bool:
-        now = time.monotonic()
-        if not self.left and now - self.checked >= self.every:
-            self.checked = now
+        if not self.left and self.due():
             current = current_rendezvous(self.sf, self.run_id)
             self.left = current is None or current.get("token") != self.token
         return self.left
@@ -128,14 +125,11 @@ class LeaderPoll:
     next collective), which it keeps to raise as ``RankFailed``."""
 
     def __init__(self, stop: Callable[[], bool], rdzv: Rendezvous):
-        self.stop, self.rdzv = stop, rdzv
+        self.stop, self.rdzv, self.due = stop, rdzv, Throttle(POLL_SECONDS)
         self.host_failure: str | None = None
-        self.checked = 0.0
 
     def __call__(self) -> bool:
-        now = time.monotonic()
-        if now - self.checked >= POLL_SECONDS:
-            self.checked = now
+        if self.due():
             self.host_failure = self.rdzv.failed()
             if self.host_failure is not None:
                 return True

@@ -90,18 +90,31 @@ def rank_zero_result(reporter: Reporter, result: LoopResult) -> dict[str, Any]:
     }
 
 
+class Throttle:
+    """True at most once every ``seconds`` (the first call is): how the polls of the database or of a
+    gathering that a launcher calls in its loop space their reads."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.last = seconds, float("-inf")
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self.last < self.seconds:
+            return False
+        self.last = now
+        return True
+
+
 class StopPoll:
     """True once a cancel or pause has waited ``grace`` seconds for the ranks to stop by themselves."""
 
     def __init__(self, session_factory: Any, run_id: uuid.UUID, grace: float, every: float = 1.0):
-        self.sf, self.run_id, self.grace, self.every = session_factory, run_id, grace, every
+        self.sf, self.run_id, self.grace, self.due = session_factory, run_id, grace, Throttle(every)
         self.asked_at: float | None = None
-        self.checked = 0.0
 
     def __call__(self) -> bool:
         now = time.monotonic()
-        if self.asked_at is None and now - self.checked >= self.every:
-            self.checked = now
+        if self.asked_at is None and self.due():
             with self.sf() as session:
                 row = session.execute(
                     select(Run.cancel_requested, Run.pause_requested).where(Run.id == self.run_id)

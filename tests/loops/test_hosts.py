@@ -170,3 +170,14 @@ def test_a_host_that_fails_after_the_gathering_ends_the_leaders_ranks_at_once(
     waited, _ = on_threads(lead, join_then_fail)
     assert waited < 15
     assert polls[0].host_failure == "host-b: OSError: no space left on device"
+
+
+def test_a_throttle_is_due_at_first_then_once_per_period() -> None:
+    import time
+
+    from trainer.worker_ranks import Throttle
+
+    due = Throttle(0.3)
+    assert due() and not due() and not due()
+    time.sleep(0.35)
+    assert due() and not due()
