@@ -98,18 +98,25 @@ def embedded_server(
     assert proc.returncode == 0, (home / "serve.log").read_text()[-3000:]
 
 
-def serve_workers(home: Path) -> list[int]:
-    """The pids of the `rlrun worker` processes running with RLRUN_HOME ``home`` (Linux /proc)."""
-    pids = []
+def processes_of(home: Path) -> Iterator[tuple[int, list[bytes], int]]:
+    """(pid, argv, parent pid) of each process running with RLRUN_HOME ``home`` (Linux /proc)."""
+    marker = f"RLRUN_HOME={home}".encode()
     for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):  # not a process, or gone meanwhile
+        if not entry.name.isdigit():
             continue
-        if argv[1:4] == [b"-m", b"rlrun.cli", b"worker"] and f"RLRUN_HOME={home}".encode() in environ:
-            pids.append(int(entry.name))
-    return pids
+        try:
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+        yield int(entry.name), argv, parent
+
+
+def serve_workers(home: Path) -> list[int]:
+    """The pids of the `rlrun worker` processes running with RLRUN_HOME ``home``."""
+    return [pid for pid, argv, _ in processes_of(home) if argv[1:4] == [b"-m", b"rlrun.cli", b"worker"]]
 
 
 def create_key(home: Path, project: str) -> str:

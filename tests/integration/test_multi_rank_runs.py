@@ -20,7 +20,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from tests.factories import jsonl
-from tests.integration.flow import FINISHED, all_metrics, pg_redis_worker, wait_for
+from tests.integration.flow import FINISHED, all_metrics, pg_redis_worker, processes_of, wait_for
 from tests.loops.addition_rows import pairs
 from tests.tracker_readers import wandb_records
 
@@ -69,18 +69,11 @@ def rank_pids(home: Path) -> list[int]:
     """The rank processes of this test's worker, oldest first (the launcher starts rank 0 first): forked
     by the worker's forkserver (trainer/rank_launch.py), whose environment holds the worker's RLRUN_HOME;
     the server itself is the one whose parent is not a forkserver."""
-    servers = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = set((entry / "environ").read_bytes().split(b"\0"))
-            cmd = (entry / "cmdline").read_bytes()
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if f"RLRUN_HOME={home}".encode() in env and b"multiprocessing.forkserver" in cmd:
-            servers[int(entry.name)] = parent
+    servers = {
+        pid: parent
+        for pid, argv, parent in processes_of(home)
+        if b"multiprocessing.forkserver" in b"\0".join(argv)
+    }
     return sorted(pid for pid, parent in servers.items() if parent in servers)
 
 
