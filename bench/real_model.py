@@ -214,7 +214,27 @@ def rlrun_run(
         f"  {label}: {args.steps} steps in {seconds:.0f} s" + (f"; warnings {warned}" if warned else ""),
         flush=True,
     )
+    print(f"    {step_shares(reporter)}", flush=True)
     return Curve(label, points, seconds)
+
+
+def step_shares(reporter: MemoryReporter) -> str:
+    """Where a logged step's time went (the loop logs ``perf/gen_s`` and ``perf/train_s`` every
+    ``log_every`` steps: rollouts with the engine's weight sync, then log-probs and updates) and how long
+    the sampled answers were, as means over the logged steps."""
+    by_key: dict[str, list[float]] = {}
+    for _, key, value in reporter.metrics:
+        by_key.setdefault(key, []).append(value)
+
+    def mean(key: str) -> float:
+        values = by_key.get(key) or [float("nan")]
+        return sum(values) / len(values)
+
+    return (
+        f"per logged step ({len(by_key.get('perf/gen_s', []))}): rollouts {mean('perf/gen_s'):.1f} s, "
+        f"log-probs + updates {mean('perf/train_s'):.1f} s, answers {mean('response/length_mean'):.0f} "
+        f"tokens (truncated {mean('response/truncated_frac'):.0%})"
+    )
 
 
 def trl_run(folder: Path, train: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> Curve:
@@ -257,11 +277,16 @@ def trl_run(folder: Path, train: list[dict[str, Any]], args: argparse.Namespace,
     reward.__name__ = "numeric"
     started = time.perf_counter()
     saved: list[tuple[int, float, Path]] = []
+    lengths: list[float] = []
 
     class Clock(TrainerCallback):  # type: ignore[misc]
         def on_save(self, _args: Any, state: Any, _control: Any, **_: Any) -> None:
             step = state.global_step // (hp.ppo_epochs * hp.minibatches)
             saved.append((step, time.perf_counter() - started, out / f"checkpoint-{state.global_step}"))
+
+        def on_log(self, _args: Any, _state: Any, _control: Any, logs: Any = None, **_: Any) -> None:
+            if logs and "completions/mean_length" in logs:  # TRL's mean over the steps since its last log
+                lengths.append(float(logs["completions/mean_length"]))
 
     model, tokenizer = load_causal_lm(str(folder))
     dataset = datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in train])
@@ -278,6 +303,8 @@ def trl_run(folder: Path, train: list[dict[str, Any]], args: argparse.Namespace,
     trainer.train()
     seconds = time.perf_counter() - started
     print(f"  trl: {args.steps} steps in {seconds:.0f} s", flush=True)
+    if lengths:
+        print(f"    answers {sum(lengths) / len(lengths):.0f} tokens (TRL's logged means)", flush=True)
     return Curve("trl", saved, seconds)
 
 
