@@ -26,8 +26,14 @@ way to its ``/v1/completions`` (the tiny model has no chat template for its chat
 ``max_tokens`` and temperature. ``vs vllm = rlrun tokens/s / vLLM's tokens/s``: what the API and the
 inference process in front of the engine cost (1: nothing).
 
+``--model-folder`` serves a model folder instead of the tiny preset (e.g. SmolLM2-135M-Instruct imported
+with ``rlrun models import smollm2-135m-instruct``): the server gets its parent as a model root and the
+requests name it by its folder's name; every contender loads it in its own dtype (float32 for an import).
+A real chat model stops at its end of turn, so the answers' lengths differ between contenders; tokens/s
+accounts for that.
+
 Run: ``.venv/bin/python bench/inference.py [--concurrency 1,8,32] [--max-tokens 64]
-[--backends hf,vllm_server] [--device cpu]``.
+[--backends hf,vllm_server] [--device cpu] [--model-folder PATH]``.
 """
 
 from __future__ import annotations
@@ -53,13 +59,18 @@ MODEL = "tiny:llama-10m"
 PROMPT = "What is {a} plus {b}? Answer with the number."
 
 
-def serve(home: Path, backend: str) -> tuple[subprocess.Popen[bytes], str]:
-    return rlrun_serve(home, ["--no-worker"], {"RLRUN_INFERENCE_BACKEND": backend})
+def serve(home: Path, backend: str, folder: Path | None) -> tuple[subprocess.Popen[bytes], str]:
+    env = {"RLRUN_INFERENCE_BACKEND": backend}
+    if folder is not None:  # the folder's parent is a model root: requests name the folder
+        env["RLRUN_MODEL_ROOTS"] = json.dumps([str(folder.parent)])
+    return rlrun_serve(home, ["--no-worker"], env)
 
 
-def one_request(url: str, i: int, max_tokens: int, start: float, out: list[dict[str, float]]) -> None:
+def one_request(
+    url: str, model: str, i: int, max_tokens: int, start: float, out: list[dict[str, float]]
+) -> None:
     body = {
-        "model": MODEL,
+        "model": model,
         "messages": [{"role": "user", "content": PROMPT.format(a=i, b=2 * i)}],
         "max_tokens": max_tokens,
         "temperature": 1.0,
@@ -147,11 +158,11 @@ def vllm_rounds(folder: str, levels: list[int], max_tokens: int) -> dict[int, di
         return {c: engine_round(engine.base_url, prompts[:c], max_tokens) for c in levels}
 
 
-def rlrun_round(url: str, concurrency: int, max_tokens: int) -> dict[str, Any]:
+def rlrun_round(url: str, model: str, concurrency: int, max_tokens: int) -> dict[str, Any]:
     out: list[dict[str, float]] = []
     start = time.perf_counter()
     threads = [
-        threading.Thread(target=one_request, args=(url, i, max_tokens, start, out))
+        threading.Thread(target=one_request, args=(url, model, i, max_tokens, start, out))
         for i in range(concurrency)
     ]
     for t in threads:
@@ -215,28 +226,34 @@ def main() -> None:
         help="rlrun inference backends, comma-separated (hf, vllm_server, vllm)",
     )
     parser.add_argument("--device", default="cpu", help="the transformers peer's device")
+    parser.add_argument(
+        "--model-folder", type=Path, default=None, help=f"a model folder to serve (default: {MODEL})"
+    )
     args = parser.parse_args()
+    folder_arg: Path | None = args.model_folder.resolve() if args.model_folder else None
+    model = folder_arg.name if folder_arg is not None else MODEL
     backends = args.backends.split(",")
     os.environ.setdefault("TQDM_DISABLE", "1")
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {MODEL}, max_tokens {args.max_tokens}"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {folder_arg or MODEL}, "
+        f"max_tokens {args.max_tokens}"
     )
     with tempfile.TemporaryDirectory(prefix="rlrun-inference-bench-") as tmp:
         home = Path(tmp)
         ours: dict[str, dict[int, dict[str, Any]]] = {}
         for backend in backends:
-            proc, url = serve(home, backend)
+            proc, url = serve(home, backend, folder_arg)
             try:
-                rlrun_round(url, 1, 4)  # warm-up: the inference process loads the model
+                rlrun_round(url, model, 1, 4)  # warm-up: the inference process loads the model
                 for c in levels:  # and one unmeasured round per level (vLLM's CPU kernels warm per shape)
-                    rlrun_round(url, c, args.max_tokens)
-                ours[backend] = {c: rlrun_round(url, c, args.max_tokens) for c in levels}
+                    rlrun_round(url, model, c, args.max_tokens)
+                ours[backend] = {c: rlrun_round(url, model, c, args.max_tokens) for c in levels}
             finally:
                 proc.terminate()
                 proc.wait(30)
-        folder = str(next((home / "cache" / "tiny").glob(MODEL.removeprefix("tiny:"))))
+        folder = str(folder_arg or next((home / "cache" / "tiny").glob(MODEL.removeprefix("tiny:"))))
         transformers_round(folder, 1, 4, args.device)  # warm-up
         peer = {c: transformers_round(folder, c, args.max_tokens, args.device) for c in levels}
         engine = vllm_rounds(folder, levels, args.max_tokens) if "vllm_server" in backends else {}
