@@ -136,11 +136,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         child.start()
 
     class Server(uvicorn.Server):
+        interrupted = False  # a Ctrl+C (SIGINT) began the shutdown
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             # Ctrl+C reaches the children too (one process group): a worker that stops on it must not be
             # started again while the API shuts down
             for child in children:
                 child.no_more_restarts()
+            self.interrupted = self.interrupted or sig == signal.SIGINT
             super().handle_exit(sig, frame)
 
     reconciler = _start_reconciler(settings)
@@ -152,7 +155,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server.run()
         if not server.started:  # the port is taken, say (uvicorn has said so): as `uvicorn.run` exits
             return STARTUP_FAILURE
-    except KeyboardInterrupt:  # uvicorn raises the Ctrl+C again once it has shut down: no traceback
+        if server.interrupted:
+            # uvicorn raises the Ctrl+C again once it has shut down, through the handler this process had
+            # before; where that handler does nothing (SIGINT ignored since the process started: a
+            # background job of a shell without job control), nothing is raised, and the exit code still
+            # says how serve ended
+            return 128 + signal.SIGINT
+    except KeyboardInterrupt:  # the Ctrl+C raised again (the usual case): no traceback
         return 128 + signal.SIGINT
     finally:
         reconciler.stop()
