@@ -222,16 +222,13 @@ def step_shares(reporter: MemoryReporter) -> str:
     """Where a logged step's time went (the loop logs ``perf/gen_s`` and ``perf/train_s`` every
     ``log_every`` steps: rollouts with the engine's weight sync, then log-probs and updates) and how long
     the sampled answers were, as means over the logged steps."""
-    by_key: dict[str, list[float]] = {}
-    for _, key, value in reporter.metrics:
-        by_key.setdefault(key, []).append(value)
 
     def mean(key: str) -> float:
-        values = by_key.get(key) or [float("nan")]
+        values = reporter.series(key) or [float("nan")]
         return sum(values) / len(values)
 
     return (
-        f"per logged step ({len(by_key.get('perf/gen_s', []))}): rollouts {mean('perf/gen_s'):.1f} s, "
+        f"per logged step ({len(reporter.series('perf/gen_s'))}): rollouts {mean('perf/gen_s'):.1f} s, "
         f"log-probs + updates {mean('perf/train_s'):.1f} s, answers {mean('response/length_mean'):.0f} "
         f"tokens (truncated {mean('response/truncated_frac'):.0%})"
     )
