@@ -117,6 +117,7 @@ def run_eval(spec: EvalSpec, data: RunData, reporter: Reporter, ctx: LoopContext
             model_path=root_base(path),
             max_model_len=hp.max_prompt_length + hp.max_new_tokens,
             on_restart=lambda message: reporter.event("warning", message),
+            seed=hp.seed,
         )
         ctx.cleanup.callback(engine.close)
         reward = build_reward(spec.rewards, ctx.resolve_model, device)

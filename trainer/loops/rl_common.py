@@ -108,6 +108,7 @@ def prepare_rl(
                 ctx.ranks,
                 max_model_len=engine_context(spec),
                 on_restart=lambda message: start.reporter.event("warning", message),
+                seed=hp.seed,
             )
         else:
             engine = make_engine(
@@ -119,6 +120,7 @@ def prepare_rl(
                 max_model_len=engine_context(spec),
                 on_restart=lambda message: start.reporter.event("warning", message),
                 threads=engine_threads,
+                seed=hp.seed,
             )
         ctx.cleanup.callback(engine.close)
         # an environment's step rewards, or the rewards an agent posts, are a component of the reward

@@ -19,6 +19,7 @@ def make_engine(
     max_model_len: int = 512,
     on_restart: Callable[[str], None] | None = None,
     threads: int | None = None,
+    seed: int = 0,
 ) -> RolloutEngine:
     """A rollout engine that generates with ``model``'s current weights; the one place that reads ``name``.
 
@@ -32,6 +33,8 @@ def make_engine(
         max_model_len: the longest prompt + completion the engine process must hold (``vllm_server``).
         on_restart: told when an engine process that had died was started again (``vllm_server``).
         threads: the engine process's cores (``vllm_server``; default: as many as this process's torch).
+        seed: the engine's sampling seed (``vllm``, ``vllm_server``: their requests carry none; the HF engine
+            takes each call's own seed).
 
     Raises:
         ValueError: unknown ``name``, listing the valid ones.
@@ -46,7 +49,7 @@ def make_engine(
     if name == "vllm":
         from trainer.rollout.vllm_engine import VllmEngine
 
-        engine = VllmEngine(model_path)
+        engine = VllmEngine(model_path, seed=seed)
         # vLLM loaded model_path from disk, but the policy may already differ from it (resumed from a
         # checkpoint), so the engine starts from the policy's weights rather than trusting the folder.
         engine.sync_weights(model)
@@ -55,7 +58,7 @@ def make_engine(
         from trainer.rollout.served_engine import start_served_engine
 
         served = start_served_engine(
-            model_path, model, max_model_len=max_model_len, on_restart=on_restart, threads=threads
+            model_path, model, max_model_len=max_model_len, on_restart=on_restart, threads=threads, seed=seed
         )
         try:
             served.sync_weights(model)  # as for vllm: the policy may already differ from its folder

@@ -107,6 +107,7 @@ def start_rank_shared_engine(
     *,
     max_model_len: int,
     on_restart: Callable[[str], None] | None = None,
+    seed: int = 0,
 ) -> RankSharedEngine:
     """The shared engine for ``model`` (the wrapped policy) on every rank: each host's first rank starts
     its host's process from ``model_path`` (``start_served_engine``), the host's other ranks connect to
@@ -128,7 +129,12 @@ def start_rank_shared_engine(
             # the host's ranks wait while it generates: it takes the cores they share
             threads = torch.get_num_threads() * (host_ranks() or ranks.world)
             local = start_served_engine(
-                model_path, unwrap(model), max_model_len=max_model_len, on_restart=on_restart, threads=threads
+                model_path,
+                unwrap(model),
+                max_model_len=max_model_len,
+                on_restart=on_restart,
+                threads=threads,
+                seed=seed,
             )
             told = local.base_url
         except Exception as exc:  # told to every rank, then raised here as it was

@@ -356,12 +356,14 @@ def start_served_engine(
     on_restart: Callable[[str], None] | None = None,
     threads: int | None = None,
     adapter_sync: Literal["lora", "merged"] | None = None,
+    seed: int = 0,
 ) -> ServedEngine:
     """An engine process for the policy ``model`` loaded from the folder ``model_path`` (same dtype;
     ``threads`` cores, default as many as this process: generation and training take turns), and a
     ``ServedEngine`` that stops it on ``close()``. For an adapter policy ``model_path`` is its base's folder
     and the engine runs LoRA, or, with ``adapter_sync="merged"`` (the default for a policy on CPU, where
-    vLLM's LoRA is slow), none: each sync reloads the merged weights. A failed or interrupted start stops the
+    vLLM's LoRA is slow), none: each sync reloads the merged weights. ``seed`` seeds its sampling (the run's
+    seed: requests carry none). A failed or interrupted start stops the
     engine; a failed one carries its last lines.
 
     Raises:
@@ -396,6 +398,7 @@ def start_served_engine(
         threads=threads or torch.get_num_threads(),
         max_lora_rank=lora_rank,
         max_loras=1,
+        seed=seed,
     )
     process = EngineProcess(options)
     base_url = process.start()
