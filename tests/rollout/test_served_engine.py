@@ -5,7 +5,9 @@ weights."""
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,10 +60,22 @@ def engine_python_or_skip() -> Path:
         pytest.skip(str(exc))
 
 
+# A checkpoint's own sampling defaults (Qwen2.5-7B-Instruct's generation_config.json carries
+# repetition_penalty 1.05, top_k 20, top_p 0.8, temperature 0.7), which vLLM's server applies to every
+# setting a request leaves out unless started with `--generation-config vllm`. A rollout must sample what
+# its request says (the trainer's log-probs assume it), so the module's engine serves the tiny preset with
+# defaults that would change its greedy tokens (the penalty) and its sampled log-probs (top-k, min-p).
+CHECKPOINT_SAMPLING_DEFAULTS = {"repetition_penalty": 1.5, "top_k": 2, "min_p": 0.3, "temperature": 0.3}
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedEngine]:
     python = engine_python_or_skip()
-    options = EngineOptions(model_dir=tiny_model_dir("llama-0.4m", tiny_cache), max_model_len=MAX_MODEL_LEN)
+    folder = tmp_path_factory.mktemp("tiny") / "llama-0.4m"
+    shutil.copytree(tiny_model_dir("llama-0.4m", tiny_cache), folder)
+    config = folder / "generation_config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | CHECKPOINT_SAMPLING_DEFAULTS))
+    options = EngineOptions(model_dir=folder, max_model_len=MAX_MODEL_LEN)
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     with EngineProcess(options, log_path=log, python=python) as process:
         served = ServedEngine(process.base_url, max_model_len=MAX_MODEL_LEN, process=process)
@@ -433,20 +447,25 @@ def test_a_grpo_run_generates_through_the_engine_and_stops_it(
 
 def test_a_run_whose_engine_cannot_start_fails_saying_why(tiny_cache: Path, tmp_path: Path) -> None:
     engine_python_or_skip()
-    broken = tmp_path / "python"
-    broken.write_text("#!/bin/sh\necho 'engine: cannot import vllm (a broken environment)' >&2\nexit 3\n")
+    broken = tmp_path / "python"  # says what it was started with, then fails
+    broken.write_text(
+        "#!/bin/sh\necho \"engine: $*\" >&2\necho 'engine: cannot import vllm (a broken environment)' >&2\n"
+        "exit 3\n"
+    )
     broken.chmod(0o755)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RLRUN_ENGINE_PYTHON", str(broken))
-        with pytest.raises(EngineStartError, match="cannot import vllm"):
+        with pytest.raises(EngineStartError, match="cannot import vllm") as caught:
             LOOPS["grpo"](
-                grpo_spec("vllm_server"),
+                grpo_spec("vllm_server", seed=7),
                 RunData(train=ROWS, validation=ROWS[:6]),
                 MemoryReporter(),
                 loop_ctx(
                     tiny_cache, tmp_path / "out", runs={START: tiny_model_dir("llama-0.4m", tiny_cache)}
                 ),
             )
+    # the engine samples with the run's seed (its requests carry none): --seed 7, not vLLM's default 0
+    assert "--seed 7 " in str(caught.value)
 
 
 # ---------- a start that does not finish leaves nothing behind ----------

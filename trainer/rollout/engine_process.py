@@ -169,6 +169,12 @@ class EngineOptions:
             self.logprobs_mode,
             "--seed",
             str(self.seed),
+            # vLLM's defaults for every sampling setting a request leaves out, not the checkpoint's
+            # generation_config.json (vLLM's "auto" applies e.g. Qwen2.5's repetition_penalty 1.05 and
+            # top_k 20): rollouts sample exactly what the request says, the distribution the trainer's
+            # log-probs assume, and chat samples as the transformers backend does.
+            "--generation-config",
+            "vllm",
             "--host",
             "127.0.0.1",
             "--port",
