@@ -12,6 +12,7 @@ then ran this file. Collection now only lists the operations from the app's sche
 from __future__ import annotations
 
 import tempfile
+import zlib
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, seed, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.core.errors import UnsupportedSchema  # noqa: E402
 from schemathesis.generation.feedback import FeedbackSources  # noqa: E402
@@ -46,7 +47,9 @@ from trainer.inference.server import create_app as inference_app  # noqa: E402
 pytestmark = pytest.mark.slow
 
 STREAMS = r".*/stream$"  # endless SSE responses by design (covered by their own tests)
-HYPOTHESIS = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+# No example database: a draw that failed is not replayed first by the next attempt (each attempt below
+# has a seed of its own, so a run is the same wherever it runs, CI's derandomizing profile or not).
+HYPOTHESIS = settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 GENERATOR_TRIES = 5  # draws of an operation's test when schemathesis' generator hits its `not` limit
 CHECKS = [not_a_server_error, response_schema_conformance, content_type_conformance, unsupported_method]
 
@@ -109,12 +112,15 @@ def test_no_server_errors_and_responses_match_the_schema(
     )
     for attempt in range(1, GENERATOR_TRIES + 1):
         try:
-            hypothesis_test()
+            seed(zlib.crc32(f"{label} {attempt}".encode()))(hypothesis_test)()
             return
         except UnsupportedSchema as exc:
             # schemathesis' negative mode sometimes mutates a part of a schema into a `not` it cannot
             # draw from (seen on 2026-12-06, on POST /v1/fine_tuning/alpha/graders/run, twice in a row in
             # one run): a limit of the generator, raised before any request, not an answer of the API.
-            # Draw again with a fresh seed; any other unsupported schema, or the limit every time, fails.
+            # Draw again with the next seed; any other unsupported schema, or the limit every time, fails.
+            # (On 2026-12-07 POST /v1/pipelines failed all 5 attempts in 179 s: with Hypothesis' example
+            # database each attempt replayed the draw that had failed, and under CI's derandomizing
+            # profile every attempt would draw the same cases; hence a seed per attempt and no database.)
             if "`not` whose complement" not in str(exc) or attempt == GENERATOR_TRIES:
                 raise
