@@ -1,6 +1,7 @@
 """What the bench scripts share besides the clock (bench/clock.py), torch-free: ``quiet`` (the
 datasets/transformers/accelerate chatter off before TRL runs), ``throwaway_postgres`` (a new, empty
-database dropped afterwards) and ``rlrun_serve`` (`rlrun serve` in a fresh home, until it answers). A
+database dropped afterwards), ``engine_python_or_none`` (the engine environment, or why a bench
+skips) and ``rlrun_serve`` (`rlrun serve` in a fresh home, until it answers). A
 sibling module (``python bench/x.py`` puts bench/ first on sys.path); running it does nothing (``make
 bench`` runs every file in bench/)."""
 
@@ -20,6 +21,18 @@ from typing import Any
 
 import httpx
 from sqlalchemy import create_engine, text
+
+
+def engine_python_or_none() -> Path | None:
+    """The engine environment's python (``make engine``), or None after printing why a bench that needs it
+    is skipped."""
+    from trainer.rollout.engine_process import EngineUnavailable, engine_python
+
+    try:
+        return engine_python()
+    except EngineUnavailable as exc:
+        print(f"skipped: {exc}")
+        return None
 
 
 def quiet() -> None:

@@ -32,10 +32,11 @@ import time
 from pathlib import Path
 
 import torch
+from common import engine_python_or_none  # a sibling module: python puts bench/ first on sys.path
 
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.rollout.base import RolloutEngine, SamplingParams
-from trainer.rollout.engine_process import EngineOptions, EngineProcess, EngineUnavailable, engine_python
+from trainer.rollout.engine_process import EngineOptions, EngineProcess
 from trainer.rollout.hf_engine import HFEngine
 from trainer.rollout.served_engine import ServedEngine
 
@@ -65,10 +66,8 @@ def main() -> None:
     parser.add_argument("--shapes", default="8x4x16,16x8x64,32x1x128", help="prompts x samples x new tokens")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    try:
-        python = engine_python()
-    except EngineUnavailable as exc:
-        print(f"skipped: {exc}")
+    python = engine_python_or_none()
+    if python is None:
         return
     shapes = [parse_shape(s) for s in args.shapes.split(",")]
     longest = max(tokens for _, _, tokens in shapes)

@@ -36,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import engine_python_or_none  # a sibling module: python puts bench/ first on sys.path
 
 from rlrun.word_problems import problems
 from trainer.data.prompts import render_prompt
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.rollout.base import Completion, SamplingParams
-from trainer.rollout.engine_process import EngineOptions, EngineProcess, EngineUnavailable, engine_python
+from trainer.rollout.engine_process import EngineOptions, EngineProcess
 from trainer.rollout.hf_engine import HFEngine
 from trainer.rollout.served_engine import ServedEngine
 
@@ -107,10 +108,8 @@ def main() -> None:
     parser.add_argument("--reference-draws", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    try:
-        python = engine_python()
-    except EngineUnavailable as exc:
-        print(f"skipped: {exc}")
+    python = engine_python_or_none()
+    if python is None:
         return
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-parity-") as tmp:
