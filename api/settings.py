@@ -93,6 +93,13 @@ class Settings(BaseSettings):
         "run is refused at submit (422) when the file does not exist where the API runs; workers start the "
         "engine with it.",
     )
+    engine_url: str | None = Field(
+        default=None,
+        description="A running generation engine (`rlrun engine` prints its URL) that workers' `engine: "
+        "vllm_server` runs use instead of starting one each: on the worker's host (weights reach it as "
+        "files), one run at a time. Set where the API runs too, runs asking for the engine are accepted "
+        "without `RLRUN_ENGINE_PYTHON` there.",
+    )
     max_runs_in_flight: int = Field(
         default=1000, ge=1, description="Queued, running or paused runs one project may have (429 above)."
     )

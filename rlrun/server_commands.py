@@ -1,5 +1,5 @@
-"""The server's ``rlrun`` commands: serve (API + one worker + inference), worker, inference, migrate, keys,
-demo.
+"""The server's ``rlrun`` commands: serve (API + one worker + inference), worker, inference, engine, migrate,
+keys, demo.
 
 Each imports the server (``api``, ``trainer``, uvicorn, Celery) inside its function, so building the
 parser and running the client's commands never import them (a test checks it).
@@ -94,6 +94,48 @@ def cmd_inference(args: argparse.Namespace) -> int:
         if close is not None:
             close()
     return 0
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    """A generation engine (vLLM's server from the engine environment, started as runs start theirs) that
+    stays up until Ctrl+C or SIGTERM: workers whose ``RLRUN_ENGINE_URL`` is the URL printed use it for their
+    ``engine: vllm_server`` runs instead of starting one each (trainer/rollout/served_engine.py)."""
+    from pathlib import Path
+
+    from trainer.rollout.engine_process import (
+        EngineOptions,
+        EngineProcess,
+        EngineStartError,
+        EngineUnavailable,
+    )
+
+    folder = Path(args.model)
+    if not (folder / "config.json").is_file():
+        print(f"rlrun engine: {folder} is not a model folder (no config.json)", file=sys.stderr)
+        return 2
+    options = EngineOptions(
+        model_dir=folder,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        threads=os.cpu_count() or 1,  # runs generate and train in turns: the engine takes every core
+        max_lora_rank=args.max_lora_rank,
+        max_loras=1,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        with EngineProcess(options, port=args.port) as engine:
+            print(f"rlrun engine: {folder} at {engine.base_url}", flush=True)
+            print(f"point workers on this host at it: RLRUN_ENGINE_URL={engine.base_url}", flush=True)
+            assert engine.proc is not None
+            code = engine.proc.wait()
+            print(f"rlrun engine: the engine exited with code {code}:\n{engine.log_tail()}", file=sys.stderr)
+            return 1
+    except (EngineUnavailable, EngineStartError) as exc:
+        print(f"rlrun engine: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -257,7 +299,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register serve, worker, migrate, keys and demo on the ``rlrun`` parser's subcommands."""
+    """Register serve, worker, inference, engine, migrate, keys and demo on the ``rlrun`` parser's
+    subcommands."""
     serve = sub.add_parser("serve", help="API on RLRUN_PORT (8000) plus one worker and the inference process")
     serve.add_argument("--port", type=int, default=None)
     serve.add_argument("--host", default=None)
@@ -272,6 +315,20 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     inference.add_argument("--port", type=int, default=None)
     inference.set_defaults(func=cmd_inference)
+    engine = sub.add_parser(
+        "engine", help="a generation engine that stays up, for workers' RLRUN_ENGINE_URL (vllm_server runs)"
+    )
+    engine.add_argument("--model", required=True, help="the model folder the runs train (config.json in it)")
+    engine.add_argument("--port", type=int, default=None, help="loopback port (default: a free one)")
+    engine.add_argument("--dtype", default="float32", help="the trainer's dtype (default float32)")
+    engine.add_argument(
+        "--max-model-len", type=int, default=2048, help="prompt + completion tokens per sequence"
+    )
+    engine.add_argument("--seed", type=int, default=0, help="the engine's sampling seed")
+    engine.add_argument(
+        "--max-lora-rank", type=int, default=None, help="serve adapters synced as LoRA up to this rank"
+    )
+    engine.set_defaults(func=cmd_engine)
     sub.add_parser("migrate", help="alembic upgrade head").set_defaults(func=cmd_migrate)
     keys = sub.add_parser("keys", help="API keys: create, list, revoke")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True)

@@ -36,6 +36,7 @@ def create_pipeline(
         worker_devices=settings.worker_devices,
         worker_hosts=settings.worker_hosts,
         engine_python=settings.engine_python,
+        engine_url=settings.engine_url,
     )
     created = service.advance(session=session, pipeline_id=pipeline.id)
     session.commit()

@@ -72,7 +72,7 @@ def create_run(
         existing = service.find_by_idempotency_key(session=session, key=scoped_key, spec=spec)
         if existing is not None:
             return to_read(existing)
-    check_engine(spec, settings.engine_python)
+    check_engine(spec, settings.engine_python, engine_url=settings.engine_url)
     run = service.submit_run(
         session=session,
         spec=spec,
@@ -97,7 +97,7 @@ def dry_run(
     spec: RunSpec, session: SessionDep, settings: SettingsDep, project_id: uuid.UUID
 ) -> RunValidation:
     """What ``create_run`` would store for ``spec``, after the same checks (raising the same errors)."""
-    check_engine(spec, settings.engine_python)
+    check_engine(spec, settings.engine_python, engine_url=settings.engine_url)
     resolved = service.checked_spec(
         session=session,
         spec=spec,

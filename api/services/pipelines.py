@@ -70,6 +70,7 @@ def create_pipeline(
     worker_devices: int | None = None,
     worker_hosts: int | None = None,
     engine_python: str | None = None,
+    engine_url: str | None = None,
 ) -> Pipeline:
     """Check every stage now (names, references, datasets), store the pipeline, start what can start.
     A stage's ``stage:`` references name earlier stages, so the stages' order is a valid start order."""
@@ -89,7 +90,7 @@ def create_pipeline(
         )
         check_learnable(stage.spec, prefix=f"{where}.spec.")
         check_devices(stage.spec, worker_devices, prefix=f"{where}.spec.", worker_hosts=worker_hosts)
-        check_engine(stage.spec, engine_python, prefix=f"{where}.spec.")
+        check_engine(stage.spec, engine_python, prefix=f"{where}.spec.", engine_url=engine_url)
         seen[stage.name] = stage.spec.algorithm
     pipeline = Pipeline(
         id=uuid.uuid4(),

@@ -177,13 +177,16 @@ def check_devices(
         )
 
 
-def check_engine(spec: AnyRunSpec, engine_python_setting: str | None, prefix: str = "") -> None:
+def check_engine(
+    spec: AnyRunSpec, engine_python_setting: str | None, prefix: str = "", engine_url: str | None = None
+) -> None:
     """422 when the run asks for the engine process (``engine: vllm_server``) and no engine environment
-    is configured or installed here, naming the setting and the install command."""
+    is configured or installed here, naming the setting and the install command; never where a running
+    engine is configured (``engine_url``: the workers use it)."""
     from trainer.rollout.engine_process import EngineUnavailable, engine_python
 
     hp = getattr(spec, "hyperparameters", None)
-    if getattr(hp, "engine", "hf") != "vllm_server":
+    if getattr(hp, "engine", "hf") != "vllm_server" or engine_url:
         return
     try:
         engine_python(engine_python_setting)

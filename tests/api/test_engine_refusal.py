@@ -1,6 +1,7 @@
 """A run that asks for the engine process (``engine: vllm_server``) where no engine environment is
 configured is refused at submit, the field, the setting and the install command named; nothing is stored.
-The same for a pipeline stage. With an engine environment, the run is accepted."""
+The same for a pipeline stage. With an engine environment, or a running engine configured for the
+workers (RLRUN_ENGINE_URL), the run is accepted."""
 
 from __future__ import annotations
 
@@ -50,6 +51,22 @@ def test_the_engine_process_is_refused_where_none_is_installed(session: Session,
     assert pipeline.json()["error"]["field"] == "stages[0].spec.hyperparameters.engine"
     assert plain.status_code == 201, plain.text
     assert count(session, Run) == runs + 1 and count(session, Pipeline) == pipelines
+
+
+def test_the_engine_is_accepted_without_an_environment_where_a_running_one_is_configured(
+    session: Session, tmp_path: Path
+) -> None:
+    """RLRUN_ENGINE_URL: the workers use a running engine (``rlrun engine``), wherever the API runs."""
+    prompts = make_dataset(session, rows=PROMPTS, kind="prompts")
+    attached = Settings(
+        engine_python=str(tmp_path / "no-engine" / "python"), engine_url="http://127.0.0.1:8100"
+    )
+    with api_client(session, settings=attached) as client:
+        run = client.post("/v1/runs", json=grpo(prompts.id, "vllm_server"))
+        stage = {"name": "rl", "spec": grpo(prompts.id, "vllm_server")}
+        pipeline = client.post("/v1/pipelines", json={"name": "p", "stages": [stage]})
+    assert run.status_code == 201, run.text
+    assert pipeline.status_code == 201, pipeline.text
 
 
 def test_the_engine_process_is_accepted_where_its_environment_exists(session: Session) -> None:

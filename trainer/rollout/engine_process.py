@@ -99,6 +99,16 @@ class EngineStartError(RuntimeError):
     engine's own last lines."""
 
 
+ENGINE_URL_VARIABLE = "RLRUN_ENGINE_URL"
+
+
+def attached_engine_url() -> str | None:
+    """The running engine a worker's runs use instead of starting one each (``RLRUN_ENGINE_URL``: e.g. the
+    URL ``rlrun engine`` printed), or None."""
+    url = os.environ.get(ENGINE_URL_VARIABLE, "").strip().rstrip("/")
+    return url or None
+
+
 def engine_python(configured: str | os.PathLike[str] | None = None) -> Path:
     """The python of the engine environment: ``configured`` (or ``RLRUN_ENGINE_PYTHON``), else
     ``.venv-engine/bin/python`` beside the project.
@@ -217,6 +227,7 @@ class EngineProcess:
             temporary folder of its own, removed by ``stop()``.
         python: the engine environment's python (default: :func:`engine_python`).
         startup_timeout: seconds to wait for ``/health`` before giving up.
+        port: the loopback port to serve on (default: a free one).
     """
 
     def __init__(
@@ -226,8 +237,10 @@ class EngineProcess:
         log_path: Path | None = None,
         python: Path | None = None,
         startup_timeout: float = 300,
+        port: int | None = None,
     ) -> None:
         self.options = options
+        self.port = port
         self._own_log_dir: Path | None = None
         if log_path is None:
             self._own_log_dir = Path(tempfile.mkdtemp(prefix="rlrun-engine-"))
@@ -249,7 +262,7 @@ class EngineProcess:
             raise
 
     def _start(self) -> str:
-        port = free_port()
+        port = self.port or free_port()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             # its own process group: stop() ends the API server and the engine core it spawned together

@@ -25,7 +25,8 @@ def make_engine(
 
     Args:
         name: ``"hf"`` (``model.generate`` in place, any device), ``"vllm"`` (GPU, needs the vllm extra)
-            or ``"vllm_server"`` (vLLM's server started from the engine environment, any machine).
+            or ``"vllm_server"`` (vLLM's server started from the engine environment, any machine; or the one
+            already running at ``RLRUN_ENGINE_URL``).
         model: the policy being trained.
         tokenizer: its tokenizer (HF engine; vLLM loads its own from ``model_path``).
         model_path: folder or hub id the policy was loaded from (vLLM builds its copy from it).
@@ -55,9 +56,9 @@ def make_engine(
         engine.sync_weights(model)
         return engine
     if name == "vllm_server":
-        from trainer.rollout.served_engine import start_served_engine
+        from trainer.rollout.served_engine import open_served_engine
 
-        served = start_served_engine(
+        served = open_served_engine(
             model_path, model, max_model_len=max_model_len, on_restart=on_restart, threads=threads, seed=seed
         )
         try:

@@ -37,7 +37,7 @@ from trainer.distributed import Ranks, full_model_state, gather_objects, is_shar
 from trainer.reporting import one_line
 from trainer.rollout.base import Completion, SamplingParams
 from trainer.rollout.engine_process import EngineError
-from trainer.rollout.served_engine import ServedEngine, start_served_engine
+from trainer.rollout.served_engine import ServedEngine, open_served_engine
 
 
 def host_first_rank(ranks: Ranks) -> int:
@@ -110,9 +110,9 @@ def start_rank_shared_engine(
     seed: int = 0,
 ) -> RankSharedEngine:
     """The shared engine for ``model`` (the wrapped policy) on every rank: each host's first rank starts
-    its host's process from ``model_path`` (``start_served_engine``), the host's other ranks connect to
-    it, and the engines start from the policy's current weights (they may already differ from its folder:
-    a resumed run).
+    its host's process from ``model_path`` (``open_served_engine``; or attaches to ``RLRUN_ENGINE_URL``'s),
+    the host's other ranks connect to it, and the engines start from the policy's current weights (they may
+    already differ from its folder: a resumed run).
 
     Raises:
         EngineStartError, EngineUnavailable, ValueError, NotImplementedError: on a rank that started an
@@ -128,7 +128,7 @@ def start_rank_shared_engine(
         try:
             # the host's ranks wait while it generates: it takes the cores they share
             threads = torch.get_num_threads() * (host_ranks() or ranks.world)
-            local = start_served_engine(
+            local = open_served_engine(
                 model_path,
                 unwrap(model),
                 max_model_len=max_model_len,

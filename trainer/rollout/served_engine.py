@@ -43,6 +43,7 @@ import contextlib
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,15 +54,18 @@ import httpx
 
 from trainer.rollout.base import Completion, SamplingParams, check_generate_args
 from trainer.rollout.engine_process import (
+    ENGINE_URL_VARIABLE,
     SERVED_NAME,
     EngineError,
     EngineOptions,
     EngineProcess,
+    EngineStartError,
+    attached_engine_url,
     engine_message,
 )
 from trainer.rollout.vllm_engine import completions_from_vllm
 
-__all__ = ["EngineError", "ServedEngine", "start_served_engine"]
+__all__ = ["EngineError", "ServedEngine", "attach_served_engine", "open_served_engine", "start_served_engine"]
 
 
 def completion_request(
@@ -166,6 +170,9 @@ class ServedEngine:
         self._requests = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-request")
         self.model_name = SERVED_NAME  # what generation asks for: the base, or the last synced adapter
         self._syncs = 0
+        # adapters are loaded as <prefix>-<sync>: unique to this object, as a kept engine (RLRUN_ENGINE_URL)
+        # still holds the adapters of the runs before
+        self._lora_prefix = f"policy-lora-{uuid.uuid4().hex[:8]}"
 
     def _new_client(self) -> None:
         old, self._http = self._http, httpx.Client(base_url=self.base_url, timeout=self._timeout)
@@ -317,7 +324,7 @@ class ServedEngine:
         """
         check_engine_adapter(model)
         self._syncs += 1
-        name, folder = f"policy-lora-{self._syncs}", self.weights_dir / f"adapter-{self._syncs}"
+        name, folder = f"{self._lora_prefix}-{self._syncs}", self.weights_dir / f"adapter-{self._syncs}"
         model.save_pretrained(str(folder))
         try:
             self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
@@ -408,4 +415,68 @@ def start_served_engine(
         process=process,
         on_restart=on_restart,
         adapter_sync=adapter_sync,
+    )
+
+
+def attach_served_engine(
+    base_url: str,
+    model: Any,
+    *,
+    max_model_len: int,
+    adapter_sync: Literal["lora", "merged"] | None = None,
+) -> ServedEngine:
+    """A ``ServedEngine`` on the engine already running at ``base_url`` (``RLRUN_ENGINE_URL``, e.g. started by
+    ``rlrun engine``) instead of one of its own: ``close()`` leaves it running, and one that dies is not
+    started again (the run fails saying so). It must run on this host, as weights reach it as files in
+    ``/dev/shm``, and serve one run at a time: each run's first sync replaces its weights. Its seed, threads
+    and dtype are its own (``rlrun engine``'s options); an adapter policy syncs as ``start_served_engine``'s
+    (``lora`` needs an engine started with ``--max-lora-rank``).
+
+    Raises:
+        EngineStartError: nothing answers at ``base_url``, it serves no model ``policy``, or its
+            ``max_model_len`` is below the run's (both named).
+        NotImplementedError: an adapter the engine cannot take (``check_engine_adapter``).
+    """
+    where = f"{ENGINE_URL_VARIABLE}={base_url}"
+    try:
+        resp = httpx.get(f"{base_url}/v1/models", timeout=10)
+        resp.raise_for_status()
+        models = resp.json().get("data", [])
+    except (httpx.HTTPError, ValueError) as exc:
+        raise EngineStartError(f"no engine answers at {where}: {exc}") from None
+    served = next((m for m in models if isinstance(m, dict) and m.get("id") == SERVED_NAME), None)
+    if served is None:
+        raise EngineStartError(
+            f"the engine at {where} serves no model named {SERVED_NAME!r}: start it with `rlrun engine`"
+        )
+    limit = served.get("max_model_len")
+    if isinstance(limit, int) and limit < max_model_len:
+        raise EngineStartError(
+            f"the engine at {where} holds {limit} tokens per sequence (its max_model_len); this run needs "
+            f"{max_model_len}: start it with `rlrun engine --max-model-len {max_model_len}` or more"
+        )
+    if adapter_sync is None:
+        adapter_sync = "lora" if next(model.parameters()).is_cuda else "merged"
+    if hasattr(model, "peft_config") and adapter_sync == "lora":
+        check_engine_adapter(model)
+    return ServedEngine(base_url, max_model_len=max_model_len, adapter_sync=adapter_sync)
+
+
+def open_served_engine(
+    model_path: str,
+    model: Any,
+    *,
+    max_model_len: int,
+    on_restart: Callable[[str], None] | None = None,
+    threads: int | None = None,
+    seed: int = 0,
+) -> ServedEngine:
+    """The engine a run generates with: the running one ``RLRUN_ENGINE_URL`` names (``attach_served_engine``;
+    ``on_restart``, ``threads`` and ``seed`` are then the engine's own business), else a process of the
+    run's own (``start_served_engine``). Raises what those raise."""
+    url = attached_engine_url()
+    if url is not None:
+        return attach_served_engine(url, model, max_model_len=max_model_len)
+    return start_served_engine(
+        model_path, model, max_model_len=max_model_len, on_restart=on_restart, threads=threads, seed=seed
     )

@@ -1,0 +1,149 @@
+"""A running engine that runs attach to (``RLRUN_ENGINE_URL``) instead of starting one each: ``rlrun engine``
+starts it and prints its URL; a GRPO run with the setting syncs its weights into that engine, generates
+through it and leaves it running (its final weights are what the engine then serves); a URL where nothing
+answers, or an engine too short for the run, fails the run saying so; Ctrl+C stops the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.factories import free_port
+from tests.loop_context import loop_ctx
+from tests.rollout.test_served_engine import (
+    LOGPROB_TOLERANCE,
+    ROWS,
+    START,
+    engine_python_or_skip,
+    engine_servers,
+    grpo_spec,
+)
+from trainer.loops import LOOPS
+from trainer.models import load_causal_lm, tiny_model_dir
+from trainer.reporting import MemoryReporter, RunData
+from trainer.rollout.base import SamplingParams
+from trainer.rollout.engine_process import EngineStartError
+from trainer.rollout.hf_engine import HFEngine
+from trainer.rollout.served_engine import ServedEngine
+
+pytestmark = pytest.mark.slow
+
+MAX_MODEL_LEN = 128
+
+
+class RunningEngine:
+    """``rlrun engine`` as its own process, and the URL it printed."""
+
+    def __init__(self, folder: Path, log: Path) -> None:
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "rlrun.cli", "engine", "--model", str(folder)]
+            + ["--max-model-len", str(MAX_MODEL_LEN)],
+            stdout=subprocess.PIPE,
+            stderr=log.open("wb"),
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = ""
+        deadline = time.monotonic() + 300
+        for line in self.proc.stdout:  # the command prints once the engine answers
+            if "RLRUN_ENGINE_URL=" in line:
+                self.url = line.strip().split("RLRUN_ENGINE_URL=", 1)[1]
+                break
+            assert time.monotonic() < deadline, "rlrun engine printed no URL"
+        assert self.url, f"rlrun engine ended without a URL:\n{log.read_text()[-3000:]}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def running(tiny_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningEngine]:
+    engine_python_or_skip()
+    engine = RunningEngine(
+        tiny_model_dir("llama-0.4m", tiny_cache), tmp_path_factory.mktemp("engine") / "log"
+    )
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+def grpo_run(tiny_cache: Path, out: Path, start: Path, **hp: Any) -> tuple[Any, MemoryReporter]:
+    reporter = MemoryReporter()
+    ctx = loop_ctx(tiny_cache, out, runs={START: start})
+    result = LOOPS["grpo"](
+        grpo_spec("vllm_server", **hp), RunData(train=ROWS, validation=ROWS), reporter, ctx
+    )
+    return result, reporter
+
+
+def test_a_run_attached_to_a_running_engine_trains_through_it_and_leaves_it_running(
+    running: RunningEngine, tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLRUN_ENGINE_URL", running.url)
+    before = engine_servers(os.getpid())
+    # an entropy bonus moves the weights at every step, also when a step's groups all scored alike
+    result, reporter = grpo_run(
+        tiny_cache, tmp_path / "out", tiny_model_dir("llama-0.4m", tiny_cache), entropy_coef=0.05
+    )
+    assert result.status == "succeeded", reporter.events
+    assert engine_servers(os.getpid()) == before  # the run started no engine of its own
+    assert running.proc.poll() is None  # and left the attached one running
+    metrics = {(step, key): value for step, key, value in reporter.metrics}
+    # the engine scored its samples as the trainer does: it held the weights of each step
+    for step in (1, 2):
+        assert metrics[(step, "mismatch/logp_abs_diff")] < LOGPROB_TOLERANCE, step
+    # the engine now serves the run's final weights: greedy answers equal the transformers engine's on them
+    final, tokenizer = load_causal_lm(str(result.output_path))
+    prompts = [tokenizer(r["prompt"]).input_ids for r in ROWS[:6]]
+    greedy = SamplingParams(max_new_tokens=6, greedy=True)
+    served = ServedEngine(running.url, max_model_len=MAX_MODEL_LEN)
+    try:
+        through_engine = [c.token_ids for c in served.generate(prompts, 1, greedy)]
+    finally:
+        served.close()
+    assert through_engine == [c.token_ids for c in HFEngine(final, tokenizer).generate(prompts, 1, greedy)]
+
+
+def test_a_run_whose_engine_url_answers_nothing_fails_naming_the_setting(
+    tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine_python_or_skip()
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RLRUN_ENGINE_URL", nowhere)
+    with pytest.raises(EngineStartError, match=f"no engine answers at RLRUN_ENGINE_URL={nowhere}"):
+        grpo_run(tiny_cache, tmp_path / "out", tiny_model_dir("llama-0.4m", tiny_cache))
+
+
+def test_an_engine_shorter_than_the_run_needs_is_refused_naming_both_lengths(
+    running: RunningEngine, tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLRUN_ENGINE_URL", running.url)
+    needs = 160 + 6  # max_prompt_length + max_new_tokens
+    with pytest.raises(EngineStartError, match=f"holds {MAX_MODEL_LEN} tokens .* this run needs {needs}"):
+        grpo_run(
+            tiny_cache, tmp_path / "out", tiny_model_dir("llama-0.4m", tiny_cache), max_prompt_length=160
+        )
+    assert running.proc.poll() is None
+
+
+def test_ctrl_c_stops_rlrun_engine_and_its_engine(running: RunningEngine) -> None:
+    own = engine_servers(running.proc.pid)
+    assert own  # the engine server rlrun engine started (its RLRUN_ENGINE_OWNER_PID)
+    running.stop()
+    assert running.proc.returncode == 130
+    deadline = time.monotonic() + 30
+    while own & engine_servers():
+        assert time.monotonic() < deadline, "the engine outlived rlrun engine"
+        time.sleep(0.2)
