@@ -1,20 +1,26 @@
 """A running engine that runs attach to (``RLRUN_ENGINE_URL``) instead of starting one each: ``rlrun engine``
 starts it and prints its URL; a GRPO run with the setting syncs its weights into that engine, generates
 through it and leaves it running (its final weights are what the engine then serves); a URL where nothing
-answers, or an engine too short for the run, fails the run saying so; Ctrl+C stops the engine."""
+answers, an engine too short for the run, or one not started as ``rlrun engine`` starts one (a stand-in
+answering as a plain ``vllm serve`` would), fails the run saying so; Ctrl+C stops the engine."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.factories import free_port
 from tests.loop_context import loop_ctx
@@ -32,7 +38,7 @@ from trainer.reporting import MemoryReporter, RunData
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.engine_process import EngineStartError
 from trainer.rollout.hf_engine import HFEngine
-from trainer.rollout.served_engine import ServedEngine
+from trainer.rollout.served_engine import ServedEngine, attach_served_engine
 
 pytestmark = pytest.mark.slow
 
@@ -136,6 +142,59 @@ def test_an_engine_shorter_than_the_run_needs_is_refused_naming_both_lengths(
             tiny_cache, tmp_path / "out", tiny_model_dir("llama-0.4m", tiny_cache), max_prompt_length=160
         )
     assert running.proc.poll() is None
+
+
+@contextmanager
+def misconfigured_engine(server_info: dict[str, Any] | None) -> Iterator[str]:
+    """A stand-in for an engine started by hand: it serves the model ``policy`` and, unless None,
+    ``server_info`` as its /server_info (what a plain ``vllm serve`` lacks or reports)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.startswith("/v1/models"):
+                body: Any = {"data": [{"id": "policy", "max_model_len": MAX_MODEL_LEN}]}
+            elif self.path.startswith("/server_info") and server_info is not None:
+                body = server_info
+            else:
+                self.send_response(404)
+                self.end_headers()
+                return
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *_: Any) -> None: ...
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+@pytest.mark.parametrize(
+    ("server_info", "refusal"),
+    [
+        (None, "has no /server_info .* VLLM_SERVER_DEV_MODE=1"),
+        (
+            {"vllm_config": {"model_config": {"logprobs_mode": "raw_logprobs", "generation_config": "auto"}}},
+            r"--logprobs-mode raw_logprobs \(needs processed_logprobs\), "
+            r"--generation-config auto \(needs vllm\)",
+        ),
+    ],
+    ids=["no-dev-mode", "plain-vllm-serve-options"],
+)
+def test_an_engine_not_started_as_rlrun_starts_one_is_refused_saying_what_differs(
+    server_info: dict[str, Any] | None, refusal: str
+) -> None:
+    with misconfigured_engine(server_info) as url, pytest.raises(EngineStartError, match=refusal):
+        attach_served_engine(url, torch.nn.Linear(1, 1), max_model_len=32)
 
 
 def test_ctrl_c_stops_rlrun_engine_and_its_engine(running: RunningEngine) -> None:

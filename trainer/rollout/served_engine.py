@@ -433,8 +433,9 @@ def attach_served_engine(
     (``lora`` needs an engine started with ``--max-lora-rank``).
 
     Raises:
-        EngineStartError: nothing answers at ``base_url``, it serves no model ``policy``, or its
-            ``max_model_len`` is below the run's (both named).
+        EngineStartError: nothing answers at ``base_url``, it serves no model ``policy``, its
+            ``max_model_len`` is below the run's (both named), or it was not started as ``rlrun engine``
+            starts one (``check_sampling_options``).
         NotImplementedError: an adapter the engine cannot take (``check_engine_adapter``).
     """
     where = f"{ENGINE_URL_VARIABLE}={base_url}"
@@ -455,11 +456,52 @@ def attach_served_engine(
             f"the engine at {where} holds {limit} tokens per sequence (its max_model_len); this run needs "
             f"{max_model_len}: start it with `rlrun engine --max-model-len {max_model_len}` or more"
         )
+    check_sampling_options(base_url, where)
     if adapter_sync is None:
         adapter_sync = "lora" if next(model.parameters()).is_cuda else "merged"
     if hasattr(model, "peft_config") and adapter_sync == "lora":
         check_engine_adapter(model)
     return ServedEngine(base_url, max_model_len=max_model_len, adapter_sync=adapter_sync)
+
+
+# What a rollout engine must have been started with (``EngineOptions.command``), read off its configuration
+REQUIRED_OPTIONS = {"logprobs_mode": "processed_logprobs", "generation_config": "vllm"}
+
+
+def check_sampling_options(base_url: str, where: str) -> None:
+    """Refuse an engine whose samples or log-probs are not what the trainer assumes: one without the
+    dev-mode routes a sync needs (``/server_info`` among them), or started with other log-probs
+    (``--logprobs-mode``) or with the checkpoint's sampling defaults (``--generation-config``), as a plain
+    ``vllm serve`` is.
+
+    Raises:
+        EngineStartError: naming what differs and ``rlrun engine``.
+    """
+    try:
+        resp = httpx.get(f"{base_url}/server_info", params={"config_format": "json"}, timeout=120)
+    except httpx.HTTPError as exc:
+        raise EngineStartError(f"the engine at {where} did not answer /server_info: {exc}") from None
+    if resp.status_code != 200:
+        raise EngineStartError(
+            f"the engine at {where} has no /server_info ({resp.status_code}): it was not started with "
+            "VLLM_SERVER_DEV_MODE=1, whose routes sync the weights; start it with `rlrun engine`"
+        )
+    try:
+        config = resp.json()["vllm_config"]["model_config"]
+    except (ValueError, KeyError, TypeError):
+        raise EngineStartError(
+            f"the engine at {where} answered /server_info without its model_config"
+        ) from None
+    wrong = [
+        f"--{name.replace('_', '-')} {config.get(name)} (needs {value})"
+        for name, value in REQUIRED_OPTIONS.items()
+        if config.get(name) != value
+    ]
+    if wrong:
+        raise EngineStartError(
+            f"the engine at {where} was started with {', '.join(wrong)}: its samples are not the ones the "
+            "trainer's log-probs assume; start it with `rlrun engine`"
+        )
 
 
 def open_served_engine(
