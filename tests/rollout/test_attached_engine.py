@@ -7,7 +7,6 @@ answering as a plain ``vllm serve`` would), fails the run saying so; Ctrl+C stop
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import torch
 
 from tests.factories import free_port
 from tests.loop_context import loop_ctx
+from tests.rollout.test_rank_engine import EngineCount
 from tests.rollout.test_served_engine import (
     LOGPROB_TOLERANCE,
     ROWS,
@@ -98,13 +98,16 @@ def test_a_run_attached_to_a_running_engine_trains_through_it_and_leaves_it_runn
     running: RunningEngine, tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("RLRUN_ENGINE_URL", running.url)
-    before = engine_servers(os.getpid())
-    # an entropy bonus moves the weights at every step, also when a step's groups all scored alike
-    result, reporter = grpo_run(
-        tiny_cache, tmp_path / "out", tiny_model_dir("llama-0.4m", tiny_cache), entropy_coef=0.05
-    )
+    count = EngineCount()  # every vLLM server below this process while the run runs
+    try:
+        # an entropy bonus moves the weights at every step, also when a step's groups all scored alike
+        result, reporter = grpo_run(
+            tiny_cache, tmp_path / "out", tiny_model_dir("llama-0.4m", tiny_cache), entropy_coef=0.05
+        )
+    finally:
+        count.stop()
     assert result.status == "succeeded", reporter.events
-    assert engine_servers(os.getpid()) == before  # the run started no engine of its own
+    assert count.seen == engine_servers(running.proc.pid)  # only rlrun engine's: the run started none
     assert running.proc.poll() is None  # and left the attached one running
     metrics = {(step, key): value for step, key, value in reporter.metrics}
     # the engine scored its samples as the trainer does: it held the weights of each step

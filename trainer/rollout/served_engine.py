@@ -345,6 +345,19 @@ class ServedEngine:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
 
 
+def engine_adapter_sync(
+    model: Any, adapter_sync: Literal["lora", "merged"] | None
+) -> Literal["lora", "merged"]:
+    """How ``model``'s adapter reaches the engine: ``adapter_sync``, by default ``lora`` on a GPU and
+    ``merged`` on CPU (vLLM's CPU LoRA is slow: the module doc); a LoRA sync the engine cannot take is
+    refused (``check_engine_adapter``)."""
+    if adapter_sync is None:
+        adapter_sync = "lora" if next(model.parameters()).is_cuda else "merged"
+    if hasattr(model, "peft_config") and adapter_sync == "lora":
+        check_engine_adapter(model)
+    return adapter_sync
+
+
 def check_engine_adapter(model: Any) -> None:
     """Refuse an adapter the engine cannot take as a LoRA: one that also trains whole modules."""
     config = model.peft_config[getattr(model, "active_adapter", "default")]
@@ -392,10 +405,8 @@ def start_served_engine(
             f"engine 'vllm_server' loads a full model from a local folder; {model_path} is not one"
         )
     lora_rank = None
-    if adapter_sync is None:
-        adapter_sync = "lora" if next(model.parameters()).is_cuda else "merged"
+    adapter_sync = engine_adapter_sync(model, adapter_sync)
     if hasattr(model, "peft_config") and adapter_sync == "lora":
-        check_engine_adapter(model)
         lora_rank = max(int(c.r) for c in model.peft_config.values())
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     options = EngineOptions(
@@ -457,10 +468,7 @@ def attach_served_engine(
             f"{max_model_len}: start it with `rlrun engine --max-model-len {max_model_len}` or more"
         )
     check_sampling_options(base_url, where)
-    if adapter_sync is None:
-        adapter_sync = "lora" if next(model.parameters()).is_cuda else "merged"
-    if hasattr(model, "peft_config") and adapter_sync == "lora":
-        check_engine_adapter(model)
+    adapter_sync = engine_adapter_sync(model, adapter_sync)
     return ServedEngine(base_url, max_model_len=max_model_len, adapter_sync=adapter_sync)
 
 
