@@ -248,3 +248,70 @@ def test_the_cap_needs_an_engine_that_reports_log_probs() -> None:
         hyperparameters(engine="hf", importance_sampling_cap=2.0)
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         hyperparameters(importance_sampling_cap=0.5)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize("mode", ["sampler", "recompute"])
+def test_old_logprobs_sampler_anchors_the_ratio_on_the_engines_log_probs_with_no_trainer_pass(
+    tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, algorithm: str, mode: str
+) -> None:
+    shift = math.log(3.0)  # the engine reports every token 3 times less likely than the trainer finds it
+    passes: list[int] = []
+    real = rl_common.frozen_logps
+    monkeypatch.setattr(rl_common, "frozen_logps", lambda *a, **k: passes.append(1) or real(*a, **k))
+    logged = run_with_sampler(
+        tiny_cache,
+        tmp_path,
+        monkeypatch,
+        shift,
+        algorithm,
+        old_logprobs=mode,
+        kl_coef=0.0,
+        ppo_epochs=2,
+        minibatches=2,
+    )
+    # recompute: one no-grad pass of the trainer per step (no reference: kl_coef 0); sampler: none
+    assert len(passes) == (0 if mode == "sampler" else 2)
+    # Either way the step's mismatch is measured before the policy moves: with 'sampler' by the first
+    # update's own forward pass against the old log-probs it was given, which must be the engine's.
+    assert logged["mismatch/logp_abs_diff"] == pytest.approx([shift, shift], abs=1e-4)
+    assert logged["mismatch/ratio_mean"] == pytest.approx([3.0, 3.0], abs=1e-3)
+    assert logged["mismatch/kl"] == pytest.approx([3 - 1 - shift] * 2, abs=1e-3)
+    # min / max / std do not add up over micro-batches and ranks: only the recomputed pass has them
+    assert ("mismatch/ratio_max" in logged) == (mode == "recompute")
+
+
+def test_with_the_samplers_log_probs_as_old_the_clipped_surrogate_sees_their_ratio(
+    tiny: tuple[Any, Any],
+) -> None:
+    model, tokenizer = tiny
+    hp = hyperparameters(
+        policy_loss="ppo_clip", loss_aggregation="token_mean", kl_coef=0.0, entropy_coef=0.0, temperature=1.0
+    )
+    comps = completions([(3, 4), (2, 5)])
+    batch = to_token_batch(comps, pad_id=tokenizer.pad_token_id, device=torch.device("cpu"))
+    mask = batch.response_mask
+    with torch.no_grad():
+        trainer = forward_logps(model, batch)[1]
+    sampler = (trainer - math.log(3.0)) * mask  # every ratio pi / pi_sampler is 3
+    adv = torch.tensor([1.0, -0.5])
+    loss, stats = actor_loss(
+        model,
+        ActorBatch(batch, mask, adv, sampler, None, measure_mismatch=True),
+        hp,
+        0.0,
+        batch_normaliser(mask, "token_mean"),
+    )
+    # By hand, PPO's max(-A r, -A clip(r, 0.8, 1.2)) at r = 3: A = 1 -> -1.2 (clipped), A = -0.5 -> 1.5
+    per_row = torch.tensor([-1.2, 1.5])
+    expected = float((per_row[:, None] * mask).sum() / mask.sum())
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-4)
+    assert float(stats["mismatch/ratio_mean"]) == pytest.approx(3.0, rel=1e-4)
+
+
+def test_old_logprobs_sampler_needs_an_engine_that_reports_log_probs_and_no_cap() -> None:
+    with pytest.raises(ValueError, match="old_logprobs 'sampler' needs an engine"):
+        hyperparameters(engine="hf", old_logprobs="sampler")
+    with pytest.raises(ValueError, match="importance_sampling_cap with old_logprobs 'sampler'"):
+        hyperparameters(old_logprobs="sampler", importance_sampling_cap=2.0)
+    assert hyperparameters(old_logprobs="sampler").old_logprobs == "sampler"

@@ -125,6 +125,28 @@ def test_a_run_attached_to_a_running_engine_trains_through_it_and_leaves_it_runn
     assert through_engine == [c.token_ids for c in HFEngine(final, tokenizer).generate(prompts, 1, greedy)]
 
 
+def test_a_run_whose_old_log_probs_are_the_engines_measures_the_mismatch_in_its_first_update(
+    running: RunningEngine, tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # old_logprobs 'sampler' with the real engine's log-probs (on the attached engine: no start of its own)
+    monkeypatch.setenv("RLRUN_ENGINE_URL", running.url)
+    result, reporter = grpo_run(
+        tiny_cache,
+        tmp_path / "out",
+        tiny_model_dir("llama-0.4m", tiny_cache),
+        old_logprobs="sampler",
+        ppo_epochs=2,
+        minibatches=2,
+        entropy_coef=0.05,
+    )
+    assert result.status == "succeeded", reporter.events
+    metrics = {(step, key): value for step, key, value in reporter.metrics}
+    for step in (1, 2):  # fp32 on both sides: the first update's log-probs are the engine's, step's weights
+        assert metrics[(step, "mismatch/logp_abs_diff")] < LOGPROB_TOLERANCE, step
+        assert abs(metrics[(step, "mismatch/ratio_mean")] - 1) < LOGPROB_TOLERANCE, step
+    assert not any(key == "mismatch/ratio_max" for _, key in metrics)  # no recomputed pass ran
+
+
 def test_a_run_whose_engine_url_answers_nothing_fails_naming_the_setting(
     tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,6 +10,7 @@ aggregated per the spec -> metrics, samples, eval, checkpoint. The algorithm nam
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -25,17 +26,16 @@ from trainer.loops.rl_common import (
     actor_step,
     close_rl_step,
     evaluate_start,
-    frozen_logps,
     kl_controller,
     minibatches,
     needs_old_logps,
+    old_logps,
     perf_metrics,
     prepare_rl,
     reference_logps,
     reference_path,
     response_mask,
     sample_step,
-    sampler_correction,
     sampler_logps,
     skip_step,
     to_token_batch,
@@ -58,12 +58,19 @@ def policy_update(
     kl_coef: float,
     gen: torch.Generator,
     is_weight: Tensor | None = None,
+    *,
+    measure_mismatch: bool = False,
 ) -> dict[str, Tensor]:
-    """``ppo_epochs`` passes over shuffled minibatches of ``actor_step``; the mean of each stat."""
+    """``ppo_epochs`` passes over shuffled minibatches of ``actor_step``; the mean of each stat. With
+    ``measure_mismatch`` (the old log-probs are the sampler's) the first update, before the policy moves,
+    logs their mismatch with its own log-probs."""
     full = ActorBatch(batch, mask, adv, old_logp, ref_logp, is_weight=is_weight)
     means = StatMeans()
-    for idx in minibatches(len(adv), hp, gen):
-        means.add(actor_step(policy, optimizer, full.select(idx.to(batch.input_ids.device)), hp, kl_coef))
+    for i, idx in enumerate(minibatches(len(adv), hp, gen)):
+        mb = dataclasses.replace(
+            full.select(idx.to(batch.input_ids.device)), measure_mismatch=measure_mismatch and i == 0
+        )
+        means.add(actor_step(policy, optimizer, mb, hp, kl_coef))
     return means.means()
 
 
@@ -108,10 +115,11 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
         # One epoch over one minibatch is on-policy: the old log-probs are the update's own forward pass
         # (detached), so the separate no-grad pass is skipped (as TRL does), unless KL-in-reward or the
         # engine's log-probs (mismatch, truncated IS) need them.
+        # With old_logprobs 'sampler' the engine's log-probs are the old ones and no pass runs at all.
         kl_in_reward = ref_logp is not None and hp.kl_placement == "reward"
         needed = needs_old_logps(sampler, hp, len(ro.completions), kl_in_reward)
-        old_logp = frozen_logps(policy, batch, hp.temperature) if needed else None
-        is_weight, mismatch = sampler_correction(old_logp, sampler, mask, hp)
+        old = old_logps(policy, batch, sampler, mask, hp, needed)
+        old_logp = old.logp
         scores = torch.tensor(ro.total, dtype=torch.float32, device=device)
         if kl_in_reward:  # sequence KL folded into the reward
             assert old_logp is not None and ref_logp is not None
@@ -131,9 +139,10 @@ def run_group_rl(spec: GroupRlSpec, data: RunData, reporter: Reporter, ctx: Loop
             hp,
             kl_ctl.value,
             session.generator,
-            is_weight,
+            old.is_weight,
+            measure_mismatch=old.from_sampler,
         )
-        stats |= mismatch
+        stats |= old.mismatch
         if "kl/seq" in stats:  # the controller's target (Ziegler et al. 2019) is a per-sequence KL
             kl_ctl.update(float(stats["kl/seq"]), len(ro.completions))
         t_train = time.perf_counter() - t1

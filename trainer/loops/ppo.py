@@ -41,18 +41,17 @@ from trainer.loops.rl_common import (
     checkpointed_training,
     close_rl_step,
     evaluate_start,
-    frozen_logps,
     kl_controller,
     masked_mean,
     micro_slices,
     minibatches,
+    old_logps,
     perf_metrics,
     prepare_rl,
     reference_logps,
     reference_path,
     response_mask,
     sample_step,
-    sampler_correction,
     sampler_logps,
     skip_step,
     to_token_batch,
@@ -238,9 +237,11 @@ def ppo_update(
     kl_coef: float,
     *,
     train_actor: bool,
+    measure_mismatch: bool = False,
 ) -> dict[str, Tensor]:
     """``ppo_epochs`` passes over shuffled minibatches, each a critic step then an ``actor_step``; returns
-    the mean of each stat over updates.
+    the mean of each stat over updates. With ``measure_mismatch`` (the old log-probs are the sampler's)
+    the first actor update logs their mismatch with its own log-probs.
 
     Critic and actor share no parameters, so one backward over ``actor loss + vf_coef * value loss`` gives
     the same gradients as the two separate steps here; separate steps let each model clip its own gradient
@@ -248,7 +249,7 @@ def ppo_update(
     (value pretraining) the policy is not even run.
     """
     means = StatMeans()
-    for idx in minibatches(len(b.adv), hp, session.generator):
+    for i, idx in enumerate(minibatches(len(b.adv), hp, session.generator)):
         mb = b.select(idx.to(b.adv.device))
         stats = critic_step(critic, critic_opt, mb, hp)
         total = hp.vf_coef * stats["loss/value"]
@@ -256,7 +257,15 @@ def ppo_update(
             actor = actor_step(
                 session.model,
                 session.optimizer,
-                ActorBatch(mb.tokens, mb.mask, mb.adv, mb.old_logp, mb.ref_logp, is_weight=mb.is_weight),
+                ActorBatch(
+                    mb.tokens,
+                    mb.mask,
+                    mb.adv,
+                    mb.old_logp,
+                    mb.ref_logp,
+                    is_weight=mb.is_weight,
+                    measure_mismatch=measure_mismatch and i == 0,
+                ),
                 hp,
                 kl_coef,
             )
@@ -395,17 +404,27 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         t1 = time.perf_counter()  # ---- log-probs, values, advantages, updates
         tokens = to_token_batch(ro.completions, tokenizer.pad_token_id, start.device)
         mask = response_mask(tokens, ro.completions, hp.mask_truncated)
-        old_logp = frozen_logps(policy, tokens, hp.temperature)
+        old = old_logps(policy, tokens, sampler_logps(ro.completions, tokens), mask, hp, needed=True)
+        assert old.logp is not None  # PPO always has old log-probs: recomputed, or the sampler's
+        old_logp, is_weight = old.logp, old.is_weight
         ref_logp = reference_logps(parts, tokens, hp.temperature)
-        is_weight, mismatch = sampler_correction(old_logp, sampler_logps(ro.completions, tokens), mask, hp)
         old_values = frozen_values(critic, tokens)
         scores = torch.tensor(ro.total, dtype=torch.float32, device=start.device)
         adv, returns, actor_lam = token_advantages(
             scores, old_logp, ref_logp, old_values, mask, tokens.response_mask.sum(-1), hp, kl_ctl.value
         )
         batch = PpoBatch(tokens, mask, old_logp, ref_logp, old_values, adv, returns, is_weight)
-        stats = ppo_update(session, critic, critic_opt, batch, hp, kl_ctl.value, train_actor=train_actor)
-        stats |= mismatch
+        stats = ppo_update(
+            session,
+            critic,
+            critic_opt,
+            batch,
+            hp,
+            kl_ctl.value,
+            train_actor=train_actor,
+            measure_mismatch=old.from_sampler,
+        )
+        stats |= old.mismatch
         if ref_logp is not None:  # KL of this step's rollouts to the reference (what the reward penalises)
             stats |= rollout_kl(old_logp, ref_logp, mask, hp.kl_estimator)
             if train_actor:  # while the actor is frozen its KL says nothing about the coefficient
@@ -413,11 +432,7 @@ def run_ppo(spec: PpoSpec, data: RunData, reporter: Reporter, ctx: LoopContext) 
         t_train = time.perf_counter() - t1
 
         if session.log_due:  # ---- metrics, samples, eval, checkpoint
-            metrics |= (
-                to_floats(stats)
-                | step_rollout_metrics(ro)
-                | value_metrics(batch, actor_lam)
-            )
+            metrics |= to_floats(stats) | step_rollout_metrics(ro) | value_metrics(batch, actor_lam)
             metrics |= perf_metrics(t_gen, t_train, mask)
         annotate = prompt_values(old_values, ro.completions, tokens.offset)
         close_rl_step(session, parts, hp, metrics, ro, stats, annotate=annotate)

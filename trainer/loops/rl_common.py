@@ -416,8 +416,62 @@ def sampler_logps(completions: Sequence[Completion], batch: TokenBatch) -> Tenso
 def needs_old_logps(sampler: Tensor | None, hp: OnlineRlHyperparameters, n: int, kl_in_reward: bool) -> bool:
     """Whether a step computes the old policy's log-probs in a separate no-grad pass: off-policy updates,
     KL folded into the reward, or an engine whose log-probs are compared with them (the mismatch metrics
-    and truncated IS need them before any update, as TRL computes them)."""
+    and truncated IS need them before any update, as TRL computes them). Never with ``old_logprobs``
+    'sampler': the engine's log-probs are the old ones."""
+    if hp.old_logprobs == "sampler":
+        return False
     return not hp.on_policy(n) or kl_in_reward or sampler is not None
+
+
+@dataclass(frozen=True)
+class OldLogps:
+    """A step's old log-probs (the policy ratio's denominator) and the sampler correction that goes with
+    them: ``logp`` None means on-policy (the update's own detached log-probs); ``from_sampler`` that they
+    are the engine's (``old_logprobs`` 'sampler'), whose mismatch the first update measures instead."""
+
+    logp: Tensor | None
+    is_weight: Tensor | None
+    mismatch: dict[str, Tensor]
+    from_sampler: bool = False
+
+
+def old_logps(
+    policy: Any,
+    batch: TokenBatch,
+    sampler: Tensor | None,
+    mask: Tensor,
+    hp: OnlineRlHyperparameters,
+    needed: bool,
+) -> OldLogps:
+    """The old log-probs of a step's rollouts: with ``old_logprobs`` 'recompute' the trainer's no-grad pass
+    when ``needed`` (``needs_old_logps``), with the truncated-IS weights and mismatch stats against the
+    sampler's (``sampler_correction``); with 'sampler' the engine's own log-probs, no pass (verl's bypass
+    mode: the PPO ratio anchors on the sampling distribution, docs/algorithms.md).
+
+    Raises:
+        RuntimeError: ``old_logprobs`` is 'sampler' and the engine reported no log-probs.
+    """
+    if hp.old_logprobs == "sampler":
+        if sampler is None:
+            raise RuntimeError(
+                "old_logprobs 'sampler': the engine reported no log-probs for this step's rollouts (engine "
+                f"{hp.engine!r}); use old_logprobs 'recompute'"
+            )
+        return OldLogps(sampler, None, {}, from_sampler=True)
+    old = frozen_logps(policy, batch, hp.temperature) if needed else None
+    is_weight, mismatch = sampler_correction(old, sampler, mask, hp)
+    return OldLogps(old, is_weight, mismatch)
+
+
+UPDATE_MISMATCH_STATS = ("logp_abs_diff", "ratio_mean", "kl")
+
+
+def update_mismatch(logp: Tensor, sampler: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    """The mismatch stats an update measures in its own forward pass when the old log-probs are the
+    sampler's: the token means of ``mismatch_stats`` (which add up exactly over micro-batches and ranks,
+    weighted by tokens), keyed ``mismatch/...`` as the recomputed ones are."""
+    stats = mismatch_stats(logp.detach(), sampler, mask)
+    return {key: stats[key] for key in (f"mismatch/{k}" for k in UPDATE_MISMATCH_STATS)}
 
 
 def sampler_correction(
@@ -457,19 +511,20 @@ def minibatches(n: int, hp: OnlineRlHyperparameters, gen: torch.Generator) -> It
 
 
 class StatMeans:
-    """Mean of each stat over the updates of a step (on device: no host sync until logging)."""
+    """Mean of each stat over the updates of a step that report it (on device: no host sync until
+    logging)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, Tensor] = {}
-        self.count = 0
+        self.counts: dict[str, int] = {}
 
     def add(self, stats: dict[str, Tensor]) -> None:
         for k, v in stats.items():
             self.sums[k] = self.sums.get(k, 0) + v.detach().float()
-        self.count += 1
+            self.counts[k] = self.counts.get(k, 0) + 1
 
     def means(self) -> dict[str, Tensor]:
-        return {k: v / self.count for k, v in self.sums.items()}
+        return {k: v / self.counts[k] for k, v in self.sums.items()}
 
 
 class WeightedMeans:
@@ -511,8 +566,10 @@ class WeightedMeans:
 class ActorBatch:
     """A minibatch for the actor: tokens, the mask of tokens that count, advantages, old and reference
     log-probs (None: on-policy, the update's own detached log-probs; no reference), which rows are real
-    (``real``: 1, or 0 for a rank's filler row, whose mask is all zero; None: all), and the truncated
-    importance-sampling weights of the policy term (``is_weight``, None: no sampler correction)."""
+    (``real``: 1, or 0 for a rank's filler row, whose mask is all zero; None: all), the truncated
+    importance-sampling weights of the policy term (``is_weight``, None: no sampler correction), and
+    whether the old log-probs are the sampler's and this update measures their mismatch with its own
+    (``measure_mismatch``: a step's first update, before the policy moved)."""
 
     tokens: TokenBatch
     mask: Tensor
@@ -521,6 +578,7 @@ class ActorBatch:
     ref_logp: Tensor | None
     real: Tensor | None = None
     is_weight: Tensor | None = None
+    measure_mismatch: bool = False
 
     def select(self, idx: Tensor) -> ActorBatch:
         return ActorBatch(
@@ -531,6 +589,7 @@ class ActorBatch:
             None if self.ref_logp is None else self.ref_logp[idx],
             None if self.real is None else self.real[idx],
             None if self.is_weight is None else self.is_weight[idx],
+            self.measure_mismatch,
         )
 
     @property
@@ -578,6 +637,8 @@ def actor_loss(
     out = POLICY_LOSSES[hp.policy_loss](logp, old, mb.adv, mb.mask, clip=clip)
     per_token = out.per_token if mb.is_weight is None else out.per_token * mb.is_weight
     stats = {f"policy/{k}": v for k, v in out.stats.items()}
+    if mb.measure_mismatch and mb.old_logp is not None:
+        stats |= update_mismatch(logp, mb.old_logp, mb.mask)
     mode, max_len = hp.loss_aggregation, hp.max_new_tokens
     stats["loss/policy"] = aggregate(
         per_token, mb.mask, mode, normaliser=normaliser, max_len=max_len

@@ -182,6 +182,15 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
         "reports log-probs (vllm, vllm_server); TRL and verl use 2. Default: off (the mismatch is logged "
         "either way).",
     )
+    old_logprobs: Literal["recompute", "sampler"] = Field(
+        default="recompute",
+        description="Where the policy ratio's old log-probs come from. recompute: a no-grad pass of the "
+        "trainer over each step's rollouts before its updates (the sampler's own log-probs then only feed "
+        "the mismatch metrics and importance_sampling_cap). sampler: the engine's log-probs of the tokens "
+        "it sampled, so the ratio is anchored on the distribution that really drew them and each step "
+        "skips that pass (one forward pass fewer; verl's bypass mode, docs/algorithms.md). Needs an engine "
+        "that reports log-probs (vllm, vllm_server).",
+    )
     async_rollouts: int = Field(
         default=0,
         ge=0,
@@ -251,6 +260,18 @@ class OnlineRlHyperparameters(TrainingHyperparameters):
                 "importance_sampling_cap needs an engine that reports its sampler's log-probs (vllm, "
                 "vllm_server); engine 'hf' samples with the trainer's own model, so there is no mismatch "
                 "to correct"
+            )
+        if self.old_logprobs == "sampler" and self.engine == "hf":
+            raise ValueError(
+                "old_logprobs 'sampler' needs an engine that reports its sampler's log-probs (vllm, "
+                "vllm_server); engine 'hf' samples with the trainer's own model: use old_logprobs "
+                "'recompute'"
+            )
+        if self.old_logprobs == "sampler" and self.importance_sampling_cap is not None:
+            raise ValueError(
+                "importance_sampling_cap with old_logprobs 'sampler': the cap weights pi_old / pi_sampler, "
+                "which is 1 when the old log-probs are the sampler's (the ratio's clip bounds the mismatch "
+                "instead); drop one of them"
             )
         if self.async_rollouts and self.engine != "vllm_server":
             raise ValueError(
