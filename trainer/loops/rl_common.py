@@ -416,10 +416,8 @@ def sampler_logps(completions: Sequence[Completion], batch: TokenBatch) -> Tenso
 def needs_old_logps(sampler: Tensor | None, hp: OnlineRlHyperparameters, n: int, kl_in_reward: bool) -> bool:
     """Whether a step computes the old policy's log-probs in a separate no-grad pass: off-policy updates,
     KL folded into the reward, or an engine whose log-probs are compared with them (the mismatch metrics
-    and truncated IS need them before any update, as TRL computes them). Never with ``old_logprobs``
-    'sampler': the engine's log-probs are the old ones."""
-    if hp.old_logprobs == "sampler":
-        return False
+    and truncated IS need them before any update, as TRL computes them). ``old_logps`` skips the pass
+    whatever this says when the old log-probs are the sampler's."""
     return not hp.on_policy(n) or kl_in_reward or sampler is not None
 
 
