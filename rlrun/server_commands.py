@@ -13,6 +13,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -122,20 +124,58 @@ def cmd_engine(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         max_loras=1,
     )
+    if args.host is not None and not args.remote:
+        print("rlrun engine: --host is the front's address: give it with --remote", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        with EngineProcess(options, port=args.port) as engine:
+        with EngineProcess(options, port=None if args.remote else args.port) as engine, ExitStack() as front:
             print(f"rlrun engine: {folder} at {engine.base_url}", flush=True)
             print(f"point workers on this host at it: RLRUN_ENGINE_URL={engine.base_url}", flush=True)
+            if args.remote:
+                front.enter_context(serve_engine_front(engine.base_url, args.host or "0.0.0.0", args.port))
             assert engine.proc is not None
             code = engine.proc.wait()
             print(f"rlrun engine: the engine exited with code {code}:\n{engine.log_tail()}", file=sys.stderr)
             return 1
-    except (EngineUnavailable, EngineStartError) as exc:
+    except (EngineUnavailable, EngineStartError, OSError) as exc:
         print(f"rlrun engine: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+@contextmanager
+def serve_engine_front(upstream: str, host: str, port: int | None) -> Iterator[None]:
+    """``rlrun engine --remote``'s front (trainer/rollout/engine_front.py) on ``host``:``port`` before the
+    engine at ``upstream``, with ``RLRUN_ENGINE_TOKEN`` as its token (a new one when unset, printed), its
+    uploads in a shared-memory folder of its own; what workers elsewhere set is printed."""
+    import secrets
+    import shutil
+    import socket
+    import tempfile
+    from pathlib import Path
+
+    from trainer.rollout.engine_front import EngineFront
+    from trainer.rollout.engine_process import ENGINE_TOKEN_VARIABLE, attached_engine_token
+
+    token = attached_engine_token() or secrets.token_urlsafe(24)
+    shm = Path("/dev/shm")
+    uploads = Path(tempfile.mkdtemp(prefix="rlrun-engine-front-", dir=shm if shm.is_dir() else None))
+    try:
+        served = EngineFront(upstream, token, uploads, host=host, port=port or 0)
+        try:
+            shown = socket.getfqdn() if host in ("0.0.0.0", "::") else host
+            url = f"http://[{shown}]:{served.port}" if ":" in shown else f"http://{shown}:{served.port}"
+            print(
+                f"point workers on other hosts at it: RLRUN_ENGINE_URL={url} {ENGINE_TOKEN_VARIABLE}={token}",
+                flush=True,
+            )
+            yield
+        finally:
+            served.close()
+    finally:
+        shutil.rmtree(uploads, ignore_errors=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -319,7 +359,19 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "engine", help="a generation engine that stays up, for workers' RLRUN_ENGINE_URL (vllm_server runs)"
     )
     engine.add_argument("--model", required=True, help="the model folder the runs train (config.json in it)")
-    engine.add_argument("--port", type=int, default=None, help="loopback port (default: a free one)")
+    engine.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="loopback port, or the front's with --remote (default: a free one)",
+    )
+    engine.add_argument(
+        "--remote",
+        action="store_true",
+        help="also serve workers on other hosts: a front that takes weights over HTTP and needs "
+        "RLRUN_ENGINE_TOKEN (printed; set it to choose one)",
+    )
+    engine.add_argument("--host", default=None, help="the front's address with --remote (default 0.0.0.0)")
     engine.add_argument("--dtype", default="float32", help="the trainer's dtype (default float32)")
     engine.add_argument(
         "--max-model-len", type=int, default=2048, help="prompt + completion tokens per sequence"

@@ -46,26 +46,30 @@ MAX_MODEL_LEN = 128
 
 
 class RunningEngine:
-    """``rlrun engine`` as its own process, and the URL it printed."""
+    """``rlrun engine --remote`` as its own process, the URL it printed for this host's workers, and the
+    front's URL and token it printed for other hosts' (its front on loopback here)."""
 
     def __init__(self, folder: Path, log: Path) -> None:
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlrun.cli", "engine", "--model", str(folder)]
-            + ["--max-model-len", str(MAX_MODEL_LEN)],
+            + ["--max-model-len", str(MAX_MODEL_LEN), "--remote", "--host", "127.0.0.1"],
             stdout=subprocess.PIPE,
             stderr=log.open("wb"),
             text=True,
         )
         assert self.proc.stdout is not None
-        self.url = ""
+        self.url = self.front_url = self.token = ""
         deadline = time.monotonic() + 300
         for line in self.proc.stdout:  # the command prints once the engine answers
-            if "RLRUN_ENGINE_URL=" in line:
+            if "on this host at it: RLRUN_ENGINE_URL=" in line:
                 self.url = line.strip().split("RLRUN_ENGINE_URL=", 1)[1]
+            if "on other hosts at it: RLRUN_ENGINE_URL=" in line:
+                told = dict(word.split("=", 1) for word in line.split() if "=" in word)
+                self.front_url, self.token = told["RLRUN_ENGINE_URL"], told["RLRUN_ENGINE_TOKEN"]
                 break
             assert time.monotonic() < deadline, "rlrun engine printed no URL"
-        assert self.url, f"rlrun engine ended without a URL:\n{log.read_text()[-3000:]}"
+        assert self.url and self.front_url, f"rlrun engine ended without its URLs:\n{log.read_text()[-3000:]}"
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -167,6 +171,49 @@ def test_an_engine_shorter_than_the_run_needs_is_refused_naming_both_lengths(
             tiny_cache, tmp_path / "out", tiny_model_dir("llama-0.4m", tiny_cache), max_prompt_length=160
         )
     assert running.proc.poll() is None
+
+
+def test_a_run_on_an_engine_behind_its_front_uploads_its_weights_through_it(
+    running: RunningEngine, tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # what a worker on another host sets: no folder is shared, the front takes the weights over HTTP (it
+    # has no route to name a folder: tests/rollout/test_engine_front.py)
+    monkeypatch.setenv("RLRUN_ENGINE_URL", running.front_url)
+    monkeypatch.setenv("RLRUN_ENGINE_TOKEN", running.token)
+    attached = attach_served_engine(running.front_url, torch.nn.Linear(1, 1), max_model_len=MAX_MODEL_LEN)
+    attached.close()
+    assert attached.upload
+    monkeypatch.setenv("RLRUN_ENGINE_TOKEN", "")  # this host's URL: plain files in /dev/shm, no token asked
+    here = attach_served_engine(running.url, torch.nn.Linear(1, 1), max_model_len=MAX_MODEL_LEN)
+    here.close()
+    assert not here.upload
+    monkeypatch.setenv("RLRUN_ENGINE_TOKEN", running.token)
+    result, reporter = grpo_run(
+        tiny_cache, tmp_path / "out", tiny_model_dir("llama-0.4m", tiny_cache), entropy_coef=0.05
+    )
+    assert result.status == "succeeded", reporter.events
+    metrics = {(step, key): value for step, key, value in reporter.metrics}
+    for step in (1, 2):  # the engine held each step's weights, uploaded (it held another run's before)
+        assert metrics[(step, "mismatch/logp_abs_diff")] < LOGPROB_TOLERANCE, step
+    final, tokenizer = load_causal_lm(str(result.output_path))
+    prompts = [tokenizer(r["prompt"]).input_ids for r in ROWS[:6]]
+    greedy = SamplingParams(max_new_tokens=6, greedy=True)
+    served = ServedEngine(running.front_url, max_model_len=MAX_MODEL_LEN, token=running.token)
+    try:
+        through_front = [c.token_ids for c in served.generate(prompts, 1, greedy)]
+    finally:
+        served.close()
+    assert through_front == [c.token_ids for c in HFEngine(final, tokenizer).generate(prompts, 1, greedy)]
+
+
+@pytest.mark.parametrize("token", ["", "wrong"], ids=["none", "wrong"])
+def test_a_worker_without_the_fronts_token_is_refused_naming_the_setting(
+    running: RunningEngine, token: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLRUN_ENGINE_TOKEN", token)
+    given = "the token in RLRUN_ENGINE_TOKEN" if token else "no RLRUN_ENGINE_TOKEN"
+    with pytest.raises(EngineStartError, match=f"refused this worker \\({given}\\): .*rlrun engine --remote"):
+        attach_served_engine(running.front_url, torch.nn.Linear(1, 1), max_model_len=MAX_MODEL_LEN)
 
 
 @contextmanager

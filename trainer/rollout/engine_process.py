@@ -102,6 +102,19 @@ class EngineStartError(RuntimeError):
 ENGINE_URL_VARIABLE = "RLRUN_ENGINE_URL"
 
 
+ENGINE_TOKEN_VARIABLE = "RLRUN_ENGINE_TOKEN"
+# The routes of ``rlrun engine --remote``'s front (trainer/rollout/engine_front.py) beyond the engine's own
+FRONT_ROUTE = "/rlrun/front"  # answers only on a front: weights go by upload
+WEIGHTS_ROUTE = "/rlrun/weights"  # PUT a model.safetensors: reloaded in place
+ADAPTERS_ROUTE = "/rlrun/adapters"  # PUT <route>/<name> a tar of an adapter folder: loaded as LoRA <name>
+
+
+def attached_engine_token() -> str | None:
+    """The token a remote engine's front asks of workers (``RLRUN_ENGINE_TOKEN``: what ``rlrun engine
+    --remote`` printed), or None."""
+    return os.environ.get(ENGINE_TOKEN_VARIABLE, "").strip() or None
+
+
 def attached_engine_url() -> str | None:
     """The running engine a worker's runs use instead of starting one each (``RLRUN_ENGINE_URL``: e.g. the
     URL ``rlrun engine`` printed), or None."""

@@ -36,7 +36,7 @@ import torch
 from trainer.distributed import Ranks, full_model_state, gather_objects, is_sharded, unwrap
 from trainer.reporting import one_line
 from trainer.rollout.base import Completion, SamplingParams
-from trainer.rollout.engine_process import EngineError
+from trainer.rollout.engine_process import EngineError, attached_engine_token
 from trainer.rollout.served_engine import ServedEngine, open_served_engine
 
 
@@ -151,7 +151,7 @@ def start_rank_shared_engine(
         rank, reason = failed[0]
         raise EngineError(f"rank {rank} could not start the shared engine: {reason}")
     if local is None:
-        local = ServedEngine(str(everyone[first]), max_model_len=max_model_len)
+        local = ServedEngine(str(everyone[first]), max_model_len=max_model_len, token=attached_engine_token())
     engine = RankSharedEngine(local, ranks, sharded=is_sharded(model))
     try:
         engine.sync_weights(unwrap(model))  # FSDP2 shards in place: unwrap leaves it as it is

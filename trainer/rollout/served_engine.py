@@ -1,5 +1,6 @@
 """``RolloutEngine`` over the engine process (trainer/rollout/engine_process.py): vLLM's OpenAI-compatible
-server, reached over loopback HTTP.
+server, reached over loopback HTTP, or from another host through ``rlrun engine --remote``'s front
+(trainer/rollout/engine_front.py: a token on every request, weights uploaded rather than named as a folder).
 
 Generation is one ``POST /v1/completions`` per call: all prompts as token-id lists, ``n`` samples each, with
 the sampled tokens' ids (``return_token_ids``) and log-probabilities (``logprobs: 0``) back; vLLM batches
@@ -9,7 +10,8 @@ results, so both paths share one set of checks (prompt echoed back, finish reaso
 Weights are synced in place: the policy's state dict is written as ``model.safetensors`` into a folder in
 shared memory (``/dev/shm`` where it exists), then ``/collective_rpc`` runs ``reload_weights`` on that
 folder and ``/reset_prefix_cache`` drops KV blocks computed with the old weights. Measured on
-tiny:llama-0.4m: 3 ms to write, 38 ms to reload; greedy tokens then equal the trainer's.
+tiny:llama-0.4m: 3 ms to write, 38 ms to reload; greedy tokens then equal the trainer's. Behind a front the
+written file is streamed to it (``PUT /rlrun/weights``), which reloads it from its own folder.
 
 What differs from the transformers engine, on purpose or for now:
 - Greedy decoding asks vLLM for one sample per prompt (it refuses ``n > 1`` without sampling) and repeats
@@ -40,11 +42,13 @@ An adapter (LoRA) policy syncs one of two ways (``adapter_sync``):
 from __future__ import annotations
 
 import contextlib
+import io
 import shutil
+import tarfile
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -54,12 +58,17 @@ import httpx
 
 from trainer.rollout.base import Completion, SamplingParams, check_generate_args
 from trainer.rollout.engine_process import (
+    ADAPTERS_ROUTE,
+    ENGINE_TOKEN_VARIABLE,
     ENGINE_URL_VARIABLE,
+    FRONT_ROUTE,
     SERVED_NAME,
+    WEIGHTS_ROUTE,
     EngineError,
     EngineOptions,
     EngineProcess,
     EngineStartError,
+    attached_engine_token,
     attached_engine_url,
     engine_message,
 )
@@ -142,6 +151,9 @@ class ServedEngine:
         timeout: seconds to wait for one generation call.
         adapter_sync: how an adapter policy reaches the engine: ``lora`` (its adapter alone, the engine
             running LoRA) or ``merged`` (folded into the base's weights, the engine running none).
+        token: sent as ``Authorization: Bearer`` with every request (a remote engine's front asks for it).
+        upload: the engine is behind ``rlrun engine --remote``'s front (trainer/rollout/engine_front.py),
+            maybe on another host: weights and adapters are uploaded to it rather than named as folders.
     """
 
     def __init__(
@@ -154,8 +166,12 @@ class ServedEngine:
         process: EngineProcess | None = None,
         on_restart: Callable[[str], None] | None = None,
         adapter_sync: Literal["lora", "merged"] = "lora",
+        token: str | None = None,
+        upload: bool = False,
     ) -> None:
         self.adapter_sync = adapter_sync
+        self.upload = upload
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.process = process  # stopped by close(), when this engine started it
         self.on_restart = on_restart  # told (a sentence) when a dead engine process was started again
         self._timeout = timeout
@@ -166,7 +182,7 @@ class ServedEngine:
         self.weights_dir = weights_dir or Path(
             tempfile.mkdtemp(prefix="rlrun-engine-weights-", dir=shm if shm.is_dir() else None)
         )
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=self._headers)
         self._requests = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-request")
         self.model_name = SERVED_NAME  # what generation asks for: the base, or the last synced adapter
         self._syncs = 0
@@ -175,7 +191,10 @@ class ServedEngine:
         self._lora_prefix = f"policy-lora-{uuid.uuid4().hex[:8]}"
 
     def _new_client(self) -> None:
-        old, self._http = self._http, httpx.Client(base_url=self.base_url, timeout=self._timeout)
+        old, self._http = (
+            self._http,
+            httpx.Client(base_url=self.base_url, timeout=self._timeout, headers=self._headers),
+        )
         old.close()
 
     def _call(self, path: str, body: dict[str, Any]) -> Any:
@@ -209,12 +228,15 @@ class ServedEngine:
             reload = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
             self._post("/collective_rpc", reload)
 
-    def _post(self, path: str, body: dict[str, Any]) -> Any:
-        """POST and wait for the answer in short slices, so that a cancel raised into this thread (the run's
-        stop watch) lands within a fraction of a second even while the engine generates for minutes; the
-        engine is then told to abort what it runs (``/abort_requests``: this engine serves this run only)
-        and the connection is dropped. The answer's JSON, or its text when it is not JSON (LoRA routes)."""
-        pending = self._requests.submit(self._http.post, path, json=body)
+    def _post(
+        self, path: str, body: dict[str, Any] | None = None, send: Callable[[], httpx.Response] | None = None
+    ) -> Any:
+        """POST ``body`` (or make the request ``send`` makes) and wait for the answer in short slices, so
+        that a cancel raised into this thread (the run's stop watch) lands within a fraction of a second
+        even while the engine generates for minutes; the engine is then told to abort what it runs
+        (``/abort_requests``: this engine serves this run only) and the connection is dropped. The answer's
+        JSON, or its text when it is not JSON (LoRA routes)."""
+        pending = self._requests.submit(send or (lambda: self._http.post(path, json=body)))
         try:
             while True:
                 try:
@@ -236,7 +258,7 @@ class ServedEngine:
 
     def _abort_all(self) -> None:
         with contextlib.suppress(httpx.HTTPError):
-            httpx.post(f"{self.base_url}/abort_requests", json={}, timeout=5)
+            httpx.post(f"{self.base_url}/abort_requests", json={}, headers=self._headers, timeout=5)
         self._new_client()
 
     def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
@@ -301,10 +323,25 @@ class ServedEngine:
         self._reload()
 
     def _reload(self) -> None:
-        """The engine reloads the weights written to ``weights_dir``, and drops its prefix cache."""
-        reload = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
-        self._call("/collective_rpc", reload)
+        """The engine reloads the weights written to ``weights_dir`` (uploaded first to a front), and drops
+        its prefix cache."""
+        if self.upload:
+            self._put_file(WEIGHTS_ROUTE, self.weights_dir / "model.safetensors")
+        else:
+            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
+            self._call("/collective_rpc", reload)
         self._post("/reset_prefix_cache", {})
+
+    def _put_file(self, path: str, source: Path | bytes) -> Any:
+        """PUT ``source`` (a file, streamed in 1 MB blocks, or bytes) to a front's upload route."""
+
+        def send() -> httpx.Response:
+            if isinstance(source, bytes):
+                return self._http.put(path, content=source)
+            length = {"content-length": str(source.stat().st_size)}
+            return self._http.put(path, content=file_blocks(source), headers=length)
+
+        return self._post(path, send=send)
 
     def follow(self, base_url: str, model_name: str) -> None:
         """Generate from the engine at ``base_url`` under ``model_name`` (the base, or an adapter another
@@ -327,7 +364,10 @@ class ServedEngine:
         name, folder = f"{self._lora_prefix}-{self._syncs}", self.weights_dir / f"adapter-{self._syncs}"
         model.save_pretrained(str(folder))
         try:
-            self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+            if self.upload:  # the front unpacks it on its host and loads it from there
+                self._put_file(f"{ADAPTERS_ROUTE}/{name}", folder_tar(folder))
+            else:
+                self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
         except EngineError:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -343,6 +383,23 @@ class ServedEngine:
             self.process.stop()
         if self._own_weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
+
+
+def file_blocks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
+    """``path``'s bytes in blocks of ``size``: an upload's body that never holds the whole file."""
+    with path.open("rb") as f:
+        while block := f.read(size):
+            yield block
+
+
+def folder_tar(folder: Path) -> bytes:
+    """``folder``'s files as an uncompressed tar (names relative to it): an adapter's upload body."""
+    body = io.BytesIO()
+    with tarfile.open(fileobj=body, mode="w:") as tar:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                tar.add(path, arcname=str(path.relative_to(folder)))
+    return body.getvalue()
 
 
 def engine_adapter_sync(
@@ -438,20 +495,30 @@ def attach_served_engine(
 ) -> ServedEngine:
     """A ``ServedEngine`` on the engine already running at ``base_url`` (``RLRUN_ENGINE_URL``, e.g. started by
     ``rlrun engine``) instead of one of its own: ``close()`` leaves it running, and one that dies is not
-    started again (the run fails saying so). It must run on this host, as weights reach it as files in
-    ``/dev/shm``, and serve one run at a time: each run's first sync replaces its weights. Its seed, threads
+    started again (the run fails saying so). A plain engine must run on this host, as weights reach it as
+    files in ``/dev/shm``; behind ``rlrun engine --remote``'s front (which answers ``/rlrun/front``) it may
+    run anywhere, weights and adapters uploaded over HTTP with ``RLRUN_ENGINE_TOKEN``. It serves one run at
+    a time: each run's first sync replaces its weights. Its seed, threads
     and dtype are its own (``rlrun engine``'s options); an adapter policy syncs as ``start_served_engine``'s
     (``lora`` needs an engine started with ``--max-lora-rank``).
 
     Raises:
-        EngineStartError: nothing answers at ``base_url``, it serves no model ``policy``, its
+        EngineStartError: nothing answers at ``base_url``, its front refuses this worker's token (the
+            setting named), it serves no model ``policy``, its
             ``max_model_len`` is below the run's (both named), or it was not started as ``rlrun engine``
             starts one (``check_sampling_options``).
         NotImplementedError: an adapter the engine cannot take (``check_engine_adapter``).
     """
     where = f"{ENGINE_URL_VARIABLE}={base_url}"
+    token = attached_engine_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        resp = httpx.get(f"{base_url}/v1/models", timeout=10)
+        resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10)
+        if resp.status_code == 401:
+            given = f"the token in {ENGINE_TOKEN_VARIABLE}" if token else f"no {ENGINE_TOKEN_VARIABLE}"
+            raise EngineStartError(
+                f"the engine at {where} refused this worker ({given}): {engine_message(resp)}"
+            )
         resp.raise_for_status()
         models = resp.json().get("data", [])
     except (httpx.HTTPError, ValueError) as exc:
@@ -467,16 +534,19 @@ def attach_served_engine(
             f"the engine at {where} holds {limit} tokens per sequence (its max_model_len); this run needs "
             f"{max_model_len}: start it with `rlrun engine --max-model-len {max_model_len}` or more"
         )
-    check_sampling_options(base_url, where)
+    check_sampling_options(base_url, where, headers)
     adapter_sync = engine_adapter_sync(model, adapter_sync)
-    return ServedEngine(base_url, max_model_len=max_model_len, adapter_sync=adapter_sync)
+    front = httpx.get(f"{base_url}{FRONT_ROUTE}", headers=headers, timeout=10).status_code == 200
+    return ServedEngine(
+        base_url, max_model_len=max_model_len, adapter_sync=adapter_sync, token=token, upload=front
+    )
 
 
 # What a rollout engine must have been started with (``EngineOptions.command``), read off its configuration
 REQUIRED_OPTIONS = {"logprobs_mode": "processed_logprobs", "generation_config": "vllm"}
 
 
-def check_sampling_options(base_url: str, where: str) -> None:
+def check_sampling_options(base_url: str, where: str, headers: dict[str, str] | None = None) -> None:
     """Refuse an engine whose samples or log-probs are not what the trainer assumes: one without the
     dev-mode routes a sync needs (``/server_info`` among them), or started with other log-probs
     (``--logprobs-mode``) or with the checkpoint's sampling defaults (``--generation-config``), as a plain
@@ -486,7 +556,9 @@ def check_sampling_options(base_url: str, where: str) -> None:
         EngineStartError: naming what differs and ``rlrun engine``.
     """
     try:
-        resp = httpx.get(f"{base_url}/server_info", params={"config_format": "json"}, timeout=120)
+        resp = httpx.get(
+            f"{base_url}/server_info", params={"config_format": "json"}, headers=headers, timeout=120
+        )
     except httpx.HTTPError as exc:
         raise EngineStartError(f"the engine at {where} did not answer /server_info: {exc}") from None
     if resp.status_code != 200:
