@@ -377,6 +377,11 @@ class ServedEngine:
             shutil.rmtree(self.weights_dir / f"adapter-{previous.rsplit('-', 1)[1]}", ignore_errors=True)
 
     def close(self) -> None:
+        """Stop the engine this object started; a kept engine (``RLRUN_ENGINE_URL``), which outlives the
+        run, is left without the adapter this object loaded (it would hold one of the engine's LoRA slots)."""
+        if self.process is None and self.model_name.startswith(self._lora_prefix):
+            with contextlib.suppress(httpx.HTTPError):
+                self._http.post("/v1/unload_lora_adapter", json={"lora_name": self.model_name}, timeout=10)
         self._http.close()
         self._requests.shutdown(wait=False, cancel_futures=True)
         if self.process is not None:
