@@ -12,7 +12,7 @@ engine's weight sync (``sync_weights``: write safetensors to /dev/shm + ``reload
 reset), which a run pays once per step on top of generating, beside the same sync through ``rlrun engine
 --remote``'s front on loopback (trainer/rollout/engine_front.py: the file streamed over HTTP to the front,
 which checks it and has the engine reload it from its own folder: what a worker on another host pays,
-less the network). The engine's start-up (``make engine`` built once; about 30 s to answer here) is printed
+less the network). The engine's start-up (``make engine`` built once; about 8 s to answer here) is printed
 but not in the ratios: a run pays it once.
 
 vLLM's CPU backend pins its OpenMP threads and by default keeps one core for its front end

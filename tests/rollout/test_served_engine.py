@@ -308,6 +308,29 @@ def test_the_engines_worker_spins_50_ms_after_a_step_not_a_second(tmp_path: Path
     assert unpatched.stdout.strip() == "1", unpatched.stderr[-2000:]  # what vLLM does on its own
 
 
+def test_the_engine_core_is_forked_from_the_server_into_its_process_group(engine: ServedEngine) -> None:
+    """vLLM's server spawns its engine core (a fresh interpreter importing vLLM again, ~4.5 s of a start);
+    the start-up patch (trainer/rollout/engine_site/sitecustomize.py) has it forked, as vLLM's library
+    does, where the model runs in the core. The patch's fork hook logs each process forked (a spawn runs no
+    Python fork hook). The core stays in the server's process group, which the owner watch and ``stop()``
+    end."""
+    assert engine.process is not None and engine.process.proc is not None
+    server = engine.process.proc.pid
+
+    def stat(pid: int) -> list[str]:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+
+    children = [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and int(stat(int(p.name))[1]) == server
+    ]
+    assert len(children) == 1, children  # the engine core, and no worker process (the model runs in it)
+    core = children[0]
+    assert f"rlrun engine_site: process {core} forked from {server}" in engine.process.log_path.read_text()
+    assert stat(core)[3] == stat(server)[3] == str(server)  # one process group, led by the server
+
+
 def test_a_prompt_over_the_engines_length_is_refused_naming_the_limit(engine: ServedEngine) -> None:
     with pytest.raises(ValueError, match=f"max_model_len is {MAX_MODEL_LEN}"):
         engine.generate([[5] * 10, [5] * MAX_MODEL_LEN], 1, greedy())

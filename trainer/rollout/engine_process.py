@@ -267,7 +267,7 @@ class EngineProcess:
     def start(self) -> str:
         """Start the engine and wait until it answers; however that wait ends other than ready (the engine
         exits, the timeout, a cancel raised into this thread by the run's stop watch), the engine is
-        stopped before the exception goes on: a run stopped during the ~30 s start leaves no engine."""
+        stopped before the exception goes on: a run stopped during the start leaves no engine."""
         try:
             return self._start()
         except BaseException:
