@@ -94,12 +94,15 @@ class TimedReporter(MemoryReporter):
 
 def loop_context(model_dir: Path, work: Path) -> LoopContext:
     """The context an rlrun loop runs in on the bench: models resolved from the tiny-model cache that
-    ``model_dir`` sits in, checkpoints under ``work`` (only the final model is saved: checkpoint_every=0)."""
+    ``model_dir`` sits in (or ``model_dir`` itself, its parent the model root), checkpoints under ``work``
+    (only the final model is saved: checkpoint_every=0)."""
     cache = model_dir.parent.parent
     return LoopContext(
         cache_dir=cache,
         checkpoint_dir=work / "rlrun-checkpoints",
-        resolve_model=lambda ref: resolve_model(ref, cache_dir=cache, run_output=lambda _ref: work),
+        resolve_model=lambda ref: resolve_model(
+            ref, cache_dir=cache, run_output=lambda _ref: work, roots=[model_dir.parent]
+        ),
     )
 
 

@@ -19,7 +19,8 @@ wrapper times each ``generate`` call, so ``generate s/step`` is measured the sam
 keeps the only engine it has on CPU. Lengths are made equal there with vLLM's ``min_tokens`` (the engine's
 request is wrapped), ``generate s/step`` is the wall time of the engine's generate calls, and the weight
 sync before each step is timed apart (``sync s/step``, part of ``rest``). With the engine rlrun also takes
-the old policy's log-probs in a no-grad pass each step (the sampler-mismatch metrics need them).
+the old policy's log-probs in a no-grad pass each step (the sampler-mismatch metrics need them), unless
+``--old-logprobs sampler`` takes them from the engine (the ratio anchored on the sampler's log-probs).
 ``--shape PxG`` sets prompts per step and completions per prompt (default 2x4; ``bench/learning.py`` uses
 16x8). ``--async-rollouts 1`` (with the engine) generates each next step's rollouts during this step's
 update (one step off-policy, trainer/loops/async_rollouts.py): ``generate s/step`` then counts the
@@ -43,6 +44,10 @@ so a ratio only means something when both saw the same load.
 inside ``model.generate`` per step; ``rest s/step`` is ``s/step`` minus that (log-probs, loss, backward,
 optimizer, rewards, bookkeeping, and the setup spread over the steps). rlrun's own split (``perf/gen_s``:
 generate + decode + rewards; ``perf/train_s``: log-probs, advantages, update) is printed below the table.
+
+``--model-folder`` trains a real model instead (a folder ``rlrun models import smollm2-135m-instruct``
+made: 135M parameters, full fine-tuning in fp32 for both; the prompts stay plain ``a+b=`` text, no chat
+template, in both).
 
 Run: ``make bench`` (runs every file in bench/) or ``.venv/bin/python bench/grpo_vs_trl.py --steps N``
 after ``.venv/bin/pip install -e '.[dev,bench]'``.
@@ -83,6 +88,7 @@ from trainer.rewards.verifiers import Sample, numeric
 from trainer.specs import GroupRlSpec, parse_spec
 
 PRESET = "llama-10m"
+MODEL_REF = f"tiny:{PRESET}"  # --model-folder replaces it with that folder's path
 N_PROMPTS = 64
 PROMPTS_PER_STEP = 2
 G = 4  # completions per prompt
@@ -173,16 +179,18 @@ def run_rlrun(
     new_tokens: int,
     engine: str = "hf",
     async_rollouts: int = 0,
+    old_logprobs: str = "recompute",
 ) -> tuple[Timing, TimedReporter]:
     spec = parse_spec(
         {
             "algorithm": "grpo",
-            "model": f"tiny:{PRESET}",
+            "model": MODEL_REF,
             "dataset_id": str(uuid.uuid4()),
             "rewards": [{"name": "numeric"}],
             "hyperparameters": {
                 "engine": engine,
                 "async_rollouts": async_rollouts,
+                "old_logprobs": old_logprobs,
                 "learning_rate": LR,
                 "max_steps": steps,
                 "prompts_per_step": PROMPTS_PER_STEP,
@@ -422,7 +430,7 @@ def print_split(reporter: TimedReporter, ours: Timing) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    global PROMPTS_PER_STEP, G  # --shape sets them for both contenders
+    global PROMPTS_PER_STEP, G, MODEL_REF  # --shape and --model-folder set them for both contenders
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps for each trainer")
     parser.add_argument(
@@ -444,7 +452,20 @@ def main(argv: list[str] | None = None) -> None:
         choices=[0, 1],
         help="rlrun generates the next step's rollouts during this step's update (--engine vllm_server)",
     )
+    parser.add_argument(
+        "--model-folder",
+        default=None,
+        help="an HF model folder (e.g. an imported SmolLM2-135M-Instruct) instead of tiny:" + PRESET,
+    )
+    parser.add_argument(
+        "--old-logprobs",
+        default="recompute",
+        choices=["recompute", "sampler"],
+        help="rlrun's old_logprobs (sampler: the engine's log-probs, no no-grad pass; --engine vllm_server)",
+    )
     args = parser.parse_args(argv)
+    if args.old_logprobs == "sampler" and args.engine != "vllm_server":
+        parser.error("--old-logprobs sampler needs --engine vllm_server")
     if args.async_rollouts and args.engine != "vllm_server":
         parser.error("--async-rollouts needs --engine vllm_server")
     PROMPTS_PER_STEP, G = (int(v) for v in args.shape.split("x"))
@@ -458,9 +479,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"command: cd {shlex.quote(os.getcwd())} && {shlex.join([sys.executable, *sys.argv])}")
     print(
         f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"transformers {transformers.__version__}, trl {trl.__version__}; tiny:{PRESET}, "
+        f"transformers {transformers.__version__}, trl {trl.__version__}; {args.model_folder or MODEL_REF}, "
         f"{N_PROMPTS} prompts, {PROMPTS_PER_STEP} prompts x G={G} x {budgets} new tokens per step, "
         f"rlrun engine {args.engine}{' with async_rollouts 1' if args.async_rollouts else ''}, "
+        f"old_logprobs {args.old_logprobs}, "
         f"temperature {TEMPERATURE}, lr {LR}, no KL, clip {CLIP}, fp32, cpu; "
         f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus"
     )
@@ -469,7 +491,11 @@ def main(argv: list[str] | None = None) -> None:
     splits: list[tuple[TimedReporter, Timing]] = []
     with tempfile.TemporaryDirectory(prefix="rlrun-bench-") as tmp:
         work = Path(tmp)
-        model_dir = tiny_model_dir(PRESET, work / "cache")
+        if args.model_folder:
+            model_dir = Path(args.model_folder).resolve()
+            MODEL_REF = str(model_dir)
+        else:
+            model_dir = tiny_model_dir(PRESET, work / "cache")
         warm_up(model_dir)
         for tokens in budgets:
             for round_ in range(args.rounds):
@@ -481,7 +507,14 @@ def main(argv: list[str] | None = None) -> None:
                     out = work / f"{tokens}-{round_}-{name}"
                     if name == "rlrun":
                         ours, reporter = run_rlrun(
-                            model_dir, rows, args.steps, out, tokens, args.engine, args.async_rollouts
+                            model_dir,
+                            rows,
+                            args.steps,
+                            out,
+                            tokens,
+                            args.engine,
+                            args.async_rollouts,
+                            args.old_logprobs,
                         )
                         results.append(ours)
                         splits.append((reporter, ours))
