@@ -24,7 +24,8 @@ learning rate:
 
 Every ``--checkpoint-every`` steps each contender saves its adapter, and the clock time since its start is
 noted (rlrun: ``checkpoint_saved``; TRL: ``on_save``). After all runs, one evaluator (rlrun's HF engine on
-the adapter merged into the base) scores every checkpoint on the held-out set, so the table shows held-out
+the adapter merged into the base, or with ``--evaluator vllm_server`` one engine process into which each
+merged checkpoint is synced) scores every checkpoint on the held-out set, so the table shows held-out
 accuracy over time for each contender, its final gain, and rlrun's time to reach TRL's final accuracy
 against TRL's whole time. Before and after, the model answers ``CHAT_QUESTIONS`` (greedy): it must still
 answer in sentences.
@@ -107,23 +108,56 @@ def load_merged(folder: Path) -> tuple[Any, Any]:
     return load_causal_lm(str(folder))
 
 
-def held_out_accuracy(folder: Path, rows: list[dict[str, Any]], max_new_tokens: int) -> float:
-    """Greedy accuracy on the held-out rows, the same evaluator for every contender and checkpoint."""
-    model, tokenizer = load_merged(folder)
-    engine = HFEngine(model, tokenizer, batch_size=100)
-    prompts = [tokenizer(render_prompt(r["prompt"], tokenizer)).input_ids for r in rows]
-    done = engine.generate(prompts, 1, SamplingParams(max_new_tokens=max_new_tokens, greedy=True))
+class Evaluator:
+    """Greedy generation from a checkpoint (its adapter merged into the base), the same for every contender
+    and checkpoint: rlrun's HF engine on each (``hf``), or one engine process on the base folder into which
+    each checkpoint's merged weights are synced (``vllm_server``: continuous batching, ~0.6 s a sync)."""
+
+    def __init__(self, kind: str, base: Path) -> None:
+        self.kind, self.base = kind, base
+        self.served: Any = None
+
+    def generate(
+        self, folder: Path, prompts: Callable[[Any], list[list[int]]], max_new_tokens: int
+    ) -> list[Any]:
+        model, tokenizer = load_merged(folder)
+        ids, params = prompts(tokenizer), SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
+        if self.kind == "hf":
+            return HFEngine(model, tokenizer, batch_size=100).generate(ids, 1, params)
+        from trainer.rollout.served_engine import start_served_engine
+
+        if self.served is None:
+            self.served = start_served_engine(str(self.base), model, max_model_len=EVAL_MAX_MODEL_LEN)
+        self.served.sync_weights(model)
+        return self.served.generate(ids, 1, params)
+
+    def close(self) -> None:
+        if self.served is not None:
+            self.served.close()
+
+
+EVAL_MAX_MODEL_LEN = 512  # a chat-templated word problem (~60 tokens) and its answer, with room to spare
+
+
+def held_out_accuracy(
+    evaluator: Evaluator, folder: Path, rows: list[dict[str, Any]], max_new_tokens: int
+) -> float:
+    """Greedy accuracy on the held-out rows."""
+    done = evaluator.generate(
+        folder, lambda tok: [tok(render_prompt(r["prompt"], tok)).input_ids for r in rows], max_new_tokens
+    )
     scores = [score(r, c.text, len(c.token_ids), max_new_tokens) for r, c in zip(rows, done, strict=True)]
     return sum(scores) / len(scores)
 
 
-def chat_answers(folder: Path) -> list[str]:
-    model, tokenizer = load_merged(folder)
-    prompts = [
-        tokenizer(render_prompt([{"role": "user", "content": q}], tokenizer)).input_ids
-        for q in CHAT_QUESTIONS
-    ]
-    done = HFEngine(model, tokenizer).generate(prompts, 1, SamplingParams(max_new_tokens=48, greedy=True))
+def chat_answers(evaluator: Evaluator, folder: Path) -> list[str]:
+    done = evaluator.generate(
+        folder,
+        lambda tok: [
+            tok(render_prompt([{"role": "user", "content": q}], tok)).input_ids for q in CHAT_QUESTIONS
+        ],
+        48,
+    )
     return [c.text.strip().replace("\n", " ") for c in done]
 
 
@@ -375,9 +409,25 @@ def time_to(curve: Curve, target: float) -> float | None:
 def rl_part(folder: Path, contenders: list[str], args: argparse.Namespace, root: Path) -> None:
     """The RL contenders: held-out accuracy over time, gains, time to TRL's final accuracy, chat answers."""
     train, heldout = problems(args.seed, args.heldout, 4000)
-    before = held_out_accuracy(folder, heldout, args.max_new_tokens)
+    evaluator = Evaluator(args.evaluator, folder)
+    try:
+        rl_curves(folder, contenders, args, root, evaluator, train, heldout)
+    finally:
+        evaluator.close()
+
+
+def rl_curves(
+    folder: Path,
+    contenders: list[str],
+    args: argparse.Namespace,
+    root: Path,
+    evaluator: Evaluator,
+    train: list[dict[str, Any]],
+    heldout: list[dict[str, Any]],
+) -> None:
+    before = held_out_accuracy(evaluator, folder, heldout, args.max_new_tokens)
     print(f"base held-out accuracy {before:.1%} ({len(heldout)} problems, greedy)", flush=True)
-    chat_before = chat_answers(folder)
+    chat_before = chat_answers(evaluator, folder)
     rates: list[float | None] = [float(r) for r in args.lr_sweep.split(",") if r] or [None]
     runs: dict[str, Callable[[], Curve]] = {
         f"{name}@{lr}": (lambda name=name, lr=lr: rlrun_run(name, folder, train, args, root, lr))
@@ -388,9 +438,12 @@ def rl_part(folder: Path, contenders: list[str], args: argparse.Namespace, root:
     if "trl" in contenders:
         runs["trl"] = lambda: trl_run(folder, train, args, root / "trl")
     curves = [run() for run in runs.values()]
+    began = time.perf_counter()
     for curve in curves:
         for step, _, path in curve.points:
-            curve.accuracy[step] = held_out_accuracy(path, heldout, args.max_new_tokens)
+            curve.accuracy[step] = held_out_accuracy(evaluator, path, heldout, args.max_new_tokens)
+    checkpoints = sum(len(c.points) for c in curves)
+    print(f"evaluated {checkpoints} checkpoints ({args.evaluator}) in {time.perf_counter() - began:.0f} s")
     print()
     print(f"{'contender':>10} {'after':>7} {'gain':>7} {'s total':>8}   held-out accuracy at (step, s)")
     for curve in curves:
@@ -412,7 +465,7 @@ def rl_part(folder: Path, contenders: list[str], args: argparse.Namespace, root:
     for i, question in enumerate(CHAT_QUESTIONS):
         print(f"  Q: {question}\n    base: {chat_before[i][:160]}")
         for curve in curves:
-            print(f"    {curve.contender}: {chat_answers(curve.points[-1][2])[i][:160]}")
+            print(f"    {curve.contender}: {chat_answers(evaluator, curve.points[-1][2])[i][:160]}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -440,6 +493,12 @@ def main(argv: list[str] | None = None) -> None:
     default_engine = "vllm_server" if Path(".venv-engine/.installed").is_file() else "hf"
     parser.add_argument("--engine", default=default_engine, choices=("hf", "vllm_server"))
     parser.add_argument("--model-folder", type=Path, default=None, help="an imported SmolLM2 folder")
+    parser.add_argument(
+        "--evaluator",
+        default="hf",
+        choices=("hf", "vllm_server"),
+        help="what scores the checkpoints, greedy, in fp32: rlrun's HF engine or one engine process",
+    )
     parser.add_argument(
         "--precision",
         default="bf16" if cpu_bf16_is_fast() else "fp32",
