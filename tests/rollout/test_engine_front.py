@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 import tarfile
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -150,6 +152,32 @@ def test_a_weights_upload_is_reloaded_whole_and_a_cut_or_corrupt_one_is_refused_
     assert resp.status_code == 200, resp.text
     assert stand_in.reloaded == [whole]  # the engine read the bytes sent, from the front's folder
     assert stand_in.calls[-1][2]["kwargs"] == {"weights_path": str(uploads)}
+
+
+def test_an_upload_cut_off_by_the_client_leaves_nothing_and_the_next_one_goes_through(
+    front: tuple[StandIn, EngineFront, Path], tmp_path: Path
+) -> None:
+    stand_in, served, uploads = front
+    whole = safetensors_bytes(tmp_path)
+    head = (
+        f"PUT /rlrun/weights HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        f"Content-Length: {len(whole)}\r\n\r\n"
+    ).encode()
+    partial = uploads / ".model.safetensors.partial"
+    with socket.create_connection(("127.0.0.1", served.port)) as sock:
+        sock.sendall(head + whole[:20])
+        deadline = time.monotonic() + 10
+        while not partial.is_file():  # the front is taking the upload
+            assert time.monotonic() < deadline, "the front wrote none of the upload"
+            time.sleep(0.02)
+    # the client went away mid-upload
+    deadline = time.monotonic() + 10
+    while list(uploads.iterdir()):
+        assert time.monotonic() < deadline, list(uploads.iterdir())
+        time.sleep(0.05)
+    assert stand_in.reloaded == []
+    assert httpx.put(f"{url(served)}/rlrun/weights", content=whole, headers=AUTH).status_code == 200
+    assert stand_in.reloaded == [whole]
 
 
 def test_check_safetensors_accepts_what_safetensors_writes(tmp_path: Path) -> None:

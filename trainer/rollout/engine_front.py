@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import io
 import json
 import re
 import shutil
 import struct
 import tarfile
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +42,7 @@ from typing import Any
 import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from trainer.rollout.engine_process import (
     ADAPTERS_ROUTE,
@@ -165,14 +166,20 @@ def front_app(upstream: str, token: str, weights_dir: Path) -> FastAPI:
     async def put_weights(request: Request) -> Response:
         partial, target = weights_dir / ".model.safetensors.partial", weights_dir / "model.safetensors"
         async with uploads:
-            with partial.open("wb") as f:
-                async for chunk in request.stream():
-                    f.write(chunk)
             try:
+                with partial.open("wb") as f:
+                    async for chunk in request.stream():
+                        f.write(chunk)
                 check_safetensors(partial)
             except ValueError as exc:
                 partial.unlink(missing_ok=True)
                 return error(400, f"the weights upload is not a whole model.safetensors: {exc}")
+            except ClientDisconnect:  # the worker went away mid-upload: nothing half-written stays
+                partial.unlink(missing_ok=True)
+                return error(400, "the weights upload was cut off")
+            except BaseException:
+                partial.unlink(missing_ok=True)
+                raise
             partial.replace(target)
             reload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
             return passed_back(await engine.post("/collective_rpc", json=reload))
@@ -184,16 +191,19 @@ def front_app(upstream: str, token: str, weights_dir: Path) -> FastAPI:
         folder = adapters / name
         if folder.exists():
             return error(409, f"an adapter named {name!r} is loaded; unload it first")
-        body = io.BytesIO()
-        async for chunk in request.stream():
-            body.write(chunk)
-        body.seek(0)
-        try:
-            with tarfile.open(fileobj=body, mode="r:") as tar:
-                tar.extractall(folder, filter="data")  # no paths outside the folder, no links out
-        except (tarfile.TarError, OSError) as exc:
-            shutil.rmtree(folder, ignore_errors=True)
-            return error(400, f"the adapter upload is not a tar of an adapter folder: {exc}")
+        with tempfile.TemporaryFile(dir=weights_dir) as body:  # on disk, not in memory, however large
+            try:
+                async for chunk in request.stream():
+                    body.write(chunk)
+            except ClientDisconnect:
+                return error(400, "the adapter upload was cut off")
+            body.seek(0)
+            try:
+                with tarfile.open(fileobj=body, mode="r:") as tar:
+                    tar.extractall(folder, filter="data")  # no paths outside the folder, no links out
+            except (tarfile.TarError, OSError) as exc:
+                shutil.rmtree(folder, ignore_errors=True)
+                return error(400, f"the adapter upload is not a tar of an adapter folder: {exc}")
         if not (folder / "adapter_config.json").is_file():
             shutil.rmtree(folder, ignore_errors=True)
             return error(400, "the adapter upload holds no adapter_config.json")

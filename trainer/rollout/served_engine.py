@@ -541,7 +541,10 @@ def attach_served_engine(
         )
     check_sampling_options(base_url, where, headers)
     adapter_sync = engine_adapter_sync(model, adapter_sync)
-    front = httpx.get(f"{base_url}{FRONT_ROUTE}", headers=headers, timeout=10).status_code == 200
+    try:
+        front = httpx.get(f"{base_url}{FRONT_ROUTE}", headers=headers, timeout=10).status_code == 200
+    except httpx.HTTPError as exc:
+        raise EngineStartError(f"the engine at {where} did not answer {FRONT_ROUTE}: {exc}") from None
     return ServedEngine(
         base_url, max_model_len=max_model_len, adapter_sync=adapter_sync, token=token, upload=front
     )
