@@ -269,7 +269,9 @@ def test_an_adapter_upload_outside_its_folder_or_without_a_config_is_refused_and
         resp = httpx.put(f"{base}/rlrun/adapters/a-{name}", content=body, headers=AUTH)
         assert resp.status_code == 400, (name, resp.text)
         assert message in resp.json()["error"]["message"], (name, resp.text)
-    assert httpx.put(f"{base}/rlrun/adapters/bad name!", content=b"", headers=AUTH).status_code == 400
+    for bad in ("bad name!", "..", ".hidden"):
+        assert httpx.put(f"{base}/rlrun/adapters/{bad}", content=b"", headers=AUTH).status_code in (400, 404)
+    assert httpx.put(f"{base}/rlrun/adapters/.x", content=b"", headers=AUTH).status_code == 400
     assert "/v1/load_lora_adapter" not in stand_in.paths()
     assert not (uploads.parent / "escaped.txt").exists() and not (tmp_path / "escaped.txt").exists()
     assert not (uploads / "adapters").exists() or not list((uploads / "adapters").iterdir())

@@ -58,7 +58,7 @@ PASSED_ON = (
     ("POST", "/abort_requests"),
     ("POST", "/reset_prefix_cache"),
 )
-ADAPTER_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")  # a folder name: never "." or ".."
 CHUNK = 1 << 20
 
 
@@ -187,7 +187,10 @@ def front_app(upstream: str, token: str, weights_dir: Path) -> FastAPI:
     @app.put(ADAPTERS_ROUTE + "/{name}", dependencies=guarded)
     async def put_adapter(name: str, request: Request) -> Response:
         if not ADAPTER_NAME.match(name):
-            return error(400, f"adapter name {name!r}: letters, digits, '.', '_' and '-' only (1-128)")
+            return error(
+                400,
+                f"adapter name {name!r}: letters, digits, '.', '_' and '-' (1-128), not starting with '.'",
+            )
         folder = adapters / name
         if folder.exists():
             return error(409, f"an adapter named {name!r} is loaded; unload it first")
