@@ -49,6 +49,7 @@ from trainer.rollout.engine_process import (
     ENGINE_TOKEN_VARIABLE,
     FRONT_ROUTE,
     WEIGHTS_ROUTE,
+    token_headers,
 )
 
 PASSED_ON = (
@@ -106,7 +107,7 @@ def bearer_check(token: str) -> Callable[[Request], None]:
 
     def check(request: Request) -> None:
         given = request.headers.get("authorization", "").encode("utf-8", "replace")
-        if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        if not hmac.compare_digest(given, token_headers(token)["Authorization"].encode()):
             raise FrontRefusal(
                 401,
                 f"this engine needs its token: set {ENGINE_TOKEN_VARIABLE} to what "

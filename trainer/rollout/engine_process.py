@@ -115,6 +115,12 @@ def attached_engine_token() -> str | None:
     return os.environ.get(ENGINE_TOKEN_VARIABLE, "").strip() or None
 
 
+def token_headers(token: str | None) -> dict[str, str]:
+    """The header that carries a front's ``token`` (none without one): what the front checks and every
+    client request sends."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def attached_engine_url() -> str | None:
     """The running engine a worker's runs use instead of starting one each (``RLRUN_ENGINE_URL``: e.g. the
     URL ``rlrun engine`` printed), or None."""

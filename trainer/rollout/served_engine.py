@@ -71,6 +71,7 @@ from trainer.rollout.engine_process import (
     attached_engine_token,
     attached_engine_url,
     engine_message,
+    token_headers,
 )
 from trainer.rollout.vllm_engine import completions_from_vllm
 
@@ -171,7 +172,7 @@ class ServedEngine:
     ) -> None:
         self.adapter_sync = adapter_sync
         self.upload = upload
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = token_headers(token)
         self.process = process  # stopped by close(), when this engine started it
         self.on_restart = on_restart  # told (a sentence) when a dead engine process was started again
         self._timeout = timeout
@@ -516,7 +517,7 @@ def attach_served_engine(
     """
     where = f"{ENGINE_URL_VARIABLE}={base_url}"
     token = attached_engine_token()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = token_headers(token)
     try:
         resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10)
         if resp.status_code == 401:
