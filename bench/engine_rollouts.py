@@ -10,8 +10,8 @@ lengths differ between calls: throughput counts the tokens actually generated.
 Printed per shape: tokens/s of each, ``ratio = engine / hf`` (above 1: the engine is faster) and the
 engine's weight sync (``sync_weights``: write safetensors to /dev/shm + ``reload_weights`` + prefix-cache
 reset), which a run pays once per step on top of generating, beside the same sync through ``rlrun engine
---remote``'s front on loopback (trainer/rollout/engine_front.py: the file streamed over HTTP to the front,
-which checks it and has the engine reload it from its own folder: what a worker on another host pays,
+--remote``'s front on loopback (trainer/rollout/engine_front.py: the weights streamed over HTTP to the front,
+which checks the file and has the engine reload it from its own folder: what a worker on another host pays,
 less the network). The engine's start-up (``make engine`` built once; about 8 s to answer here) is printed
 but not in the ratios: a run pays it once.
 

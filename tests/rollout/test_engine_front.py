@@ -199,6 +199,7 @@ def test_a_model_synced_through_the_front_reaches_the_engine_as_its_safetensors(
     client = ServedEngine(url(served), max_model_len=64, token=TOKEN, upload=True)
     try:
         client.sync_weights(model)
+        assert not any(client.weights_dir.iterdir())  # streamed from the tensors, never written here
     finally:
         client.close()
     assert stand_in.paths()[-1] == "/reset_prefix_cache"

@@ -11,7 +11,9 @@ Weights are synced in place: the policy's state dict is written as ``model.safet
 shared memory (``/dev/shm`` where it exists), then ``/collective_rpc`` runs ``reload_weights`` on that
 folder and ``/reset_prefix_cache`` drops KV blocks computed with the old weights. Measured on
 tiny:llama-0.4m: 3 ms to write, 38 ms to reload; greedy tokens then equal the trainer's. Behind a front the
-written file is streamed to it (``PUT /rlrun/weights``), which reloads it from its own folder.
+weights are streamed to it as a safetensors file made from the tensors a block at a time
+(``PUT /rlrun/weights``, trainer/rollout/safetensors_stream.py: nothing written on this host), and the
+front reloads them from its own folder.
 
 What differs from the transformers engine, on purpose or for now:
 - Greedy decoding asks vLLM for one sample per prompt (it refuses ``n > 1`` without sampling) and repeats
@@ -48,7 +50,7 @@ import tarfile
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -73,6 +75,7 @@ from trainer.rollout.engine_process import (
     engine_message,
     token_headers,
 )
+from trainer.rollout.safetensors_stream import SafetensorsStream
 from trainer.rollout.vllm_engine import completions_from_vllm
 
 __all__ = ["EngineError", "ServedEngine", "attach_served_engine", "open_served_engine", "start_served_engine"]
@@ -295,7 +298,7 @@ class ServedEngine:
         Raises:
             EngineError: the engine refused the reload.
         """
-        from safetensors.torch import save_file, save_model
+        from safetensors.torch import save_model
 
         if hasattr(model, "peft_config") and self.adapter_sync == "lora":
             self.sync_adapter(model)
@@ -303,11 +306,12 @@ class ServedEngine:
         if hasattr(model, "peft_config"):
             from trainer.adapters import merged_state_dict
 
-            tensors = {name: t.contiguous() for name, t in merged_state_dict(model).items()}
-            save_file(tensors, str(self.weights_dir / "model.safetensors"))
+            self.sync_state(merged_state_dict(model))
+        elif self.upload:
+            self._upload_weights(model.state_dict())
         else:
             save_model(model, str(self.weights_dir / "model.safetensors"))
-        self._reload()
+            self._reload()
 
     def sync_state(self, state: dict[str, Any]) -> None:
         """``sync_weights`` from a whole model's state dict (plain parameter names: e.g. gathered from the
@@ -318,29 +322,35 @@ class ServedEngine:
         """
         from safetensors.torch import save_file
 
+        if self.upload:
+            self._upload_weights(state)
+            return
         save_file(
             {name: t.contiguous() for name, t in state.items()}, str(self.weights_dir / "model.safetensors")
         )
         self._reload()
 
     def _reload(self) -> None:
-        """The engine reloads the weights written to ``weights_dir`` (uploaded first to a front), and drops
-        its prefix cache."""
-        if self.upload:
-            self._put_file(WEIGHTS_ROUTE, self.weights_dir / "model.safetensors")
-        else:
-            reload = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
-            self._call("/collective_rpc", reload)
+        """The engine reloads the weights written to ``weights_dir``, and drops its prefix cache."""
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
+        self._call("/collective_rpc", reload)
         self._post("/reset_prefix_cache", {})
 
-    def _put_file(self, path: str, source: Path | bytes) -> Any:
-        """PUT ``source`` (a file, streamed in 1 MB blocks, or bytes) to a front's upload route."""
+    def _upload_weights(self, tensors: dict[str, Any]) -> None:
+        """Stream ``tensors`` as a safetensors file to the front (``PUT /rlrun/weights``), made from the
+        tensors a block at a time (trainer/rollout/safetensors_stream.py), never written here first; the
+        front checks it whole and reloads it; then the prefix cache is dropped."""
+        self._put(WEIGHTS_ROUTE, SafetensorsStream(tensors))
+        self._post("/reset_prefix_cache", {})
+
+    def _put(self, path: str, body: bytes | SafetensorsStream) -> Any:
+        """PUT ``body`` (bytes, or a stream of known length sent a block at a time) to a front's upload
+        route."""
 
         def send() -> httpx.Response:
-            if isinstance(source, bytes):
-                return self._http.put(path, content=source)
-            length = {"content-length": str(source.stat().st_size)}
-            return self._http.put(path, content=file_blocks(source), headers=length)
+            if isinstance(body, bytes):
+                return self._http.put(path, content=body)
+            return self._http.put(path, content=iter(body), headers={"content-length": str(len(body))})
 
         return self._post(path, send=send)
 
@@ -366,7 +376,7 @@ class ServedEngine:
         model.save_pretrained(str(folder))
         try:
             if self.upload:  # the front unpacks it on its host and loads it from there
-                self._put_file(f"{ADAPTERS_ROUTE}/{name}", folder_tar(folder))
+                self._put(f"{ADAPTERS_ROUTE}/{name}", folder_tar(folder))
             else:
                 self._call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
         except EngineError:
@@ -389,13 +399,6 @@ class ServedEngine:
             self.process.stop()
         if self._own_weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
-
-
-def file_blocks(path: Path, size: int = 1 << 20) -> Iterator[bytes]:
-    """``path``'s bytes in blocks of ``size``: an upload's body that never holds the whole file."""
-    with path.open("rb") as f:
-        while block := f.read(size):
-            yield block
 
 
 def folder_tar(folder: Path) -> bytes:

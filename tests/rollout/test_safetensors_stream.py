@@ -1,0 +1,88 @@
+"""The upload body made from tensors (trainer/rollout/safetensors_stream.py), read back by safetensors' own
+loader (its Rust parser checks the header and that the offsets tile the data exactly) and by the front's
+check, against what ``save_file`` / ``save_model`` write for the same tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load, save_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainer.rollout.engine_front import check_safetensors
+from trainer.rollout.safetensors_stream import SafetensorsStream
+
+
+def mixed() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(5, 3, generator=g),
+        "half": torch.randn(4, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(7, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float16),
+        "empty": torch.zeros(0, 4),
+        "transposed": torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),  # not contiguous
+    }
+
+
+@pytest.mark.parametrize("block", [1 << 20, 7])
+def test_the_stream_is_a_safetensors_file_of_the_tensors_in_blocks_of_at_most_the_size(block: int) -> None:
+    tensors = mixed()
+    stream = SafetensorsStream(tensors, block=block)
+    blocks = list(stream)
+    data = b"".join(blocks)
+    assert len(data) == len(stream)
+    assert all(len(b) <= block for b in blocks[1:])  # the header first, then tensor bytes in blocks
+    loaded = load(data)
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape, name
+        assert torch.equal(loaded[name], tensor), name
+    assert data == b"".join(stream)  # iterating again gives the same bytes
+
+
+def test_the_fronts_check_accepts_the_stream(tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"".join(SafetensorsStream(mixed())))
+    check_safetensors(path)
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(ValueError, match="the upload has"):
+        check_safetensors(path)
+
+
+def test_tied_weights_are_sent_once_under_the_name_save_model_keeps(tmp_path: Path) -> None:
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config)
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    save_model(model, str(tmp_path / "saved.safetensors"))
+    (tmp_path / "streamed.safetensors").write_bytes(b"".join(SafetensorsStream(state)))
+    files = {}
+    for kind in ("saved", "streamed"):
+        with safe_open(str(tmp_path / f"{kind}.safetensors"), framework="pt") as f:
+            files[kind] = (f.metadata(), {name: f.get_tensor(name) for name in f.keys()})
+    (saved_meta, saved), (streamed_meta, streamed) = files["saved"], files["streamed"]
+    assert len(streamed) == len(state) - 1 and streamed.keys() == saved.keys()
+    assert streamed_meta == saved_meta  # {dropped name: kept name}, as save_model records it
+    for name, tensor in saved.items():
+        assert torch.equal(streamed[name], tensor), name
+
+
+def test_what_safetensors_cannot_hold_is_refused_naming_the_tensor() -> None:
+    with pytest.raises(ValueError, match="'c' is torch.complex64"):
+        SafetensorsStream({"c": torch.zeros(2, dtype=torch.complex64)})
+    buffer = torch.arange(10.0)
+    with pytest.raises(ValueError, match=r"\['a', 'b'\] share one storage and none covers all of it"):
+        SafetensorsStream({"a": buffer[:5], "b": buffer[5:]})

@@ -1,0 +1,114 @@
+"""A safetensors file as a stream of blocks made from tensors in memory: the body of a weight upload to a
+remote engine's front (``PUT /rlrun/weights``) that is never written to disk or shared memory first.
+
+The format (https://huggingface.co/docs/safetensors, "Format"): 8 bytes, the header's length N as a
+little-endian u64; N bytes of JSON, ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, ...}`` with
+an optional ``"__metadata__"`` map of strings, padded with spaces to a multiple of 8; then the tensors'
+bytes, row-major, little-endian, each at its offsets (relative to the end of the header), back to back.
+The header is computed from shapes and dtypes alone, so the length is known before the first byte is sent
+(the upload's ``Content-Length``), and each tensor is read (moved to the CPU, made contiguous) only when the
+stream reaches it: at most one tensor's copy is held at a time, where writing the file first held the whole
+model twice (7B in bf16: 14 GB of ``/dev/shm`` per sync on the worker).
+
+Tensors that share storage (an LM head tied to the embedding) are sent once, under the name
+``safetensors.torch.save_model`` keeps (the first in sorted order of those covering the whole storage),
+with the same ``{dropped: kept}`` metadata: the engine reads the same file either way.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Mapping
+
+import torch
+
+DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+BLOCK_BYTES = 1 << 20
+
+
+def _covers_storage(tensor: torch.Tensor) -> bool:
+    storage = tensor.untyped_storage()
+    return tensor.data_ptr() == storage.data_ptr() and tensor.nbytes == storage.nbytes()
+
+
+def without_shared(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``tensors`` with each group sharing one storage reduced to one name (as ``save_model`` does), and
+    the ``{dropped: kept}`` map of the names left out.
+
+    Raises:
+        ValueError: a group in which no tensor covers the whole storage (slices of one buffer): sending
+            each would send more than the model holds, and ``save_model`` refuses it too.
+    """
+    groups: dict[tuple[torch.device, int], list[str]] = {}
+    for name, tensor in tensors.items():
+        if tensor.nbytes:
+            groups.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), []).append(name)
+    dropped: dict[str, str] = {}
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        whole = sorted(n for n in names if _covers_storage(tensors[n]))
+        if not whole:
+            raise ValueError(f"tensors {sorted(names)} share one storage and none covers all of it")
+        dropped |= {name: whole[0] for name in names if name != whole[0]}
+    return {name: t for name, t in tensors.items() if name not in dropped}, dropped
+
+
+class SafetensorsStream:
+    """The bytes of the safetensors file holding ``tensors``, produced a block at a time.
+
+    ``len(stream)`` is the file's size; iterating yields its bytes in blocks of at most ``block`` bytes
+    (one tensor's bytes are never joined to the next's). Iterating twice yields the same bytes as long as
+    the tensors did not change in between.
+
+    Raises:
+        ValueError: a tensor of a dtype safetensors has no name for, or tensors sharing storage in pieces.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], block: int = BLOCK_BYTES) -> None:
+        self._tensors, dropped = without_shared(tensors)
+        self._block = block
+        header: dict[str, object] = {"__metadata__": dropped} if dropped else {}
+        offset = 0
+        for name in sorted(self._tensors):
+            tensor = self._tensors[name]
+            if tensor.dtype not in DTYPES:
+                raise ValueError(f"tensor {name!r} is {tensor.dtype}, which safetensors cannot hold")
+            size = tensor.numel() * tensor.element_size()
+            header[name] = {
+                "dtype": DTYPES[tensor.dtype],
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + size],
+            }
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        self._head = struct.pack("<Q", len(encoded)) + encoded
+        self._size = len(self._head) + offset
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield self._head
+        for name in sorted(self._tensors):
+            tensor = self._tensors[name].detach()
+            if tensor.numel() == 0:
+                continue
+            flat = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            for start in range(0, len(flat), self._block):
+                yield flat[start : start + self._block].tobytes()
