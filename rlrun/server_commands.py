@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -102,7 +103,6 @@ def cmd_engine(args: argparse.Namespace) -> int:
     """A generation engine (vLLM's server from the engine environment, started as runs start theirs) that
     stays up until Ctrl+C or SIGTERM: workers whose ``RLRUN_ENGINE_URL`` is the URL printed use it for their
     ``engine: vllm_server`` runs instead of starting one each (trainer/rollout/served_engine.py)."""
-    from pathlib import Path
 
     from trainer.rollout.engine_process import (
         EngineOptions,
@@ -127,18 +127,35 @@ def cmd_engine(args: argparse.Namespace) -> int:
     if args.host is not None and not args.remote:
         print("rlrun engine: --host is the front's address: give it with --remote", file=sys.stderr)
         return 2
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not args.remote:
+            print(
+                "rlrun engine: --tls-cert and --tls-key are the front's: give them with --remote",
+                file=sys.stderr,
+            )
+            return 2
+        if not (args.tls_cert and args.tls_key):
+            print(
+                "rlrun engine: give both --tls-cert and --tls-key (a certificate and its key)",
+                file=sys.stderr,
+            )
+            return 2
+        tls = (Path(args.tls_cert), Path(args.tls_key))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         with EngineProcess(options, port=None if args.remote else args.port) as engine, ExitStack() as front:
             print(f"rlrun engine: {folder} at {engine.base_url}", flush=True)
             print(f"point workers on this host at it: RLRUN_ENGINE_URL={engine.base_url}", flush=True)
             if args.remote:
-                front.enter_context(serve_engine_front(engine.base_url, args.host or "0.0.0.0", args.port))
+                front.enter_context(
+                    serve_engine_front(engine.base_url, args.host or "0.0.0.0", args.port, tls)
+                )
             assert engine.proc is not None
             code = engine.proc.wait()
             print(f"rlrun engine: the engine exited with code {code}:\n{engine.log_tail()}", file=sys.stderr)
             return 1
-    except (EngineUnavailable, EngineStartError, OSError) as exc:
+    except (EngineUnavailable, EngineStartError, OSError, ValueError) as exc:
         print(f"rlrun engine: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -146,31 +163,44 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def serve_engine_front(upstream: str, host: str, port: int | None) -> Iterator[None]:
+def serve_engine_front(
+    upstream: str, host: str, port: int | None, tls: tuple[Path, Path] | None = None
+) -> Iterator[None]:
     """``rlrun engine --remote``'s front (trainer/rollout/engine_front.py) on ``host``:``port`` before the
     engine at ``upstream``, with ``RLRUN_ENGINE_TOKEN`` as its token (a new one when unset, printed), its
-    uploads in a shared-memory folder of its own; what workers elsewhere set is printed."""
+    uploads in a shared-memory folder of its own, over https with ``tls`` (certificate, key); what workers
+    elsewhere set is printed."""
     import secrets
     import shutil
     import socket
     import tempfile
-    from pathlib import Path
 
     from trainer.rollout.engine_front import EngineFront
-    from trainer.rollout.engine_process import ENGINE_TOKEN_VARIABLE, attached_engine_token
+    from trainer.rollout.engine_process import (
+        ENGINE_CA_VARIABLE,
+        ENGINE_TOKEN_VARIABLE,
+        attached_engine_token,
+    )
 
     token = attached_engine_token() or secrets.token_urlsafe(24)
     shm = Path("/dev/shm")
     uploads = Path(tempfile.mkdtemp(prefix="rlrun-engine-front-", dir=shm if shm.is_dir() else None))
     try:
-        served = EngineFront(upstream, token, uploads, host=host, port=port or 0)
+        served = EngineFront(upstream, token, uploads, host=host, port=port or 0, tls=tls)
         try:
             shown = socket.getfqdn() if host in ("0.0.0.0", "::") else host
-            url = f"http://[{shown}]:{served.port}" if ":" in shown else f"http://{shown}:{served.port}"
+            at = f"[{shown}]" if ":" in shown else shown
+            url = f"{served.scheme}://{at}:{served.port}"
             print(
                 f"point workers on other hosts at it: RLRUN_ENGINE_URL={url} {ENGINE_TOKEN_VARIABLE}={token}",
                 flush=True,
             )
+            if tls is not None:
+                print(
+                    f"workers that do not trust its certificate's issuer also set {ENGINE_CA_VARIABLE}="
+                    f"<a copy of {tls[0]}>",
+                    flush=True,
+                )
             yield
         finally:
             served.close()
@@ -372,6 +402,12 @@ def add_server_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         "RLRUN_ENGINE_TOKEN (printed; set it to choose one)",
     )
     engine.add_argument("--host", default=None, help="the front's address with --remote (default 0.0.0.0)")
+    engine.add_argument(
+        "--tls-cert",
+        default=None,
+        help="with --remote: the front's certificate (PEM; with --tls-key): it then speaks https only",
+    )
+    engine.add_argument("--tls-key", default=None, help="with --remote: the private key of --tls-cert (PEM)")
     engine.add_argument("--dtype", default="float32", help="the trainer's dtype (default float32)")
     engine.add_argument(
         "--max-model-len", type=int, default=2048, help="prompt + completion tokens per sequence"

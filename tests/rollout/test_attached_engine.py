@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.factories import free_port
+from tests.factories import free_port, self_signed_certificate
 from tests.loop_context import loop_ctx
 from tests.rollout.test_rank_engine import EngineCount
 from tests.rollout.test_served_engine import (
@@ -47,19 +47,22 @@ MAX_MODEL_LEN = 128
 
 class RunningEngine:
     """``rlrun engine --remote`` as its own process, the URL it printed for this host's workers, and the
-    front's URL and token it printed for other hosts' (its front on loopback here)."""
+    front's URL and token it printed for other hosts' (its front on loopback here, over https with a
+    self-signed certificate: ``ca``, which those workers trust through ``RLRUN_ENGINE_CA``)."""
 
     def __init__(self, folder: Path, log: Path) -> None:
         self.log = log
+        self.ca, key = self_signed_certificate(log.parent / "tls")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rlrun.cli", "engine", "--model", str(folder)]
-            + ["--max-model-len", str(MAX_MODEL_LEN), "--remote", "--host", "127.0.0.1"],
+            + ["--max-model-len", str(MAX_MODEL_LEN), "--remote", "--host", "127.0.0.1"]
+            + ["--tls-cert", str(self.ca), "--tls-key", str(key)],
             stdout=subprocess.PIPE,
             stderr=log.open("wb"),
             text=True,
         )
         assert self.proc.stdout is not None
-        self.url = self.front_url = self.token = ""
+        self.url = self.front_url = self.token = self.ca_hint = ""
         deadline = time.monotonic() + 300
         for line in self.proc.stdout:  # the command prints once the engine answers
             if "on this host at it: RLRUN_ENGINE_URL=" in line:
@@ -67,6 +70,7 @@ class RunningEngine:
             if "on other hosts at it: RLRUN_ENGINE_URL=" in line:
                 told = dict(word.split("=", 1) for word in line.split() if "=" in word)
                 self.front_url, self.token = told["RLRUN_ENGINE_URL"], told["RLRUN_ENGINE_TOKEN"]
+                self.ca_hint = self.proc.stdout.readline()
                 break
             assert time.monotonic() < deadline, "rlrun engine printed no URL"
         assert self.url and self.front_url, f"rlrun engine ended without its URLs:\n{log.read_text()[-3000:]}"
@@ -176,10 +180,13 @@ def test_an_engine_shorter_than_the_run_needs_is_refused_naming_both_lengths(
 def test_a_run_on_an_engine_behind_its_front_uploads_its_weights_through_it(
     running: RunningEngine, tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # what a worker on another host sets: no folder is shared, the front takes the weights over HTTP (it
+    # what a worker on another host sets: no folder is shared, the front takes the weights over https (it
     # has no route to name a folder: tests/rollout/test_engine_front.py)
+    assert running.front_url.startswith("https://127.0.0.1:")
+    assert f"RLRUN_ENGINE_CA=<a copy of {running.ca}>" in running.ca_hint
     monkeypatch.setenv("RLRUN_ENGINE_URL", running.front_url)
     monkeypatch.setenv("RLRUN_ENGINE_TOKEN", running.token)
+    monkeypatch.setenv("RLRUN_ENGINE_CA", str(running.ca))
     attached = attach_served_engine(running.front_url, torch.nn.Linear(1, 1), max_model_len=MAX_MODEL_LEN)
     attached.close()
     assert attached.upload
@@ -211,8 +218,18 @@ def test_a_worker_without_the_fronts_token_is_refused_naming_the_setting(
     running: RunningEngine, token: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("RLRUN_ENGINE_TOKEN", token)
+    monkeypatch.setenv("RLRUN_ENGINE_CA", str(running.ca))
     given = "the token in RLRUN_ENGINE_TOKEN" if token else "no RLRUN_ENGINE_TOKEN"
     with pytest.raises(EngineStartError, match=f"refused this worker \\({given}\\): .*rlrun engine --remote"):
+        attach_served_engine(running.front_url, torch.nn.Linear(1, 1), max_model_len=MAX_MODEL_LEN)
+
+
+def test_a_worker_that_does_not_trust_the_fronts_certificate_is_refused_naming_the_setting(
+    running: RunningEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLRUN_ENGINE_TOKEN", running.token)
+    monkeypatch.delenv("RLRUN_ENGINE_CA", raising=False)
+    with pytest.raises(EngineStartError, match=r"does not trust \(no RLRUN_ENGINE_CA\): set RLRUN_ENGINE_CA"):
         attach_served_engine(running.front_url, torch.nn.Linear(1, 1), max_model_len=MAX_MODEL_LEN)
 
 

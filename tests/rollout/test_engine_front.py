@@ -21,11 +21,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.factories import lora_policy
+from rlrun.cli import main
+from tests.factories import lora_policy, self_signed_certificate
 from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.rollout.engine_front import EngineFront, check_safetensors
-from trainer.rollout.engine_process import EngineError
-from trainer.rollout.served_engine import ServedEngine, folder_tar
+from trainer.rollout.engine_process import EngineError, EngineStartError
+from trainer.rollout.served_engine import REQUIRED_OPTIONS, ServedEngine, attach_served_engine, folder_tar
 
 TOKEN = "s3cret-token"
 
@@ -52,6 +53,9 @@ class StandIn:
 
             def do_GET(self) -> None:
                 stand_in.calls.append(("GET", self.path, self.headers.get("authorization")))
+                if self.path.startswith("/server_info"):  # as `rlrun engine` starts an engine
+                    self.answer(200, {"vllm_config": {"model_config": dict(REQUIRED_OPTIONS)}})
+                    return
                 self.answer(200, {"data": [{"id": "policy", "max_model_len": 64}]})
 
             def do_POST(self) -> None:
@@ -302,3 +306,73 @@ def test_folder_tar_holds_the_folders_files_under_their_relative_names(tmp_path:
     with tarfile.open(fileobj=io.BytesIO(folder_tar(tmp_path)), mode="r:") as tar:
         files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}  # type: ignore[union-attr]
     assert files == {"a.json": b"{}", "sub/b.bin": b"\x00\x01"}
+
+
+def test_an_https_front_serves_workers_that_trust_its_certificate_and_no_one_in_plain_http(
+    tiny_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = self_signed_certificate(tmp_path / "tls")
+    other, _ = self_signed_certificate(tmp_path / "other")  # the same name, another key: not its issuer
+    stand_in = StandIn()
+    uploads = tmp_path / "front-uploads"
+    uploads.mkdir()
+    served = EngineFront(stand_in.url, TOKEN, uploads, host="127.0.0.1", tls=(cert, key))
+    model, _ = load_causal_lm(str(tiny_model_dir("llama-0.4m", tiny_cache)))
+    https, http = f"https://127.0.0.1:{served.port}", f"http://127.0.0.1:{served.port}"
+    monkeypatch.setenv("RLRUN_ENGINE_TOKEN", TOKEN)
+    try:
+        assert served.scheme == "https"
+        for trusted, given in ((None, "no RLRUN_ENGINE_CA"), (other, "the file in RLRUN_ENGINE_CA")):
+            if trusted is None:
+                monkeypatch.delenv("RLRUN_ENGINE_CA", raising=False)
+            else:
+                monkeypatch.setenv("RLRUN_ENGINE_CA", str(trusted))
+            refused = f"presented a certificate this worker does not trust \\({given}\\): set RLRUN_ENGINE_CA"
+            with pytest.raises(EngineStartError, match=refused):
+                attach_served_engine(https, model, max_model_len=64)
+        with pytest.raises(EngineStartError, match="no engine answers at RLRUN_ENGINE_URL=http://"):
+            attach_served_engine(http, model, max_model_len=64)  # the front speaks https only
+        assert stand_in.calls == []  # nothing reached the engine, the token never crossed in clear
+        monkeypatch.setenv("RLRUN_ENGINE_CA", str(tmp_path / "missing.pem"))
+        with pytest.raises(EngineStartError, match="RLRUN_ENGINE_CA=.*missing.pem is not a readable file"):
+            attach_served_engine(https, model, max_model_len=64)
+        monkeypatch.setenv("RLRUN_ENGINE_CA", str(cert))  # a self-signed front: its own certificate
+        client = attach_served_engine(https, model, max_model_len=64)
+        try:
+            assert client.upload
+            client.sync_weights(model)
+        finally:
+            client.close()
+        assert stand_in.paths()[-1] == "/reset_prefix_cache"
+        assert stand_in.reloaded and stand_in.paths()[0] == "/v1/models"  # after the refusals, the first
+    finally:
+        served.close()
+        stand_in.close()
+
+
+def test_a_front_given_a_key_that_is_not_its_certificates_refuses_to_start_naming_both(
+    tmp_path: Path,
+) -> None:
+    cert, _ = self_signed_certificate(tmp_path / "a")
+    _, key = self_signed_certificate(tmp_path / "b")
+    with pytest.raises(ValueError, match="cert.pem and .*key.pem are not a PEM certificate and its key"):
+        EngineFront("http://127.0.0.1:9", TOKEN, tmp_path, host="127.0.0.1", tls=(cert, key))
+
+
+@pytest.mark.parametrize(
+    ("args", "refusal"),
+    [
+        (
+            ["--tls-cert", "c.pem", "--tls-key", "k.pem"],
+            "--tls-cert and --tls-key are the front's: give them with --remote",
+        ),
+        (["--remote", "--tls-cert", "c.pem"], "give both --tls-cert and --tls-key"),
+    ],
+    ids=["without-remote", "without-key"],
+)
+def test_rlrun_engine_refuses_a_certificate_without_its_front_or_its_key(
+    args: list[str], refusal: str, tiny_cache: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tiny_model_dir("llama-0.4m", tiny_cache)
+    assert main(["engine", "--model", str(folder), *args]) == 2  # before any engine starts
+    assert refusal in capsys.readouterr().err

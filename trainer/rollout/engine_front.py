@@ -20,8 +20,11 @@ trainer/rollout/engine_process.py). A worker elsewhere shares no folder with the
   ``attach_served_engine`` asks).
 
 Weights then cross the network at every sync: a whole model's bytes, or an adapter's few MB (a LoRA run
-on a GPU). Nothing is encrypted: run it on a private network or behind a TLS tunnel. Broadcasting the
-weights over NCCL from the trainer's GPUs into the engine's (TRL's ``vllm-serve``, verl) is not built.
+on a GPU). Given a certificate and its key (``rlrun engine --remote --tls-cert F --tls-key F``) the front
+speaks https only, so the token and the weights cross the network encrypted; workers check the
+certificate against ``RLRUN_ENGINE_CA`` (a self-signed front's own certificate) or their default trust.
+Without one it speaks plain HTTP: a private network, or a tunnel. Broadcasting the weights over NCCL from
+the trainer's GPUs into the engine's (TRL's ``vllm-serve``, verl) is not built.
 """
 
 from __future__ import annotations
@@ -241,21 +244,49 @@ class EngineFront:
         token: what every request but ``/health`` must carry.
         weights_dir: the front's own folder for uploads (the caller creates and removes it).
         host, port: where to listen (port 0: a free one; ``port`` then holds it).
+        tls: a PEM certificate (chain) and its private key: the front then speaks https only.
+
+    Raises:
+        ValueError: ``tls``'s files are not a certificate and its matching key (the files named).
+        RuntimeError: the front could not listen.
     """
 
-    def __init__(self, upstream: str, token: str, weights_dir: Path, *, host: str, port: int = 0) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        token: str,
+        weights_dir: Path,
+        *,
+        host: str,
+        port: int = 0,
+        tls: tuple[Path, Path] | None = None,
+    ) -> None:
         import socket
+        import ssl
 
         import uvicorn
 
         self.host = host
+        self.scheme = "https" if tls else "http"
+        files: dict[str, Any] = {}
+        if tls is not None:
+            cert, key = tls
+            try:  # uvicorn would load them in its thread, which then just ends: checked here, named
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"{cert} and {key} are not a PEM certificate and its key: {exc}") from None
+            files = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.port = int(sock.getsockname()[1])
         self._socket = sock
         config = uvicorn.Config(
-            front_app(upstream, token, weights_dir), log_level="warning", access_log=False, lifespan="off"
+            front_app(upstream, token, weights_dir),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            **files,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
@@ -119,6 +120,38 @@ def token_headers(token: str | None) -> dict[str, str]:
     """The header that carries a front's ``token`` (none without one): what the front checks and every
     client request sends."""
     return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+ENGINE_CA_VARIABLE = "RLRUN_ENGINE_CA"
+
+
+def engine_tls_verify() -> ssl.SSLContext | bool:
+    """How a worker checks the certificate of an engine front served over https (``rlrun engine --remote
+    --tls-cert``): against the CA file ``RLRUN_ENGINE_CA`` names (for a self-signed front, a copy of its
+    certificate), else the trust httpx has by default (``True``).
+
+    Raises:
+        EngineStartError: the file cannot be read as PEM certificates (the setting named).
+    """
+    path = os.environ.get(ENGINE_CA_VARIABLE, "").strip()
+    if not path:
+        return True
+    try:
+        return ssl.create_default_context(cafile=path)
+    except (OSError, ssl.SSLError) as exc:
+        raise EngineStartError(
+            f"{ENGINE_CA_VARIABLE}={path} is not a readable file of PEM certificates: {exc}"
+        ) from None
+
+
+def untrusted_certificate(exc: BaseException) -> bool:
+    """``exc`` (or what caused it) is a TLS certificate its client did not trust."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def attached_engine_url() -> str | None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import io
 import shutil
+import ssl
 import tarfile
 import tempfile
 import time
@@ -61,6 +62,7 @@ import httpx
 from trainer.rollout.base import Completion, SamplingParams, check_generate_args
 from trainer.rollout.engine_process import (
     ADAPTERS_ROUTE,
+    ENGINE_CA_VARIABLE,
     ENGINE_TOKEN_VARIABLE,
     ENGINE_URL_VARIABLE,
     FRONT_ROUTE,
@@ -73,7 +75,9 @@ from trainer.rollout.engine_process import (
     attached_engine_token,
     attached_engine_url,
     engine_message,
+    engine_tls_verify,
     token_headers,
+    untrusted_certificate,
 )
 from trainer.rollout.safetensors_stream import SafetensorsStream
 from trainer.rollout.vllm_engine import completions_from_vllm
@@ -158,6 +162,8 @@ class ServedEngine:
         token: sent as ``Authorization: Bearer`` with every request (a remote engine's front asks for it).
         upload: the engine is behind ``rlrun engine --remote``'s front (trainer/rollout/engine_front.py),
             maybe on another host: weights and adapters are uploaded to it rather than named as folders.
+        verify: how an https front's certificate is checked (default: ``engine_tls_verify()``, which reads
+            ``RLRUN_ENGINE_CA``, for an https ``base_url``).
     """
 
     def __init__(
@@ -172,8 +178,12 @@ class ServedEngine:
         adapter_sync: Literal["lora", "merged"] = "lora",
         token: str | None = None,
         upload: bool = False,
+        verify: ssl.SSLContext | bool | None = None,
     ) -> None:
         self.adapter_sync = adapter_sync
+        if verify is None:
+            verify = engine_tls_verify() if base_url.startswith("https:") else True
+        self._verify = verify
         self.upload = upload
         self._headers = token_headers(token)
         self.process = process  # stopped by close(), when this engine started it
@@ -186,7 +196,7 @@ class ServedEngine:
         self.weights_dir = weights_dir or Path(
             tempfile.mkdtemp(prefix="rlrun-engine-weights-", dir=shm if shm.is_dir() else None)
         )
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=self._headers)
+        self._http = self._client()
         self._requests = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-request")
         self.model_name = SERVED_NAME  # what generation asks for: the base, or the last synced adapter
         self._syncs = 0
@@ -194,11 +204,13 @@ class ServedEngine:
         # still holds the adapters of the runs before
         self._lora_prefix = f"policy-lora-{uuid.uuid4().hex[:8]}"
 
-    def _new_client(self) -> None:
-        old, self._http = (
-            self._http,
-            httpx.Client(base_url=self.base_url, timeout=self._timeout, headers=self._headers),
+    def _client(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.base_url, timeout=self._timeout, headers=self._headers, verify=self._verify
         )
+
+    def _new_client(self) -> None:
+        old, self._http = self._http, self._client()
         old.close()
 
     def _call(self, path: str, body: dict[str, Any]) -> Any:
@@ -262,7 +274,13 @@ class ServedEngine:
 
     def _abort_all(self) -> None:
         with contextlib.suppress(httpx.HTTPError):
-            httpx.post(f"{self.base_url}/abort_requests", json={}, headers=self._headers, timeout=5)
+            httpx.post(
+                f"{self.base_url}/abort_requests",
+                json={},
+                headers=self._headers,
+                timeout=5,
+                verify=self._verify,
+            )
         self._new_client()
 
     def generate(self, prompts: Sequence[list[int]], n: int, params: SamplingParams) -> list[Completion]:
@@ -506,14 +524,16 @@ def attach_served_engine(
     ``rlrun engine``) instead of one of its own: ``close()`` leaves it running, and one that dies is not
     started again (the run fails saying so). A plain engine must run on this host, as weights reach it as
     files in ``/dev/shm``; behind ``rlrun engine --remote``'s front (which answers ``/rlrun/front``) it may
-    run anywhere, weights and adapters uploaded over HTTP with ``RLRUN_ENGINE_TOKEN``. It serves one run at
+    run anywhere, weights and adapters uploaded over HTTP (or https, its certificate checked against
+    ``RLRUN_ENGINE_CA`` when set) with ``RLRUN_ENGINE_TOKEN``. It serves one run at
     a time: each run's first sync replaces its weights. Its seed, threads
     and dtype are its own (``rlrun engine``'s options); an adapter policy syncs as ``start_served_engine``'s
     (``lora`` needs an engine started with ``--max-lora-rank``).
 
     Raises:
-        EngineStartError: nothing answers at ``base_url``, its front refuses this worker's token (the
-            setting named), it serves no model ``policy``, its
+        EngineStartError: nothing answers at ``base_url``, its front refuses this worker's token or
+            presents a certificate this worker does not trust (the setting named), it serves no model
+            ``policy``, its
             ``max_model_len`` is below the run's (both named), or it was not started as ``rlrun engine``
             starts one (``check_sampling_options``).
         NotImplementedError: an adapter the engine cannot take (``check_engine_adapter``).
@@ -521,8 +541,9 @@ def attach_served_engine(
     where = f"{ENGINE_URL_VARIABLE}={base_url}"
     token = attached_engine_token()
     headers = token_headers(token)
+    verify = engine_tls_verify() if base_url.startswith("https:") else True
     try:
-        resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10)
+        resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10, verify=verify)
         if resp.status_code == 401:
             given = f"the token in {ENGINE_TOKEN_VARIABLE}" if token else f"no {ENGINE_TOKEN_VARIABLE}"
             raise EngineStartError(
@@ -531,6 +552,14 @@ def attach_served_engine(
         resp.raise_for_status()
         models = resp.json().get("data", [])
     except (httpx.HTTPError, ValueError) as exc:
+        if untrusted_certificate(exc):
+            trusted = (
+                f"the file in {ENGINE_CA_VARIABLE}" if verify is not True else f"no {ENGINE_CA_VARIABLE}"
+            )
+            raise EngineStartError(
+                f"the engine at {where} presented a certificate this worker does not trust ({trusted}): set "
+                f"{ENGINE_CA_VARIABLE} to its CA's certificate (a self-signed front's own): {exc}"
+            ) from None
         raise EngineStartError(f"no engine answers at {where}: {exc}") from None
     served = next((m for m in models if isinstance(m, dict) and m.get("id") == SERVED_NAME), None)
     if served is None:
@@ -543,14 +572,19 @@ def attach_served_engine(
             f"the engine at {where} holds {limit} tokens per sequence (its max_model_len); this run needs "
             f"{max_model_len}: start it with `rlrun engine --max-model-len {max_model_len}` or more"
         )
-    check_sampling_options(base_url, where, headers)
+    check_sampling_options(base_url, where, headers, verify)
     adapter_sync = engine_adapter_sync(model, adapter_sync)
     try:
-        front = httpx.get(f"{base_url}{FRONT_ROUTE}", headers=headers, timeout=10).status_code == 200
+        resp = httpx.get(f"{base_url}{FRONT_ROUTE}", headers=headers, timeout=10, verify=verify)
     except httpx.HTTPError as exc:
         raise EngineStartError(f"the engine at {where} did not answer {FRONT_ROUTE}: {exc}") from None
     return ServedEngine(
-        base_url, max_model_len=max_model_len, adapter_sync=adapter_sync, token=token, upload=front
+        base_url,
+        max_model_len=max_model_len,
+        adapter_sync=adapter_sync,
+        token=token,
+        upload=resp.status_code == 200,
+        verify=verify,
     )
 
 
@@ -558,7 +592,12 @@ def attach_served_engine(
 REQUIRED_OPTIONS = {"logprobs_mode": "processed_logprobs", "generation_config": "vllm"}
 
 
-def check_sampling_options(base_url: str, where: str, headers: dict[str, str] | None = None) -> None:
+def check_sampling_options(
+    base_url: str,
+    where: str,
+    headers: dict[str, str] | None = None,
+    verify: ssl.SSLContext | bool = True,
+) -> None:
     """Refuse an engine whose samples or log-probs are not what the trainer assumes: one without the
     dev-mode routes a sync needs (``/server_info`` among them), or started with other log-probs
     (``--logprobs-mode``) or with the checkpoint's sampling defaults (``--generation-config``), as a plain
@@ -569,7 +608,11 @@ def check_sampling_options(base_url: str, where: str, headers: dict[str, str] | 
     """
     try:
         resp = httpx.get(
-            f"{base_url}/server_info", params={"config_format": "json"}, headers=headers, timeout=120
+            f"{base_url}/server_info",
+            params={"config_format": "json"},
+            headers=headers,
+            timeout=120,
+            verify=verify,
         )
     except httpx.HTTPError as exc:
         raise EngineStartError(f"the engine at {where} did not answer /server_info: {exc}") from None
