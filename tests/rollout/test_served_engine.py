@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -28,6 +29,7 @@ from trainer.models import load_causal_lm, tiny_model_dir
 from trainer.phases import RunStopped
 from trainer.reporting import MemoryReporter, RunData
 from trainer.rollout.base import Completion, SamplingParams
+from trainer.rollout.engine_front import EngineFront
 from trainer.rollout.engine_process import (
     EngineOptions,
     EngineProcess,
@@ -245,6 +247,31 @@ def test_an_adapter_policy_syncs_only_its_lora_and_the_sampler_follows_it(
         dead.wait()
         assert tokens(served.generate(prompts, 1, greedy())) == versions[1]
         assert len(restarts) == 1 and "exited (code -9); started it again" in restarts[0]
+
+        # the same engine behind `rlrun engine --remote`'s front: a worker elsewhere uploads its adapter
+        # (a tar of peft's folder), the front loads it from its own folder, and unloads it at the close
+        uploads = Path(tempfile.mkdtemp(prefix="rlrun-test-front-"))
+        front = EngineFront(served.base_url, "t0ken", uploads, host="127.0.0.1")
+        remote = ServedEngine(
+            f"http://127.0.0.1:{front.port}",
+            max_model_len=MAX_MODEL_LEN,
+            token="t0ken",
+            upload=True,
+            adapter_sync="lora",
+        )
+        try:
+            move_adapter(3)
+            remote.sync_weights(policy)
+            got = tokens(remote.generate(prompts, 1, greedy()))
+            assert got == tokens(HFEngine(policy, tokenizer).generate(prompts, 1, greedy()))
+            assert got not in versions
+            assert [p.name for p in (uploads / "adapters").iterdir()] == [remote.model_name]
+            remote.close()
+            assert not any((uploads / "adapters").iterdir())  # unloaded, its folder removed
+        finally:
+            remote.close()
+            front.close()
+            shutil.rmtree(uploads, ignore_errors=True)
     finally:
         served.close()
     assert served.process is not None and served.process.proc is None

@@ -200,6 +200,7 @@ class ServedEngine:
         self._requests = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-request")
         self.model_name = SERVED_NAME  # what generation asks for: the base, or the last synced adapter
         self._syncs = 0
+        self._closed = False
         # adapters are loaded as <prefix>-<sync>: unique to this object, as a kept engine (RLRUN_ENGINE_URL)
         # still holds the adapters of the runs before
         self._lora_prefix = f"policy-lora-{uuid.uuid4().hex[:8]}"
@@ -407,7 +408,11 @@ class ServedEngine:
 
     def close(self) -> None:
         """Stop the engine this object started; a kept engine (``RLRUN_ENGINE_URL``), which outlives the
-        run, is left without the adapter this object loaded (it would hold one of the engine's LoRA slots)."""
+        run, is left without the adapter this object loaded (it would hold one of the engine's LoRA slots).
+        Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self.process is None and self.model_name.startswith(self._lora_prefix):
             with contextlib.suppress(httpx.HTTPError):
                 self._http.post("/v1/unload_lora_adapter", json={"lora_name": self.model_name}, timeout=10)
