@@ -345,6 +345,8 @@ def test_an_https_front_serves_workers_that_trust_its_certificate_and_no_one_in_
             client.close()
         assert stand_in.paths()[-1] == "/reset_prefix_cache"
         assert stand_in.reloaded and stand_in.paths()[0] == "/v1/models"  # after the refusals, the first
+        served.close()
+        assert served.app.state.engine.is_closed  # the front's client to the engine, closed with it
     finally:
         served.close()
         stand_in.close()

@@ -38,7 +38,8 @@ import struct
 import tarfile
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -129,8 +130,17 @@ class FrontRefusal(Exception):
 def front_app(upstream: str, token: str, weights_dir: Path) -> FastAPI:
     """The front's app: the engine at ``upstream`` (loopback), requests checked against ``token``, uploads
     kept under ``weights_dir``."""
-    app = FastAPI(title="rlrun engine front", docs_url=None, redoc_url=None, openapi_url=None)
     engine = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=None)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await engine.aclose()  # on the server's loop, as it shuts down: its connections closed
+
+    app = FastAPI(
+        title="rlrun engine front", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
+    app.state.engine = engine
     guarded = [Depends(bearer_check(token))]
     adapters = weights_dir / "adapters"
     uploads = asyncio.Lock()  # one weights upload at a time: it goes to a fixed name
@@ -281,11 +291,12 @@ class EngineFront:
         sock.bind((host, port))
         self.port = int(sock.getsockname()[1])
         self._socket = sock
+        self.app = front_app(upstream, token, weights_dir)
         config = uvicorn.Config(
-            front_app(upstream, token, weights_dir),
+            self.app,
             log_level="warning",
             access_log=False,
-            lifespan="off",
+            lifespan="on",
             **files,
         )
         self._server = uvicorn.Server(config)
