@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load, save_model
+from safetensors.torch import load, save, save_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.rollout.engine_front import check_safetensors
@@ -26,6 +26,9 @@ def mixed() -> dict[str, torch.Tensor]:
         "scalar": torch.tensor(2.5, dtype=torch.float16),
         "empty": torch.zeros(0, 4),
         "transposed": torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),  # not contiguous
+        "a_wide": torch.arange(3, dtype=torch.float64),  # first in the file, though not by name
+        "fp8": torch.ones(5).to(torch.float8_e4m3fn),
+        "small": torch.arange(3, dtype=torch.int8),
     }
 
 
@@ -43,6 +46,9 @@ def test_the_stream_is_a_safetensors_file_of_the_tensors_in_blocks_of_at_most_th
         assert loaded[name].dtype == tensor.dtype and loaded[name].shape == tensor.shape, name
         assert torch.equal(loaded[name], tensor), name
     assert data == b"".join(stream)  # iterating again gives the same bytes
+    assert data == save(
+        {n: t.contiguous() for n, t in tensors.items()}
+    )  # byte for byte, as safetensors writes
 
 
 def test_the_fronts_check_accepts_the_stream(tmp_path: Path) -> None:
@@ -78,6 +84,7 @@ def test_tied_weights_are_sent_once_under_the_name_save_model_keeps(tmp_path: Pa
     assert streamed_meta == saved_meta  # {dropped name: kept name}, as save_model records it
     for name, tensor in saved.items():
         assert torch.equal(streamed[name], tensor), name
+    assert (tmp_path / "streamed.safetensors").read_bytes() == (tmp_path / "saved.safetensors").read_bytes()
 
 
 def test_what_safetensors_cannot_hold_is_refused_naming_the_tensor() -> None:

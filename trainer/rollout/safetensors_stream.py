@@ -12,7 +12,8 @@ model twice (7B in bf16: 14 GB of ``/dev/shm`` per sync on the worker).
 
 Tensors that share storage (an LM head tied to the embedding) are sent once, under the name
 ``safetensors.torch.save_model`` keeps (the first in sorted order of those covering the whole storage),
-with the same ``{dropped: kept}`` metadata: the engine reads the same file either way.
+with the same ``{dropped: kept}`` metadata, and the tensors are laid out in safetensors' own order (widest
+dtype first, each aligned to its element size): the stream's bytes are the file ``save_model`` writes.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ DTYPES = {
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
 }
+# safetensors' own order of the tensors in a file (its Rust writer: widest dtype first, then by name), so
+# that each tensor starts aligned to its element size and the bytes are the ones ``save_file`` writes.
+WIDEST_FIRST = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
 BLOCK_BYTES = 1 << 20
 
 
@@ -82,12 +86,16 @@ class SafetensorsStream:
     def __init__(self, tensors: Mapping[str, torch.Tensor], block: int = BLOCK_BYTES) -> None:
         self._tensors, dropped = without_shared(tensors)
         self._block = block
-        header: dict[str, object] = {"__metadata__": dropped} if dropped else {}
-        offset = 0
-        for name in sorted(self._tensors):
-            tensor = self._tensors[name]
+        for name, tensor in self._tensors.items():
             if tensor.dtype not in DTYPES:
                 raise ValueError(f"tensor {name!r} is {tensor.dtype}, which safetensors cannot hold")
+        self._order = sorted(
+            self._tensors, key=lambda n: (WIDEST_FIRST.index(DTYPES[self._tensors[n].dtype]), n)
+        )
+        header: dict[str, object] = {"__metadata__": dropped} if dropped else {}
+        offset = 0
+        for name in self._order:
+            tensor = self._tensors[name]
             size = tensor.numel() * tensor.element_size()
             header[name] = {
                 "dtype": DTYPES[tensor.dtype],
@@ -105,7 +113,7 @@ class SafetensorsStream:
 
     def __iter__(self) -> Iterator[bytes]:
         yield self._head
-        for name in sorted(self._tensors):
+        for name in self._order:
             tensor = self._tensors[name].detach()
             if tensor.numel() == 0:
                 continue
