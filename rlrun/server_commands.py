@@ -142,6 +142,13 @@ def cmd_engine(args: argparse.Namespace) -> int:
             )
             return 2
         tls = (Path(args.tls_cert), Path(args.tls_key))
+        from trainer.rollout.engine_front import check_tls_pair
+
+        try:
+            check_tls_pair(*tls)
+        except ValueError as exc:
+            print(f"rlrun engine: --tls-cert/--tls-key: {exc}", file=sys.stderr)
+            return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         with EngineProcess(options, port=None if args.remote else args.port) as engine, ExitStack() as front:
@@ -198,7 +205,7 @@ def serve_engine_front(
             if tls is not None:
                 print(
                     f"workers that do not trust its certificate's issuer also set {ENGINE_CA_VARIABLE}="
-                    f"<a copy of {tls[0]}>",
+                    f"<a copy of {tls[0]}, or of its issuer's certificate>",
                     flush=True,
                 )
             yield

@@ -149,10 +149,13 @@ def lora_policy(base: Any, *, seed: int, std: float, params: str = "lora_B") -> 
     return policy
 
 
-def self_signed_certificate(folder: Any, host: str = "127.0.0.1") -> tuple[Any, Any]:
-    """A self-signed certificate for ``host`` (an IP address, in its subject alternative names, as TLS
-    clients check) and its key, written as PEM into ``folder``: ``(cert.pem, key.pem)`` paths. The
-    certificate is its own CA: a client trusts it given the certificate file (``RLRUN_ENGINE_CA``)."""
+def self_signed_certificate(
+    folder: Any, host: str = "127.0.0.1", issuer: tuple[Any, Any] | None = None
+) -> tuple[Any, Any]:
+    """A certificate for ``host`` (an IP address, in its subject alternative names, as TLS clients check)
+    and its key, written as PEM into ``folder``: ``(cert.pem, key.pem)`` paths. Self-signed and a CA of its
+    own (a client trusts it given the certificate file, ``RLRUN_ENGINE_CA``), or with ``issuer`` (a CA's
+    certificate and key files, as this returns them) signed by that CA and no CA itself."""
     import datetime
     import ipaddress
     from pathlib import Path
@@ -164,11 +167,15 @@ def self_signed_certificate(folder: Any, host: str = "127.0.0.1") -> tuple[Any, 
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    issuer_name, signer = name, key
+    if issuer is not None:
+        issuer_name = x509.load_pem_x509_certificate(Path(issuer[0]).read_bytes()).subject
+        signer = serialization.load_pem_private_key(Path(issuer[1]).read_bytes(), password=None)  # type: ignore[assignment]
     now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
-        .issuer_name(name)
+        .issuer_name(issuer_name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -176,8 +183,8 @@ def self_signed_certificate(folder: Any, host: str = "127.0.0.1") -> tuple[Any, 
         .add_extension(
             x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host))]), critical=False
         )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+        .sign(signer, hashes.SHA256())
     )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -327,7 +327,11 @@ def test_an_https_front_serves_workers_that_trust_its_certificate_and_no_one_in_
                 monkeypatch.delenv("RLRUN_ENGINE_CA", raising=False)
             else:
                 monkeypatch.setenv("RLRUN_ENGINE_CA", str(trusted))
-            refused = f"presented a certificate this worker does not trust \\({given}\\): set RLRUN_ENGINE_CA"
+            refused = (
+                f"presented a certificate this worker does not trust \\({given}\\): "
+                r"self[- ]signed certificate \(OpenSSL code 18\); "
+                "set RLRUN_ENGINE_CA"
+            )
             with pytest.raises(EngineStartError, match=refused):
                 attach_served_engine(https, model, max_model_len=64)
         with pytest.raises(EngineStartError, match="no engine answers at RLRUN_ENGINE_URL=http://"):
@@ -357,7 +361,10 @@ def test_a_front_given_a_key_that_is_not_its_certificates_refuses_to_start_namin
 ) -> None:
     cert, _ = self_signed_certificate(tmp_path / "a")
     _, key = self_signed_certificate(tmp_path / "b")
-    with pytest.raises(ValueError, match="cert.pem and .*key.pem are not a PEM certificate and its key"):
+    with pytest.raises(
+        ValueError,
+        match="cert.pem and .*key.pem are not a PEM certificate and its unencrypted key: .*KEY_VALUES",
+    ):
         EngineFront("http://127.0.0.1:9", TOKEN, tmp_path, host="127.0.0.1", tls=(cert, key))
 
 
@@ -378,3 +385,67 @@ def test_rlrun_engine_refuses_a_certificate_without_its_front_or_its_key(
     folder = tiny_model_dir("llama-0.4m", tiny_cache)
     assert main(["engine", "--model", str(folder), *args]) == 2  # before any engine starts
     assert refusal in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("trusted", ["issuer", "itself"])
+def test_a_front_whose_certificate_a_ca_issued_is_trusted_through_the_ca_or_its_own_certificate(
+    trusted: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca, ca_key = self_signed_certificate(tmp_path / "ca", host="10.9.8.7")
+    cert, key = self_signed_certificate(tmp_path / "front", issuer=(ca, ca_key))
+    stand_in = StandIn()
+    served = EngineFront(stand_in.url, TOKEN, tmp_path, host="127.0.0.1", tls=(cert, key))
+    monkeypatch.setenv("RLRUN_ENGINE_TOKEN", TOKEN)
+    monkeypatch.setenv("RLRUN_ENGINE_CA", str(ca if trusted == "issuer" else cert))  # pinned: partial chain
+    try:
+        client = attach_served_engine(
+            f"HTTPS://127.0.0.1:{served.port}", torch.nn.Linear(1, 1), max_model_len=64
+        )
+        client.close()
+        assert client.upload
+    finally:
+        served.close()
+        stand_in.close()
+
+
+def test_a_certificate_for_another_host_is_refused_saying_the_url_is_not_among_its_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = self_signed_certificate(tmp_path / "tls", host="127.0.0.2")
+    stand_in = StandIn()
+    served = EngineFront(stand_in.url, TOKEN, tmp_path, host="127.0.0.1", tls=(cert, key))
+    monkeypatch.setenv("RLRUN_ENGINE_TOKEN", TOKEN)
+    monkeypatch.setenv("RLRUN_ENGINE_CA", str(cert))  # trusted, but not for this address
+    try:
+        with pytest.raises(
+            EngineStartError, match="does not name the URL's host: .*subject alternative names"
+        ):
+            attach_served_engine(f"https://127.0.0.1:{served.port}", torch.nn.Linear(1, 1), max_model_len=64)
+    finally:
+        served.close()
+        stand_in.close()
+    assert stand_in.calls == []
+
+
+def test_rlrun_engine_refuses_a_key_that_is_not_its_certificates_before_any_engine_starts(
+    tiny_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    cert, _ = self_signed_certificate(tmp_path / "a")
+    _, key = self_signed_certificate(tmp_path / "b")
+    folder = str(tiny_model_dir("llama-0.4m", tiny_cache))
+    tls = ["--remote", "--host", "127.0.0.1", "--tls-cert", str(cert), "--tls-key"]
+    assert main(["engine", "--model", folder, *tls, str(key)]) == 2
+    assert "--tls-cert/--tls-key: " in capsys.readouterr().err
+    encrypted = tmp_path / "encrypted.pem"  # its own key, under a password: nobody is there to type it
+    own = serialization.load_pem_private_key((tmp_path / "a" / "key.pem").read_bytes(), password=None)
+    encrypted.write_bytes(
+        own.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.BestAvailableEncryption(b"pw"),
+        )
+    )
+    assert main(["engine", "--model", folder, *tls, str(encrypted)]) == 2
+    assert "the key is encrypted" in capsys.readouterr().err

@@ -246,6 +246,22 @@ def front_app(upstream: str, token: str, weights_dir: Path) -> FastAPI:
     return app
 
 
+def check_tls_pair(cert: Path, key: Path) -> None:
+    """Raise ValueError (both files named) unless ``cert`` is a PEM certificate (chain) and ``key`` its
+    unencrypted private key."""
+    import ssl
+
+    def no_password() -> str:  # OpenSSL would ask at the terminal: a front starts unattended
+        raise ValueError("the key is encrypted")
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key, password=no_password)
+    except (OSError, ssl.SSLError, ValueError) as exc:
+        raise ValueError(
+            f"{cert} and {key} are not a PEM certificate and its unencrypted key: {exc}"
+        ) from None
+
+
 class EngineFront:
     """The front served by uvicorn in a thread of this process until ``close()``.
 
@@ -272,7 +288,6 @@ class EngineFront:
         tls: tuple[Path, Path] | None = None,
     ) -> None:
         import socket
-        import ssl
 
         import uvicorn
 
@@ -280,12 +295,8 @@ class EngineFront:
         self.scheme = "https" if tls else "http"
         files: dict[str, Any] = {}
         if tls is not None:
-            cert, key = tls
-            try:  # uvicorn would load them in its thread, which then just ends: checked here, named
-                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
-            except (OSError, ssl.SSLError) as exc:
-                raise ValueError(f"{cert} and {key} are not a PEM certificate and its key: {exc}") from None
-            files = {"ssl_certfile": str(cert), "ssl_keyfile": str(key)}
+            check_tls_pair(*tls)  # uvicorn would load them in its thread, which then just ends
+            files = {"ssl_certfile": str(tls[0]), "ssl_keyfile": str(tls[1])}
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))

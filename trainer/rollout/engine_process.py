@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -137,21 +138,33 @@ def engine_tls_verify() -> ssl.SSLContext | bool:
     if not path:
         return True
     try:
-        return ssl.create_default_context(cafile=path)
+        context = ssl.create_default_context(cafile=path)
     except (OSError, ssl.SSLError) as exc:
         raise EngineStartError(
             f"{ENGINE_CA_VARIABLE}={path} is not a readable file of PEM certificates: {exc}"
         ) from None
+    # the file may hold the front's own certificate rather than its issuer's (pinned): trusted as given
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return context
 
 
-def untrusted_certificate(exc: BaseException) -> bool:
-    """``exc`` (or what caused it) is a TLS certificate its client did not trust."""
+def uses_tls(url: str) -> bool:
+    """``url`` is an https one (the scheme in any case, as httpx reads it)."""
+    return urlsplit(url).scheme.lower() == "https"
+
+
+# OpenSSL's verify codes (X509_V_ERR_*) for a certificate that is fine but for its dates or its name
+CERTIFICATE_NOT_YET_VALID, CERTIFICATE_EXPIRED, HOSTNAME_MISMATCH, IP_MISMATCH = 9, 10, 62, 64
+
+
+def certificate_failure(exc: BaseException) -> ssl.SSLCertVerificationError | None:
+    """The TLS certificate check that failed behind ``exc`` (httpx wraps it), or None."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(seen):
-            return True
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return seen
         seen = seen.__cause__ or seen.__context__
-    return False
+    return None
 
 
 def attached_engine_url() -> str | None:

@@ -62,10 +62,14 @@ import httpx
 from trainer.rollout.base import Completion, SamplingParams, check_generate_args
 from trainer.rollout.engine_process import (
     ADAPTERS_ROUTE,
+    CERTIFICATE_EXPIRED,
+    CERTIFICATE_NOT_YET_VALID,
     ENGINE_CA_VARIABLE,
     ENGINE_TOKEN_VARIABLE,
     ENGINE_URL_VARIABLE,
     FRONT_ROUTE,
+    HOSTNAME_MISMATCH,
+    IP_MISMATCH,
     SERVED_NAME,
     WEIGHTS_ROUTE,
     EngineError,
@@ -74,10 +78,11 @@ from trainer.rollout.engine_process import (
     EngineStartError,
     attached_engine_token,
     attached_engine_url,
+    certificate_failure,
     engine_message,
     engine_tls_verify,
     token_headers,
-    untrusted_certificate,
+    uses_tls,
 )
 from trainer.rollout.safetensors_stream import SafetensorsStream
 from trainer.rollout.vllm_engine import completions_from_vllm
@@ -182,7 +187,7 @@ class ServedEngine:
     ) -> None:
         self.adapter_sync = adapter_sync
         if verify is None:
-            verify = engine_tls_verify() if base_url.startswith("https:") else True
+            verify = engine_tls_verify() if uses_tls(base_url) else True
         self._verify = verify
         self.upload = upload
         self._headers = token_headers(token)
@@ -413,15 +418,19 @@ class ServedEngine:
         if self._closed:
             return
         self._closed = True
-        if self.process is None and self.model_name.startswith(self._lora_prefix):
-            with contextlib.suppress(httpx.HTTPError):
-                self._http.post("/v1/unload_lora_adapter", json={"lora_name": self.model_name}, timeout=10)
-        self._http.close()
-        self._requests.shutdown(wait=False, cancel_futures=True)
-        if self.process is not None:
-            self.process.stop()
-        if self._own_weights_dir:
-            shutil.rmtree(self.weights_dir, ignore_errors=True)
+        try:
+            if self.process is None and self.model_name.startswith(self._lora_prefix):
+                with contextlib.suppress(httpx.HTTPError):
+                    self._http.post(
+                        "/v1/unload_lora_adapter", json={"lora_name": self.model_name}, timeout=10
+                    )
+        finally:  # an unload cut short (a cancel) still leaves nothing behind
+            self._http.close()
+            self._requests.shutdown(wait=False, cancel_futures=True)
+            if self.process is not None:
+                self.process.stop()
+            if self._own_weights_dir:
+                shutil.rmtree(self.weights_dir, ignore_errors=True)
 
 
 def folder_tar(folder: Path) -> bytes:
@@ -546,7 +555,7 @@ def attach_served_engine(
     where = f"{ENGINE_URL_VARIABLE}={base_url}"
     token = attached_engine_token()
     headers = token_headers(token)
-    verify = engine_tls_verify() if base_url.startswith("https:") else True
+    verify = engine_tls_verify() if uses_tls(base_url) else True
     try:
         resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10, verify=verify)
         if resp.status_code == 401:
@@ -557,14 +566,9 @@ def attach_served_engine(
         resp.raise_for_status()
         models = resp.json().get("data", [])
     except (httpx.HTTPError, ValueError) as exc:
-        if untrusted_certificate(exc):
-            trusted = (
-                f"the file in {ENGINE_CA_VARIABLE}" if verify is not True else f"no {ENGINE_CA_VARIABLE}"
-            )
-            raise EngineStartError(
-                f"the engine at {where} presented a certificate this worker does not trust ({trusted}): set "
-                f"{ENGINE_CA_VARIABLE} to its CA's certificate (a self-signed front's own): {exc}"
-            ) from None
+        failed = certificate_failure(exc)
+        if failed is not None:
+            raise EngineStartError(certificate_refusal(where, failed, verify)) from None
         raise EngineStartError(f"no engine answers at {where}: {exc}") from None
     served = next((m for m in models if isinstance(m, dict) and m.get("id") == SERVED_NAME), None)
     if served is None:
@@ -590,6 +594,25 @@ def attach_served_engine(
         token=token,
         upload=resp.status_code == 200,
         verify=verify,
+    )
+
+
+def certificate_refusal(
+    where: str, failed: ssl.SSLCertVerificationError, verify: ssl.SSLContext | bool
+) -> str:
+    """Why a worker refused the certificate of the front at ``where``, and what would mend it."""
+    said = f"{failed.verify_message} (OpenSSL code {failed.verify_code})"
+    if failed.verify_code in (HOSTNAME_MISMATCH, IP_MISMATCH):
+        return (
+            f"the certificate of the engine at {where} does not name the URL's host: {said}; the host must "
+            "be among its subject alternative names (reissue it, or use a name it holds in the URL)"
+        )
+    if failed.verify_code in (CERTIFICATE_EXPIRED, CERTIFICATE_NOT_YET_VALID):
+        return f"the certificate of the engine at {where} is not valid now: {said}; reissue it"
+    trusted = f"the file in {ENGINE_CA_VARIABLE}" if verify is not True else f"no {ENGINE_CA_VARIABLE}"
+    return (
+        f"the engine at {where} presented a certificate this worker does not trust ({trusted}): {said}; set "
+        f"{ENGINE_CA_VARIABLE} to its issuer's certificate or to a copy of its own"
     )
 
 
