@@ -126,16 +126,16 @@ def token_headers(token: str | None) -> dict[str, str]:
 ENGINE_CA_VARIABLE = "RLRUN_ENGINE_CA"
 
 
-def engine_tls_verify() -> ssl.SSLContext | bool:
-    """How a worker checks the certificate of an engine front served over https (``rlrun engine --remote
-    --tls-cert``): against the CA file ``RLRUN_ENGINE_CA`` names (for a self-signed front, a copy of its
-    certificate), else the trust httpx has by default (``True``).
+def engine_tls_verify(url: str) -> ssl.SSLContext | bool:
+    """How a worker checks the certificate of the engine at ``url``: for an https front (``rlrun engine
+    --remote --tls-cert``) against the CA file ``RLRUN_ENGINE_CA`` names (its issuer's certificate, or a
+    copy of its own), else with the trust httpx has by default (``True``, also for plain http).
 
     Raises:
         EngineStartError: the file cannot be read as PEM certificates (the setting named).
     """
     path = os.environ.get(ENGINE_CA_VARIABLE, "").strip()
-    if not path:
+    if not path or urlsplit(url).scheme.lower() != "https":
         return True
     try:
         context = ssl.create_default_context(cafile=path)
@@ -146,11 +146,6 @@ def engine_tls_verify() -> ssl.SSLContext | bool:
     # the file may hold the front's own certificate rather than its issuer's (pinned): trusted as given
     context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     return context
-
-
-def uses_tls(url: str) -> bool:
-    """``url`` is an https one (the scheme in any case, as httpx reads it)."""
-    return urlsplit(url).scheme.lower() == "https"
 
 
 # OpenSSL's verify codes (X509_V_ERR_*) for a certificate that is fine but for its dates or its name
@@ -165,6 +160,26 @@ def certificate_failure(exc: BaseException) -> ssl.SSLCertVerificationError | No
             return seen
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+def certificate_refusal(
+    where: str, failed: ssl.SSLCertVerificationError, verify: ssl.SSLContext | bool
+) -> str:
+    """Why a worker refused the certificate of the front at ``where`` (checked with ``verify``), and what
+    would mend it."""
+    said = f"{failed.verify_message} (OpenSSL code {failed.verify_code})"
+    if failed.verify_code in (HOSTNAME_MISMATCH, IP_MISMATCH):
+        return (
+            f"the certificate of the engine at {where} does not name the URL's host: {said}; the host must "
+            "be among its subject alternative names (reissue it, or use a name it holds in the URL)"
+        )
+    if failed.verify_code in (CERTIFICATE_EXPIRED, CERTIFICATE_NOT_YET_VALID):
+        return f"the certificate of the engine at {where} is not valid now: {said}; reissue it"
+    trusted = f"the file in {ENGINE_CA_VARIABLE}" if verify is not True else f"no {ENGINE_CA_VARIABLE}"
+    return (
+        f"the engine at {where} presented a certificate this worker does not trust ({trusted}): {said}; set "
+        f"{ENGINE_CA_VARIABLE} to its issuer's certificate or to a copy of its own"
+    )
 
 
 def attached_engine_url() -> str | None:

@@ -62,14 +62,9 @@ import httpx
 from trainer.rollout.base import Completion, SamplingParams, check_generate_args
 from trainer.rollout.engine_process import (
     ADAPTERS_ROUTE,
-    CERTIFICATE_EXPIRED,
-    CERTIFICATE_NOT_YET_VALID,
-    ENGINE_CA_VARIABLE,
     ENGINE_TOKEN_VARIABLE,
     ENGINE_URL_VARIABLE,
     FRONT_ROUTE,
-    HOSTNAME_MISMATCH,
-    IP_MISMATCH,
     SERVED_NAME,
     WEIGHTS_ROUTE,
     EngineError,
@@ -79,10 +74,10 @@ from trainer.rollout.engine_process import (
     attached_engine_token,
     attached_engine_url,
     certificate_failure,
+    certificate_refusal,
     engine_message,
     engine_tls_verify,
     token_headers,
-    uses_tls,
 )
 from trainer.rollout.safetensors_stream import SafetensorsStream
 from trainer.rollout.vllm_engine import completions_from_vllm
@@ -167,8 +162,8 @@ class ServedEngine:
         token: sent as ``Authorization: Bearer`` with every request (a remote engine's front asks for it).
         upload: the engine is behind ``rlrun engine --remote``'s front (trainer/rollout/engine_front.py),
             maybe on another host: weights and adapters are uploaded to it rather than named as folders.
-        verify: how an https front's certificate is checked (default: ``engine_tls_verify()``, which reads
-            ``RLRUN_ENGINE_CA``, for an https ``base_url``).
+        verify: how an https front's certificate is checked (default: ``engine_tls_verify(base_url)``,
+            which reads ``RLRUN_ENGINE_CA``).
     """
 
     def __init__(
@@ -186,9 +181,7 @@ class ServedEngine:
         verify: ssl.SSLContext | bool | None = None,
     ) -> None:
         self.adapter_sync = adapter_sync
-        if verify is None:
-            verify = engine_tls_verify() if uses_tls(base_url) else True
-        self._verify = verify
+        self._verify = engine_tls_verify(base_url) if verify is None else verify
         self.upload = upload
         self._headers = token_headers(token)
         self.process = process  # stopped by close(), when this engine started it
@@ -554,12 +547,35 @@ def attach_served_engine(
     """
     where = f"{ENGINE_URL_VARIABLE}={base_url}"
     token = attached_engine_token()
-    headers = token_headers(token)
-    verify = engine_tls_verify() if uses_tls(base_url) else True
+    verify = engine_tls_verify(base_url)
+    # one connection (one TLS handshake) for the probes
+    with httpx.Client(base_url=base_url, headers=token_headers(token), timeout=10, verify=verify) as probe:
+        adapter_sync, upload = probe_attached_engine(probe, where, model, max_model_len, adapter_sync, verify)
+    return ServedEngine(
+        base_url,
+        max_model_len=max_model_len,
+        adapter_sync=adapter_sync,
+        token=token,
+        upload=upload,
+        verify=verify,
+    )
+
+
+def probe_attached_engine(
+    probe: httpx.Client,
+    where: str,
+    model: Any,
+    max_model_len: int,
+    adapter_sync: Literal["lora", "merged"] | None,
+    verify: ssl.SSLContext | bool,
+) -> tuple[Literal["lora", "merged"], bool]:
+    """``attach_served_engine``'s checks of the engine ``probe`` reaches (what it raises); the adapter sync
+    the run will use, and whether the engine is behind a front (weights go by upload)."""
+    token_given = "Authorization" in probe.headers
     try:
-        resp = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=10, verify=verify)
+        resp = probe.get("/v1/models")
         if resp.status_code == 401:
-            given = f"the token in {ENGINE_TOKEN_VARIABLE}" if token else f"no {ENGINE_TOKEN_VARIABLE}"
+            given = f"the token in {ENGINE_TOKEN_VARIABLE}" if token_given else f"no {ENGINE_TOKEN_VARIABLE}"
             raise EngineStartError(
                 f"the engine at {where} refused this worker ({given}): {engine_message(resp)}"
             )
@@ -581,51 +597,20 @@ def attach_served_engine(
             f"the engine at {where} holds {limit} tokens per sequence (its max_model_len); this run needs "
             f"{max_model_len}: start it with `rlrun engine --max-model-len {max_model_len}` or more"
         )
-    check_sampling_options(base_url, where, headers, verify)
+    check_sampling_options(probe, where)
     adapter_sync = engine_adapter_sync(model, adapter_sync)
     try:
-        resp = httpx.get(f"{base_url}{FRONT_ROUTE}", headers=headers, timeout=10, verify=verify)
+        front = probe.get(FRONT_ROUTE).status_code == 200
     except httpx.HTTPError as exc:
         raise EngineStartError(f"the engine at {where} did not answer {FRONT_ROUTE}: {exc}") from None
-    return ServedEngine(
-        base_url,
-        max_model_len=max_model_len,
-        adapter_sync=adapter_sync,
-        token=token,
-        upload=resp.status_code == 200,
-        verify=verify,
-    )
-
-
-def certificate_refusal(
-    where: str, failed: ssl.SSLCertVerificationError, verify: ssl.SSLContext | bool
-) -> str:
-    """Why a worker refused the certificate of the front at ``where``, and what would mend it."""
-    said = f"{failed.verify_message} (OpenSSL code {failed.verify_code})"
-    if failed.verify_code in (HOSTNAME_MISMATCH, IP_MISMATCH):
-        return (
-            f"the certificate of the engine at {where} does not name the URL's host: {said}; the host must "
-            "be among its subject alternative names (reissue it, or use a name it holds in the URL)"
-        )
-    if failed.verify_code in (CERTIFICATE_EXPIRED, CERTIFICATE_NOT_YET_VALID):
-        return f"the certificate of the engine at {where} is not valid now: {said}; reissue it"
-    trusted = f"the file in {ENGINE_CA_VARIABLE}" if verify is not True else f"no {ENGINE_CA_VARIABLE}"
-    return (
-        f"the engine at {where} presented a certificate this worker does not trust ({trusted}): {said}; set "
-        f"{ENGINE_CA_VARIABLE} to its issuer's certificate or to a copy of its own"
-    )
+    return adapter_sync, front
 
 
 # What a rollout engine must have been started with (``EngineOptions.command``), read off its configuration
 REQUIRED_OPTIONS = {"logprobs_mode": "processed_logprobs", "generation_config": "vllm"}
 
 
-def check_sampling_options(
-    base_url: str,
-    where: str,
-    headers: dict[str, str] | None = None,
-    verify: ssl.SSLContext | bool = True,
-) -> None:
+def check_sampling_options(probe: httpx.Client, where: str) -> None:
     """Refuse an engine whose samples or log-probs are not what the trainer assumes: one without the
     dev-mode routes a sync needs (``/server_info`` among them), or started with other log-probs
     (``--logprobs-mode``) or with the checkpoint's sampling defaults (``--generation-config``), as a plain
@@ -635,13 +620,7 @@ def check_sampling_options(
         EngineStartError: naming what differs and ``rlrun engine``.
     """
     try:
-        resp = httpx.get(
-            f"{base_url}/server_info",
-            params={"config_format": "json"},
-            headers=headers,
-            timeout=120,
-            verify=verify,
-        )
+        resp = probe.get("/server_info", params={"config_format": "json"}, timeout=120)
     except httpx.HTTPError as exc:
         raise EngineStartError(f"the engine at {where} did not answer /server_info: {exc}") from None
     if resp.status_code != 200:
