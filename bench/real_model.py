@@ -462,10 +462,11 @@ def rl_curves(
             ratio = f"{reached / trl.seconds:.2f}x" if reached is not None else "not reached"
             print(f"{curve.contender}: time to TRL's final accuracy ({target:.1%}) / TRL's time = {ratio}")
     print("\nchat answers (greedy, 48 tokens), before -> after each contender's final checkpoint:")
+    chat_after = {curve.contender: chat_answers(evaluator, curve.points[-1][2]) for curve in curves}
     for i, question in enumerate(CHAT_QUESTIONS):
         print(f"  Q: {question}\n    base: {chat_before[i][:160]}")
-        for curve in curves:
-            print(f"    {curve.contender}: {chat_answers(evaluator, curve.points[-1][2])[i][:160]}")
+        for contender, answers in chat_after.items():
+            print(f"    {contender}: {answers[i][:160]}")
 
 
 def main(argv: list[str] | None = None) -> None:
