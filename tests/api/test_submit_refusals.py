@@ -297,12 +297,6 @@ DEVICE_REFUSALS = [
     ),
     ({"nodes": 2, "devices": 2}, {"batch_size": 6}, "dpo", "x resources.nodes (4) must divide"),
     ({"nodes": 2}, {}, "ppo", "resources.devices x resources.nodes > 1 is supported for sft, dpo"),
-    (
-        {"nodes": 2, "sharding": "fsdp"},
-        {"engine": "vllm_server"},
-        "grpo",
-        "engine 'vllm_server' with resources.nodes > 1 and sharding 'fsdp' is not supported yet",
-    ),
     ({"nodes": 65}, {}, "dpo", "resources.nodes"),
 ]
 
@@ -326,17 +320,17 @@ def test_an_adapter_on_sharded_ranks_with_the_engine_process_is_refused(session:
     assert count(session) == before + 1
 
 
-def test_the_engine_process_across_hosts_is_refused_under_fsdp_and_taken_under_ddp(session: Session) -> None:
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_the_engine_process_across_hosts_is_taken_under_either_sharding(
+    session: Session, sharding: str
+) -> None:
     prompts = make_dataset(session, rows=PROMPTS, kind="prompts")
     spec = rl(
-        prompts.id, hyperparameters={"engine": "vllm_server"}, resources={"nodes": 2, "sharding": "fsdp"}
+        prompts.id, hyperparameters={"engine": "vllm_server"}, resources={"nodes": 2, "sharding": sharding}
     )
     before = count(session)
     with api_client(session) as client:
-        refused = client.post("/v1/runs", json=spec)
-        spec["resources"]["sharding"] = "ddp"  # each host's engine syncs from its own ranks
         accepted = client.post("/v1/runs", json=spec)
-    assert refused.status_code == 422 and "use sharding 'ddp'" in refused.text, refused.text
     assert accepted.status_code == 201, accepted.text
     assert count(session) == before + 1
 

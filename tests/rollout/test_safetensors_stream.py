@@ -1,9 +1,11 @@
 """The upload body made from tensors (trainer/rollout/safetensors_stream.py), read back by safetensors' own
 loader (its Rust parser checks the header and that the offsets tile the data exactly) and by the front's
-check, against what ``save_file`` / ``save_model`` write for the same tensors."""
+check, against what ``save_file`` / ``save_model`` write for the same tensors; a sharded model (FSDP2 on 2
+gloo ranks) streamed a parameter at a time gives the same file."""
 
 from __future__ import annotations
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from safetensors.torch import load, save, save_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.rollout.engine_front import check_safetensors
-from trainer.rollout.safetensors_stream import SafetensorsStream
+from trainer.rollout.safetensors_stream import SafetensorsStream, tied_names
 
 
 def mixed() -> dict[str, torch.Tensor]:
@@ -93,3 +95,47 @@ def test_what_safetensors_cannot_hold_is_refused_naming_the_tensor() -> None:
     buffer = torch.arange(10.0)
     with pytest.raises(ValueError, match=r"\['a', 'b'\] share one storage and none covers all of it"):
         SafetensorsStream({"a": buffer[:5], "b": buffer[5:]})
+
+
+def test_tied_names_are_the_names_save_model_drops(tmp_path: Path) -> None:
+    from tests.rollout.sharded_stream_ranks import tied_tiny_model
+
+    model = tied_tiny_model()
+    path = tmp_path / "model.safetensors"
+    save_model(model, str(path))
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata()
+    assert tied_names(model) == metadata == {"model.embed_tokens.weight": "lm_head.weight"}
+    untied = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=11,
+            hidden_size=8,
+            intermediate_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
+    assert tied_names(untied) == {}
+
+
+def test_a_sharded_model_streams_the_file_save_model_writes_a_parameter_at_a_time(tmp_path: Path) -> None:
+    """2 gloo ranks shard a tied model (FSDP2) and stream it: as one host (rank 0 sends, rank 1 joins the
+    gathers), as two hosts (both send), and with rank 0's send cut short; each case's bytes equal
+    ``save_model``'s of the unsharded model, and the ranks' collectives stay in step (tests/rollout/
+    sharded_stream_ranks.py)."""
+    from tests.rollout.sharded_stream_ranks import stream_on_rank
+    from trainer.rank_launch import rank_start_method
+
+    context = multiprocessing.get_context(rank_start_method())
+    store = tmp_path / "store"
+    ranks = [context.Process(target=stream_on_rank, args=(r, str(store), str(tmp_path))) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=180)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    expected = (tmp_path / "expected.safetensors").read_bytes()
+    for name in ("rank0-one-host", "rank0-two-hosts", "rank1-two-hosts"):
+        assert (tmp_path / f"{name}.safetensors").read_bytes() == expected, name
+    assert not (tmp_path / "rank1-one-host.safetensors").exists()

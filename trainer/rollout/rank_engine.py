@@ -11,11 +11,14 @@ devices N ways; verl and OpenRLHF likewise run one rollout engine group that all
 Weights reach the engines at each sync, which every rank calls at the same point of the loop:
 - DDP: every rank holds the whole model, so each host's first rank alone writes and reloads it into its
   engine (``ServedEngine.sync_weights``: an adapter as a LoRA, or merged where the engine runs none).
-- FSDP2 (one host only): the shards are gathered into rank 0's whole state dict (a collective every rank
-  joins), which rank 0 writes and reloads (``ServedEngine.sync_state``). Across hosts the gathered weights
-  would have to travel to every host's engine at each step, which is not built: refused at submit, as is
-  an adapter policy over FSDP2 (its gathered state has the adapter's parameter names, which the engine
-  cannot load).
+- FSDP2: every rank streams the sharded state dict (trainer/rollout/safetensors_stream.py): the file's
+  header from the parameters' global shapes, then each parameter gathered whole (``full_tensor()``, an
+  all-gather every rank joins in the same order) only when the stream reaches it. Each host's first rank
+  writes what it gathers into its engine's file (or uploads it to a remote front) and reloads; the other
+  ranks join the gathers and drop the result. No rank ever holds more than one whole parameter beyond its
+  shards, and every host's engine gets the weights from the same gathers, so FSDP2 runs across hosts too.
+  An adapter policy over FSDP2 is refused at submit (its state has the adapter's parameter names, which the
+  engine cannot load).
 
 Every rank then hears every host's outcome (the name to generate under, the engine's address, or its
 error): the exchange is also the barrier that keeps any rank from generating with the old weights, and a
@@ -33,10 +36,11 @@ from typing import Any
 
 import torch
 
-from trainer.distributed import Ranks, full_model_state, gather_objects, is_sharded, unwrap
+from trainer.distributed import Ranks, gather_objects, is_sharded, unwrap
 from trainer.reporting import one_line
 from trainer.rollout.base import Completion, SamplingParams
 from trainer.rollout.engine_process import EngineError, attached_engine_token
+from trainer.rollout.safetensors_stream import SafetensorsStream, tied_names
 from trainer.rollout.served_engine import ServedEngine, open_served_engine
 
 
@@ -58,7 +62,7 @@ class RankSharedEngine:
     Args:
         local: this rank's client of its host's engine (the host's first rank owns the process).
         ranks: this rank among the run's.
-        sharded: the policy is sharded over the ranks (FSDP2, one host): syncs gather it on rank 0.
+        sharded: the policy is sharded over the ranks (FSDP2): syncs gather it a parameter at a time.
     """
 
     def __init__(self, local: ServedEngine, ranks: Ranks, *, sharded: bool) -> None:
@@ -77,16 +81,18 @@ class RankSharedEngine:
         Raises:
             EngineError: a host's first rank could not sync its engine (its reason, on every rank).
         """
-        state = full_model_state(model, self.ranks) if self.sharded else None  # every rank gathers
+        stream = SafetensorsStream(model.state_dict(), shared=tied_names(model)) if self.sharded else None
         error = None
         if self.leads:
             try:
-                if state is not None:
-                    self.local.sync_state(state)
+                if stream is not None:
+                    self.local.sync_stream(stream)
                 else:
                     self.local.sync_weights(model)
             except Exception as exc:  # every rank must hear of it, or the others would wait forever
                 error = one_line(exc)
+        if stream is not None:
+            stream.gather_rest()  # the gathers this rank did not reach: all of them, off a host's first rank
         outcomes = gather_objects((error, self.local.base_url, self.local.model_name), self.ranks)
         for rank, (failed, _, _) in enumerate(outcomes):
             if failed is not None:

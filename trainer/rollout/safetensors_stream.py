@@ -14,6 +14,16 @@ Tensors that share storage (an LM head tied to the embedding) are sent once, und
 ``safetensors.torch.save_model`` keeps (the first in sorted order of those covering the whole storage),
 with the same ``{dropped: kept}`` metadata, and the tensors are laid out in safetensors' own order (widest
 dtype first, each aligned to its element size): the stream's bytes are the file ``save_model`` writes.
+
+Sharded tensors (FSDP2's ``DTensor`` parameters) are streamed whole without the whole model ever being
+gathered: the header comes from their global shapes, and each is gathered (``full_tensor()``, a collective)
+only when the stream reaches it, so a rank holds one whole parameter at a time, where gathering the full
+state dict first held the whole model on rank 0 (7B in fp32: 28 GB of host memory per sync, plus the file
+written from it). Every rank of the mesh must join each gather in the same order: the ranks that send the
+stream iterate it, and every rank then calls ``gather_rest()``, which joins the gathers its own iteration
+did not reach (all of them on a rank that sends nothing, the rest after a send cut short). Which names are
+tied must then be the same on every rank, so the caller names them (``shared``: from the module's
+parameters, ``tied_names``): a shard's storage differs from rank to rank (it may even be empty).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import struct
 from collections.abc import Iterator, Mapping
 
 import torch
+from torch.distributed.tensor import DTensor
 
 DTYPES = {
     torch.float64: "F64",
@@ -72,20 +83,59 @@ def without_shared(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch
     return {name: t for name, t in tensors.items() if name not in dropped}, dropped
 
 
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """The ``{dropped: kept}`` names of ``module``'s state dict that are one parameter or buffer under
+    several names (an LM head tied to the embedding), keeping the first in sorted order as ``save_model``
+    does; read from the module's structure, so the same on every rank of a sharded model."""
+    keys = set(module.state_dict())
+    groups: dict[int, list[str]] = {}
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if name in keys:
+            groups.setdefault(id(tensor), []).append(name)
+    dropped: dict[str, str] = {}
+    for names in groups.values():
+        kept = min(names)
+        dropped |= {name: kept for name in names if name != kept}
+    return dropped
+
+
 class SafetensorsStream:
     """The bytes of the safetensors file holding ``tensors``, produced a block at a time.
 
     ``len(stream)`` is the file's size; iterating yields its bytes in blocks of at most ``block`` bytes
     (one tensor's bytes are never joined to the next's). Iterating twice yields the same bytes as long as
-    the tensors did not change in between.
+    the tensors did not change in between; a stream of sharded tensors is read once (its gathers are
+    collectives: see the module doc and ``gather_rest``).
+
+    Args:
+        tensors: name -> tensor; ``DTensor`` values are gathered whole as the stream reaches them.
+        block: the largest block yielded.
+        shared: the ``{dropped: kept}`` names of tensors that are one (``tied_names``); default: found from
+            the tensors' storages, which sharded tensors need named instead.
 
     Raises:
-        ValueError: a tensor of a dtype safetensors has no name for, or tensors sharing storage in pieces.
+        ValueError: a tensor of a dtype safetensors has no name for, tensors sharing storage in pieces, or
+            sharded tensors without ``shared``.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], block: int = BLOCK_BYTES) -> None:
-        self._tensors, dropped = without_shared(tensors)
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        block: int = BLOCK_BYTES,
+        *,
+        shared: Mapping[str, str] | None = None,
+    ) -> None:
+        self.collective = any(isinstance(t, DTensor) for t in tensors.values())
+        if shared is None:
+            if self.collective:
+                raise ValueError("sharded tensors need their tied names given (shared=tied_names(module))")
+            self._tensors, dropped = without_shared(tensors)
+        else:
+            dropped = dict(shared)
+            self._tensors = {name: t for name, t in tensors.items() if name not in dropped}
         self._block = block
+        self._gathered = 0  # of a collective stream: the tensors (in order) this rank has gathered
         for name, tensor in self._tensors.items():
             if tensor.dtype not in DTYPES:
                 raise ValueError(f"tensor {name!r} is {tensor.dtype}, which safetensors cannot hold")
@@ -112,11 +162,27 @@ class SafetensorsStream:
         return self._size
 
     def __iter__(self) -> Iterator[bytes]:
+        if self.collective and self._gathered:
+            raise RuntimeError("a stream of sharded tensors is read once: its gathers are collectives")
         yield self._head
-        for name in self._order:
-            tensor = self._tensors[name].detach()
+        for index, name in enumerate(self._order):
+            tensor = self._whole(index, name)
             if tensor.numel() == 0:
                 continue
             flat = tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
             for start in range(0, len(flat), self._block):
                 yield flat[start : start + self._block].tobytes()
+
+    def gather_rest(self) -> None:
+        """Join the gathers of a collective stream that this rank's iteration did not reach (every one,
+        where it did not iterate), so that every rank of the mesh has joined all of them; nothing for a
+        stream of plain tensors. Every rank calls it once its own sending (if any) is over."""
+        for index in range(self._gathered, len(self._order)):
+            self._whole(index, self._order[index])
+
+    def _whole(self, index: int, name: str) -> torch.Tensor:
+        tensor = self._tensors[name].detach()
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()  # a collective: every rank of the mesh, in this order
+        self._gathered = index + 1
+        return tensor

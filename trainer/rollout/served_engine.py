@@ -8,8 +8,10 @@ them continuously. The answer is read by ``completions_from_vllm``, the reader o
 results, so both paths share one set of checks (prompt echoed back, finish reason, one log-prob per token).
 
 Weights are synced in place: the policy's state dict is written as ``model.safetensors`` into a folder in
-shared memory (``/dev/shm`` where it exists), then ``/collective_rpc`` runs ``reload_weights`` on that
-folder and ``/reset_prefix_cache`` drops KV blocks computed with the old weights. Measured on
+shared memory (``/dev/shm`` where it exists), a tensor at a time (trainer/rollout/safetensors_stream.py:
+the bytes ``save_model`` writes; a sharded model's parameters each gathered only when reached), then
+``/collective_rpc`` runs ``reload_weights`` on that folder and ``/reset_prefix_cache`` drops KV blocks
+computed with the old weights. Measured on
 tiny:llama-0.4m: 3 ms to write, 38 ms to reload; greedy tokens then equal the trainer's. Behind a front the
 weights are streamed to it as a safetensors file made from the tensors a block at a time
 (``PUT /rlrun/weights``, trainer/rollout/safetensors_stream.py: nothing written on this host), and the
@@ -315,8 +317,6 @@ class ServedEngine:
         Raises:
             EngineError: the engine refused the reload.
         """
-        from safetensors.torch import save_model
-
         if hasattr(model, "peft_config") and self.adapter_sync == "lora":
             self.sync_adapter(model)
             return
@@ -324,40 +324,41 @@ class ServedEngine:
             from trainer.adapters import merged_state_dict
 
             self.sync_state(merged_state_dict(model))
-        elif self.upload:
-            self._upload_weights(model.state_dict())
-        else:
-            save_model(model, str(self.weights_dir / "model.safetensors"))
-            self._reload()
+        else:  # the bytes save_model writes, a tensor at a time (trainer/rollout/safetensors_stream.py)
+            self.sync_state(model.state_dict())
 
     def sync_state(self, state: dict[str, Any]) -> None:
-        """``sync_weights`` from a whole model's state dict (plain parameter names: e.g. gathered from the
-        ranks' shards) rather than from a model.
+        """``sync_weights`` from a whole model's state dict (plain parameter names: e.g. an adapter merged
+        into its base) rather than from a model.
 
         Raises:
             EngineError: the engine refused the reload.
         """
-        from safetensors.torch import save_file
+        self.sync_stream(SafetensorsStream(state))
 
+    def sync_stream(self, stream: SafetensorsStream) -> None:
+        """``sync_weights`` from the safetensors file ``stream`` makes (e.g. of a sharded model's state,
+        each parameter gathered as the stream reaches it): uploaded to a front, or written to shared memory
+        a block at a time and reloaded. A collective stream is left part-read where the engine failed: the
+        caller's ``gather_rest()`` joins the remaining gathers.
+
+        Raises:
+            EngineError: the engine refused the reload.
+        """
         if self.upload:
-            self._upload_weights(state)
+            self._put(WEIGHTS_ROUTE, stream)
+            self._post("/reset_prefix_cache", {})
             return
-        save_file(
-            {name: t.contiguous() for name, t in state.items()}, str(self.weights_dir / "model.safetensors")
-        )
+        path = self.weights_dir / "model.safetensors"
+        with path.open("wb") as out:
+            for block in stream:
+                out.write(block)
         self._reload()
 
     def _reload(self) -> None:
         """The engine reloads the weights written to ``weights_dir``, and drops its prefix cache."""
         reload = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
         self._call("/collective_rpc", reload)
-        self._post("/reset_prefix_cache", {})
-
-    def _upload_weights(self, tensors: dict[str, Any]) -> None:
-        """Stream ``tensors`` as a safetensors file to the front (``PUT /rlrun/weights``), made from the
-        tensors a block at a time (trainer/rollout/safetensors_stream.py), never written here first; the
-        front checks it whole and reloads it; then the prefix cache is dropped."""
-        self._put(WEIGHTS_ROUTE, SafetensorsStream(tensors))
         self._post("/reset_prefix_cache", {})
 
     def _put(self, path: str, body: bytes | SafetensorsStream) -> Any:

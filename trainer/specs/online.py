@@ -554,12 +554,6 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
                 "supported yet (the ranks' background rollouts would meet in collectives out of step with "
                 "their updates): set async_rollouts 0"
             )
-        if self.resources.nodes > 1 and hp.engine == "vllm_server" and self.resources.sharding == "fsdp":
-            raise ValueError(
-                "engine 'vllm_server' with resources.nodes > 1 and sharding 'fsdp' is not supported yet (the "
-                "weights gathered from the shards would have to reach every host's engine at each step): use "
-                "sharding 'ddp' (each host's engine syncs from its own ranks) or engine 'hf'"
-            )
         shards = self.resources.ranks > 1 and self.resources.sharding == "fsdp"
         if shards and hp.engine == "vllm_server" and self.adapter is not None:
             raise ValueError(

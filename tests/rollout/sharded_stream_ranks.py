@@ -1,0 +1,92 @@
+"""What each of the 2 gloo ranks of test_safetensors_stream's sharded test runs (module level: a forked rank
+imports it by name, so not in the test file)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_model
+
+from trainer.distributed import Ranks, wrap
+from trainer.models import build_tiny_tokenizer, tiny_config
+from trainer.rollout.safetensors_stream import SafetensorsStream, tied_names
+
+
+def tied_tiny_model() -> torch.nn.Module:
+    """tiny:llama-0.4m with its LM head tied to its embedding (as SmolLM2's), the same on every rank."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_config("llama-0.4m", build_tiny_tokenizer())
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # an odd vocabulary row count, so the shards of the embedding differ in size
+        model.model.norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def stream_on_rank(rank: int, store: str, out: str) -> None:
+    """Rank ``rank`` of 2: shard the model (FSDP2), then stream its state as a host's first rank (rank 0 in
+    the one-host case; both ranks when each is a host's first) or join the gathers only (rank 1), writing
+    what it streamed to ``out/rank<N>-<case>.safetensors``. Each case ends with a collective that compares
+    a number all ranks hold, so ranks whose gathers fell out of step fail (or time out) instead of passing."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        model = tied_tiny_model()
+        if rank == 0:
+            with tempfile.TemporaryDirectory() as folder:
+                path = Path(folder) / "model.safetensors"
+                save_model(model, str(path))
+                (Path(out) / "expected.safetensors").write_bytes(path.read_bytes())
+        model = wrap(model, Ranks(rank, 2, "fsdp"))
+        assert any(isinstance(t, torch.distributed.tensor.DTensor) for t in model.state_dict().values())
+
+        def check_in_step(case: str) -> None:
+            mark = torch.tensor([float(len(case))])
+            dist.all_reduce(mark)
+            assert mark.item() == 2 * len(case), case
+
+        # one host: its first rank sends, the other joins every gather
+        stream = SafetensorsStream(model.state_dict(), shared=tied_names(model), block=4096)
+        if rank == 0:
+            (Path(out) / "rank0-one-host.safetensors").write_bytes(b"".join(stream))
+        stream.gather_rest()
+        check_in_step("one host")
+
+        # two hosts: each rank is its host's first and sends the same whole file
+        stream = SafetensorsStream(model.state_dict(), shared=tied_names(model), block=4096)
+        (Path(out) / f"rank{rank}-two-hosts.safetensors").write_bytes(b"".join(stream))
+        stream.gather_rest()  # nothing left
+        check_in_step("two hosts")
+        try:
+            next(iter(stream))
+        except RuntimeError as exc:
+            assert "read once" in str(exc)
+        else:
+            raise AssertionError("a collective stream was read twice")
+
+        # a send cut short (the engine failed mid-upload): the rest of the gathers are joined all the same
+        stream = SafetensorsStream(model.state_dict(), shared=tied_names(model), block=4096)
+        if rank == 0:
+            blocks = iter(stream)
+            for _ in range(3):
+                next(blocks)
+        stream.gather_rest()
+        check_in_step("cut short")
+
+        try:
+            SafetensorsStream(model.state_dict())
+        except ValueError as exc:
+            assert "tied names" in str(exc)
+        else:
+            raise AssertionError("sharded tensors were streamed without their tied names")
+        (Path(out) / f"rank{rank}.done").write_text(str(os.getpid()))
+    finally:
+        dist.destroy_process_group()
