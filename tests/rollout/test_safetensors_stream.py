@@ -6,6 +6,7 @@ gloo ranks) streamed a parameter at a time gives the same file."""
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,30 @@ def test_a_sharded_model_streams_the_file_save_model_writes_a_parameter_at_a_tim
     for name in ("rank0-one-host", "rank0-two-hosts", "rank1-two-hosts"):
         assert (tmp_path / f"{name}.safetensors").read_bytes() == expected, name
     assert not (tmp_path / "rank1-one-host.safetensors").exists()
+
+
+class FailingStream(SafetensorsStream):
+    """The stream of ``tensors`` that fails after its header (a gather or a disk that gave out mid-sync)."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        blocks = super().__iter__()
+        yield next(blocks)
+        raise OSError("no space left on device")
+
+
+def test_a_sync_that_fails_while_writing_keeps_the_last_whole_weights_for_a_restart(tmp_path: Path) -> None:
+    """The file a restarted engine reloads (``ServedEngine._restart``) is never one a failed sync left
+    half-written: the stream goes to a hidden file that replaces it only once complete (no engine needed:
+    the write fails before the engine is asked to reload)."""
+    from trainer.rollout.served_engine import ServedEngine
+
+    served = ServedEngine("http://127.0.0.1:9", max_model_len=64, weights_dir=tmp_path)
+    whole = b"".join(SafetensorsStream(mixed()))
+    (tmp_path / "model.safetensors").write_bytes(whole)
+    try:
+        with pytest.raises(OSError, match="no space left"):
+            served.sync_stream(FailingStream({"w": torch.ones(3)}))
+    finally:
+        served.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert (tmp_path / "model.safetensors").read_bytes() == whole

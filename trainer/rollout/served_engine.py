@@ -349,10 +349,17 @@ class ServedEngine:
             self._put(WEIGHTS_ROUTE, stream)
             self._post("/reset_prefix_cache", {})
             return
-        path = self.weights_dir / "model.safetensors"
-        with path.open("wb") as out:
-            for block in stream:
-                out.write(block)
+        # written beside, then renamed: a restarted engine (``_restart``) reloads whole weights, never a
+        # file a failed sync left half-written
+        partial = self.weights_dir / ".model.safetensors.partial"
+        try:
+            with partial.open("wb") as out:
+                for block in stream:
+                    out.write(block)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        partial.replace(self.weights_dir / "model.safetensors")
         self._reload()
 
     def _reload(self) -> None:
