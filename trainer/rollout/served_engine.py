@@ -51,10 +51,11 @@ import shutil
 import ssl
 import tarfile
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
@@ -85,6 +86,26 @@ from trainer.rollout.safetensors_stream import SafetensorsStream
 from trainer.rollout.vllm_engine import completions_from_vllm
 
 __all__ = ["EngineError", "ServedEngine", "attach_served_engine", "open_served_engine", "start_served_engine"]
+
+
+def in_daemon_thread(call: Callable[[], httpx.Response]) -> Future[httpx.Response]:
+    """``call()`` in a thread of its own, its outcome in the future returned. The thread is a daemon: a
+    request left waiting on an engine that will not answer (one whose work was aborted on a cancel answers
+    nothing until it stops, or the request's timeout, 10 minutes) must not hold up the process's exit, as a
+    ``ThreadPoolExecutor``'s worker did (Python joins those at exit: a worker, or pytest, that had cancelled a
+    generation waited up to those 10 minutes to end)."""
+    future: Future[httpx.Response] = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # handed to the waiting thread, which raises it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="engine-request", daemon=True).start()
+    return future
 
 
 def completion_request(
@@ -197,7 +218,6 @@ class ServedEngine:
             tempfile.mkdtemp(prefix="rlrun-engine-weights-", dir=shm if shm.is_dir() else None)
         )
         self._http = self._client()
-        self._requests = ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-request")
         self.model_name = SERVED_NAME  # what generation asks for: the base, or the last synced adapter
         self._syncs = 0
         self._closed = False
@@ -253,7 +273,7 @@ class ServedEngine:
         even while the engine generates for minutes; the engine is then told to abort what it runs
         (``/abort_requests``: this engine serves this run only) and the connection is dropped. The answer's
         JSON, or its text when it is not JSON (LoRA routes)."""
-        pending = self._requests.submit(send or (lambda: self._http.post(path, json=body)))
+        pending = in_daemon_thread(send or (lambda: self._http.post(path, json=body)))
         try:
             while True:
                 try:
@@ -427,7 +447,6 @@ class ServedEngine:
                     )
         finally:  # an unload cut short (a cancel) still leaves nothing behind
             self._http.close()
-            self._requests.shutdown(wait=False, cancel_futures=True)
             if self.process is not None:
                 self.process.stop()
             if self._own_weights_dir:
