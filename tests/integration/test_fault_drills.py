@@ -109,8 +109,18 @@ class Stack:
         wait_healthy(self.client, self.api.p)  # type: ignore[arg-type]
 
     def close(self) -> None:
-        for p in [*self.workers, self.api, self.redis]:
-            p.stop()
+        """Workers and the API asked to stop together (each takes ~1-1.5 s of warm shutdown: one after the
+        other, a drill's teardown took up to 5.6 s), then Redis, which their shutdowns may still use."""
+        running = [p.p for p in [*self.workers, self.api] if p.p is not None and p.p.poll() is None]
+        for proc in running:
+            proc.terminate()
+        for proc in running:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.redis.stop()
         self.client.close()
 
 
