@@ -90,3 +90,55 @@ def stream_on_rank(rank: int, store: str, out: str) -> None:
         (Path(out) / f"rank{rank}.done").write_text(str(os.getpid()))
     finally:
         dist.destroy_process_group()
+
+
+def adapter_tiny_model() -> torch.nn.Module:
+    """tiny:llama-0.4m with a rank-4 LoRA on its attention projections, B drawn (not peft's zeros) so the
+    merge moves the weights; the same on every rank."""
+    from transformers import LlamaForCausalLM
+
+    from trainer.adapters import add_adapter
+    from trainer.specs import AdapterSpec
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config("llama-0.4m", build_tiny_tokenizer()))
+    model = add_adapter(model, AdapterSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]), "causal")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+def adapter_on_rank(rank: int, store: str, out: str) -> None:
+    """Rank ``rank`` of 2: shard an adapter model (FSDP2), then write what a sync sends from it: the merged
+    weights streamed (``merged.safetensors``, rank 0; rank 1 joins the gathers) and the adapter saved from
+    its gathered LoRA tensors (``adapter/``, rank 0); rank 0 first writes the same from the unsharded model
+    (``expected-merged.safetensors``, ``expected-adapter/``)."""
+    from trainer.adapters import merged_state_dict
+    from trainer.rollout.sharded_sync import gathered_adapter_state, merged_stream
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    try:
+        model = adapter_tiny_model()
+        if rank == 0:
+            (Path(out) / "expected-merged.safetensors").write_bytes(
+                b"".join(SafetensorsStream(merged_state_dict(model)))
+            )
+            model.save_pretrained(str(Path(out) / "expected-adapter"))
+        model = wrap(model, Ranks(rank, 2, "fsdp"))
+        stream = merged_stream(model)
+        if rank == 0:
+            (Path(out) / "merged.safetensors").write_bytes(b"".join(stream))
+        stream.gather_rest()
+        state = gathered_adapter_state(model)
+        if rank == 0:
+            model.save_pretrained(str(Path(out) / "adapter"), state_dict=state)
+        mark = torch.tensor([1.0])
+        dist.all_reduce(mark)  # the ranks' collectives in step
+        assert mark.item() == 2
+        (Path(out) / f"rank{rank}.done").write_text(str(os.getpid()))
+    finally:
+        dist.destroy_process_group()

@@ -1,9 +1,9 @@
 """The ranks of a host share one engine process (trainer/rollout/rank_engine.py): a GRPO run with
 ``engine: vllm_server`` on 2 gloo ranks of one host (FSDP2) starts exactly one vLLM server, and on two
-hosts of one rank each (DDP, FSDP2) one per host; the engines generate every rank's share and follow every
-update (the engine's log-probs of the sampled tokens equal the trainer's at every step, after the weights
-moved), greedy held-out decoding through them equals the one-process transformers run's, and the engines
-are stopped when the run ends. A failed start reaches every rank."""
+hosts of one rank each (DDP, FSDP2 with a LoRA adapter merged) one per host; the engines generate every
+rank's share and follow every update (the engine's log-probs of the sampled tokens equal the trainer's at
+every step, after the weights moved), greedy held-out decoding through them equals the one-process
+transformers run's, and the engines are stopped when the run ends. A failed start reaches every rank."""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ pytestmark = [
 STEPS = 3
 
 
-def spec(engine: str, sharding: str = "ddp", hosts: int = 1) -> dict[str, Any]:
+def spec(engine: str, sharding: str = "ddp", hosts: int = 1, adapter: bool = False) -> dict[str, Any]:
     devices = 1 if engine == "hf" or hosts > 1 else 2
     return {
+        **({"adapter": {"r": 4, "alpha": 8}} if adapter else {}),
         "algorithm": "grpo",
         "model": "tiny:llama-0.4m",
         "dataset_id": str(uuid.uuid4()),
@@ -132,7 +133,8 @@ def test_the_ranks_of_a_host_share_one_engine_that_follows_every_update(
 ) -> None:
     """FSDP2 on one host's 2 ranks: one engine, which rank 1 follows and rank 0 syncs as the shards are
     gathered. DDP on 2 hosts of one rank each: an engine per host, each synced by its own host's rank. FSDP2
-    on 2 hosts: an engine per host, each fed from the same gathers."""
+    on 2 hosts with a LoRA adapter: an engine per host, each fed the merged weights from the same gathers
+    (a fresh adapter leaves the model as it was, so step 0's greedy answers are still the base's)."""
     engine_python_or_skip()
     reporter = MemoryReporter()
     one = LOOPS["grpo"](
@@ -145,10 +147,11 @@ def test_the_ranks_of_a_host_share_one_engine_that_follows_every_update(
     hf = {(step, key): value for step, key, value in reporter.metrics}
     eval_keys = [k for (step, k) in hf if step == 0 and k.startswith("eval/")]
     assert "eval/response_length" in eval_keys
-    for sharding, hosts in (("fsdp", 1), ("ddp", 2), ("fsdp", 2)):
+    for sharding, hosts, adapter in (("fsdp", 1, False), ("ddp", 2, False), ("fsdp", 2, True)):
         count = EngineCount()
         try:
-            result = two_ranks(spec("vllm_server", sharding, hosts), tiny_cache, tmp_path / sharding)
+            run = spec("vllm_server", sharding, hosts, adapter)
+            result = two_ranks(run, tiny_cache, tmp_path / f"{sharding}-{hosts}")
         finally:
             most = count.stop()
         assert result["status"] == "succeeded", result

@@ -167,3 +167,31 @@ def test_a_sync_that_fails_while_writing_keeps_the_last_whole_weights_for_a_rest
         served.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
     assert (tmp_path / "model.safetensors").read_bytes() == whole
+
+
+def test_a_sharded_adapter_streams_the_merged_weights_and_saves_the_adapter_one_process_would(
+    tmp_path: Path,
+) -> None:
+    """2 gloo ranks shard a LoRA model (FSDP2): the merged weights streamed a layer at a time
+    (``merged_stream``) are the file one process's ``merged_state_dict`` gives, bit for bit, and the adapter
+    saved from the gathered LoRA tensors is the one ``save_pretrained`` writes unsharded."""
+    from tests.rollout.sharded_stream_ranks import adapter_on_rank
+    from trainer.rank_launch import rank_start_method
+
+    context = multiprocessing.get_context(rank_start_method())
+    ranks = [
+        context.Process(target=adapter_on_rank, args=(r, str(tmp_path / "store"), str(tmp_path)))
+        for r in range(2)
+    ]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=180)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    expected = (tmp_path / "expected-merged.safetensors").read_bytes()
+    assert (tmp_path / "merged.safetensors").read_bytes() == expected
+    merged = load(expected)
+    assert "model.layers.0.self_attn.q_proj.weight" in merged and not any("lora" in n for n in merged)
+    adapter = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert adapter == (tmp_path / "expected-adapter" / "adapter_model.safetensors").read_bytes()
+    assert len(load(adapter)) == 8  # A and B of q_proj and v_proj in both layers

@@ -17,8 +17,8 @@ Weights reach the engines at each sync, which every rank calls at the same point
   writes what it gathers into its engine's file (or uploads it to a remote front) and reloads; the other
   ranks join the gathers and drop the result. No rank ever holds more than one whole parameter beyond its
   shards, and every host's engine gets the weights from the same gathers, so FSDP2 runs across hosts too.
-  An adapter policy over FSDP2 is refused at submit (its state has the adapter's parameter names, which the
-  engine cannot load).
+  An adapter policy is merged into its base layer by layer as the stream reaches it, or, where the engine
+  runs LoRA, only its LoRA tensors are gathered (trainer/rollout/sharded_sync.py).
 
 Every rank then hears every host's outcome (the name to generate under, the engine's address, or its
 error): the exchange is also the barrier that keeps any rank from generating with the old weights, and a
@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 
+from trainer.adapters import has_adapter
 from trainer.distributed import Ranks, gather_objects, is_sharded, unwrap
 from trainer.reporting import one_line
 from trainer.rollout.base import Completion, SamplingParams
 from trainer.rollout.engine_process import EngineError, attached_engine_token
-from trainer.rollout.safetensors_stream import SafetensorsStream, tied_names
 from trainer.rollout.served_engine import ServedEngine, open_served_engine
+from trainer.rollout.sharded_sync import gathered_adapter_state, merged_stream, model_stream
 
 
 def host_first_rank(ranks: Ranks) -> int:
@@ -81,12 +82,20 @@ class RankSharedEngine:
         Raises:
             EngineError: a host's first rank could not sync its engine (its reason, on every rank).
         """
-        stream = SafetensorsStream(model.state_dict(), shared=tied_names(model)) if self.sharded else None
-        error = None
+        stream, adapter, error = None, None, None
+        try:
+            if self.sharded and has_adapter(model) and self.local.adapter_sync == "lora":
+                adapter = gathered_adapter_state(model)  # small: gathered whole on every rank
+            elif self.sharded:
+                stream = merged_stream(model) if has_adapter(model) else model_stream(model)
+        except NotImplementedError as exc:  # decided alike on every rank, before any gather
+            raise EngineError(f"the shared engine cannot take this policy: {exc}") from exc
         if self.leads:
             try:
                 if stream is not None:
                     self.local.sync_stream(stream)
+                elif adapter is not None:
+                    self.local.sync_adapter(model, state=adapter)
                 else:
                     self.local.sync_weights(model)
             except Exception as exc:  # every rank must hear of it, or the others would wait forever

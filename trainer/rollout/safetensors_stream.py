@@ -29,8 +29,10 @@ parameters, ``tied_names``): a shard's storage differs from rank to rank (it may
 from __future__ import annotations
 
 import json
+import math
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -53,6 +55,23 @@ DTYPES = {
 # that each tensor starts aligned to its element size and the bytes are the ones ``save_file`` writes.
 WIDEST_FIRST = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
 BLOCK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A tensor made only when the stream reaches it (``make()``, which may run collectives: every rank then
+    makes it in the stream's order), known before that by its shape and dtype alone (an adapter merged into
+    a sharded layer's weight: trainer/rollout/sharded_sync.py)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    make: Callable[[], torch.Tensor]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
 
 
 def _covers_storage(tensor: torch.Tensor) -> bool:
@@ -109,7 +128,8 @@ class SafetensorsStream:
     collectives: see the module doc and ``gather_rest``).
 
     Args:
-        tensors: name -> tensor; ``DTensor`` values are gathered whole as the stream reaches them.
+        tensors: name -> tensor; ``DTensor`` values are gathered whole as the stream reaches them,
+            ``Deferred`` ones made then.
         block: the largest block yielded.
         shared: the ``{dropped: kept}`` names of tensors that are one (``tied_names``); default: found from
             the tensors' storages, which sharded tensors need named instead.
@@ -121,16 +141,17 @@ class SafetensorsStream:
 
     def __init__(
         self,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | Deferred],
         block: int = BLOCK_BYTES,
         *,
         shared: Mapping[str, str] | None = None,
     ) -> None:
-        self.collective = any(isinstance(t, DTensor) for t in tensors.values())
+        self.collective = any(isinstance(t, DTensor | Deferred) for t in tensors.values())
         if shared is None:
             if self.collective:
                 raise ValueError("sharded tensors need their tied names given (shared=tied_names(module))")
-            self._tensors, dropped = without_shared(tensors)
+            plain, dropped = without_shared(tensors)  # type: ignore[arg-type]  # not collective: no Deferred
+            self._tensors: dict[str, torch.Tensor | Deferred] = dict(plain)
         else:
             dropped = dict(shared)
             self._tensors = {name: t for name, t in tensors.items() if name not in dropped}
@@ -181,7 +202,8 @@ class SafetensorsStream:
             self._whole(index, self._order[index])
 
     def _whole(self, index: int, name: str) -> torch.Tensor:
-        tensor = self._tensors[name].detach()
+        value = self._tensors[name]
+        tensor = (value.make() if isinstance(value, Deferred) else value).detach()
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()  # a collective: every rank of the mesh, in this order
         self._gathered = index + 1

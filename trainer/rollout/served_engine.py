@@ -407,9 +407,11 @@ class ServedEngine:
             self._new_client()
         self.model_name = model_name
 
-    def sync_adapter(self, model: Any) -> None:
+    def sync_adapter(self, model: Any, state: dict[str, Any] | None = None) -> None:
         """Load ``model``'s adapter into the engine under a new name (the previous one unloaded, its folder
         removed); generation asks for it from then on. The engine must have been started with LoRA on.
+        ``state``: the model's LoRA tensors gathered whole, for a model sharded over ranks (peft's
+        ``save_pretrained`` takes the adapter's tensors from it instead of from the model).
 
         Raises:
             NotImplementedError: the adapter trains whole modules too (``modules_to_save``).
@@ -418,7 +420,7 @@ class ServedEngine:
         check_engine_adapter(model)
         self._syncs += 1
         name, folder = f"{self._lora_prefix}-{self._syncs}", self.weights_dir / f"adapter-{self._syncs}"
-        model.save_pretrained(str(folder))
+        model.save_pretrained(str(folder), **({} if state is None else {"state_dict": state}))
         try:
             if self.upload:  # the front unpacks it on its host and loads it from there
                 self._put(f"{ADAPTERS_ROUTE}/{name}", folder_tar(folder))

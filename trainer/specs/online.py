@@ -554,13 +554,6 @@ class _OnlineRlSpecBase(_ReferencedSpecBase):
                 "supported yet (the ranks' background rollouts would meet in collectives out of step with "
                 "their updates): set async_rollouts 0"
             )
-        shards = self.resources.ranks > 1 and self.resources.sharding == "fsdp"
-        if shards and hp.engine == "vllm_server" and self.adapter is not None:
-            raise ValueError(
-                "an adapter on sharded ranks (resources.sharding 'fsdp') with engine 'vllm_server' is not "
-                "supported yet (the gathered state has the adapter's names, which the engine cannot load): "
-                "use sharding 'ddp' or engine 'hf'"
-            )
         return self
 
 
