@@ -134,13 +134,16 @@ def serving(app: Any) -> Iterator[str]:
         thread.join(10)
 
 
-def lora_policy(base: Any, *, seed: int, std: float, params: str = "lora_B") -> Any:
-    """``base`` under a rank-4 LoRA on every linear layer, the adapter weights whose names hold ``params``
-    drawn from N(0, std) with ``seed`` (peft starts B at zero: an adapter that changes nothing)."""
+def lora_policy(
+    base: Any, *, seed: int, std: float, params: str = "lora_B", targets: str | list[str] = "all-linear"
+) -> Any:
+    """``base`` under a rank-4 LoRA on ``targets`` (every linear layer), the adapter weights whose names
+    hold ``params`` drawn from N(0, std) with ``seed`` (peft starts B at zero: an adapter that changes
+    nothing)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    policy = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, param in policy.named_parameters():

@@ -128,13 +128,19 @@ def merged_state_dict(model: Any) -> dict[str, torch.Tensor]:
             if ".lora_" not in name:
                 state[name.replace(".base_layer.", ".")] = value
         for name, module in base.named_modules():
-            if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            if isinstance(module, LoraLayer) and holds_adapter(module, adapter):
                 weight = module.get_base_layer().weight
                 delta = module.get_delta_weight(adapter)  # type: ignore[attr-defined]  # on every LoRA layer type
                 state[f"{name}.weight"] = weight + delta.to(weight.dtype)
     if getattr(base.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
     return state
+
+
+def holds_adapter(layer: Any, adapter: str) -> bool:
+    """A peft LoRA layer carries ``adapter``'s weights: ``lora_A`` on linear and convolution layers,
+    ``lora_embedding_A`` on an embedding (whose ``lora_A`` stays empty)."""
+    return adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {})
 
 
 def has_adapter(model: Any) -> bool:

@@ -126,9 +126,13 @@ def test_qlora_is_refused_at_start_on_a_worker_without_cuda(tiny_cache: Path, tm
         run(spec("sft", adapter={**ADAPTER, "quantize": "4bit"}), "sft", tiny_cache, tmp_path)
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize(
+    ("tied", "targets"),
+    [(False, "all-linear"), (True, "all-linear"), (False, ["embed_tokens", "q_proj"])],
+    ids=["untied", "tied", "embedding"],
+)
 def test_the_merged_state_dict_is_peft_merge_and_unload_without_changing_the_model(
-    tiny_cache: Path, tied: bool
+    tiny_cache: Path, tied: bool, targets: str | list[str]
 ) -> None:
     import copy
 
@@ -140,7 +144,7 @@ def test_the_merged_state_dict_is_peft_merge_and_unload_without_changing_the_mod
         base.config.tie_word_embeddings = True
         base.tie_weights()
     original = {n: v.clone() for n, v in base.state_dict().items()}
-    policy = lora_policy(base, seed=0, std=0.2, params="lora_")
+    policy = lora_policy(base, seed=0, std=0.2, params="lora_", targets=targets)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     reference = copy.deepcopy(policy).merge_and_unload().state_dict()  # peft's own merge
     if tied:
@@ -149,5 +153,6 @@ def test_the_merged_state_dict_is_peft_merge_and_unload_without_changing_the_mod
     assert sorted(got) == sorted(reference)
     for name, value in reference.items():
         assert torch.allclose(got[name], value, atol=1e-6), name
-    assert all(not torch.equal(got[n], original[n]) for n in got if "q_proj" in n)  # the adapter is in
+    moved = [n for n in got if "q_proj" in n or (targets != "all-linear" and "embed_tokens" in n)]
+    assert all(not torch.equal(got[n], original[n]) for n in moved)  # the adapter is in
     assert all(torch.equal(p, before[n]) for n, p in policy.named_parameters())

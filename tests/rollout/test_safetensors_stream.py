@@ -195,3 +195,25 @@ def test_a_sharded_adapter_streams_the_merged_weights_and_saves_the_adapter_one_
     adapter = (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
     assert adapter == (tmp_path / "expected-adapter" / "adapter_model.safetensors").read_bytes()
     assert len(load(adapter)) == 8  # A and B of q_proj and v_proj in both layers
+
+
+def test_an_adapter_that_cannot_be_merged_from_shards_is_refused_naming_the_layer() -> None:
+    """What ``merged_stream`` cannot merge a layer at a time (a LoRA on the embedding) and what
+    ``gathered_adapter_state`` would leave out (trained biases) are refused, before any gather."""
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.rollout.sharded_sync import gathered_adapter_state, merged_stream
+
+    def model() -> LlamaForCausalLM:
+        config = LlamaConfig(
+            vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
+        )
+        return LlamaForCausalLM(config)
+
+    embedding = get_peft_model(model(), LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]))
+    with pytest.raises(NotImplementedError, match=r"layer model\.embed_tokens \(Embedding\)"):
+        merged_stream(embedding)
+    biased = get_peft_model(model(), LoraConfig(r=2, target_modules=["q_proj"], bias="lora_only"))
+    with pytest.raises(NotImplementedError, match="bias 'lora_only'"):
+        gathered_adapter_state(biased)
+    assert len(merged_stream(get_peft_model(model(), LoraConfig(r=2, target_modules=["q_proj"])))) > 0

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from trainer.adapters import holds_adapter
 from trainer.rollout.safetensors_stream import Deferred, SafetensorsStream, tied_names
 
 
@@ -57,7 +58,7 @@ def merged_stream(model: Any) -> SafetensorsStream:
         plain(name): value for name, value in base.state_dict().items() if ".lora_" not in name
     }
     for name, module in base.named_modules():
-        if not isinstance(module, LoraLayer) or adapter not in module.lora_A:
+        if not isinstance(module, LoraLayer) or not holds_adapter(module, adapter):
             continue
         dora = getattr(module, "use_dora", {}).get(adapter, False)
         bias = getattr(module, "lora_bias", {}).get(adapter, False)
