@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -63,17 +64,37 @@ def test_the_fronts_check_accepts_the_stream(tmp_path: Path) -> None:
         check_safetensors(path)
 
 
-def test_tied_weights_are_sent_once_under_the_name_save_model_keeps(tmp_path: Path) -> None:
+def small_llama(vocab: int = 11, *, tied: bool = False) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=32,
+        vocab_size=vocab,
         hidden_size=8,
         intermediate_size=16,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=2,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tied,
     )
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def on_two_ranks(target: Any, tmp_path: Path) -> None:
+    """``target(rank, store, folder)`` on 2 processes forked as ranks are (trainer/rank_launch.py), each
+    ending with exit code 0."""
+    from trainer.rank_launch import rank_start_method
+
+    context = multiprocessing.get_context(rank_start_method())
+    ranks = [
+        context.Process(target=target, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in range(2)
+    ]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=180)
+    assert [p.exitcode for p in ranks] == [0, 0]
+
+
+def test_tied_weights_are_sent_once_under_the_name_save_model_keeps(tmp_path: Path) -> None:
+    model = small_llama(32, tied=True)
     state = model.state_dict()
     assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
     save_model(model, str(tmp_path / "saved.safetensors"))
@@ -107,17 +128,7 @@ def test_tied_names_are_the_names_save_model_drops(tmp_path: Path) -> None:
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata()
     assert tied_names(model) == metadata == {"model.embed_tokens.weight": "lm_head.weight"}
-    untied = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=11,
-            hidden_size=8,
-            intermediate_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            tie_word_embeddings=False,
-        )
-    )
-    assert tied_names(untied) == {}
+    assert tied_names(small_llama()) == {}
 
 
 def test_a_sharded_model_streams_the_file_save_model_writes_a_parameter_at_a_time(tmp_path: Path) -> None:
@@ -126,16 +137,8 @@ def test_a_sharded_model_streams_the_file_save_model_writes_a_parameter_at_a_tim
     ``save_model``'s of the unsharded model, and the ranks' collectives stay in step (tests/rollout/
     sharded_stream_ranks.py)."""
     from tests.rollout.sharded_stream_ranks import stream_on_rank
-    from trainer.rank_launch import rank_start_method
 
-    context = multiprocessing.get_context(rank_start_method())
-    store = tmp_path / "store"
-    ranks = [context.Process(target=stream_on_rank, args=(r, str(store), str(tmp_path))) for r in range(2)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=180)
-    assert [p.exitcode for p in ranks] == [0, 0]
+    on_two_ranks(stream_on_rank, tmp_path)
     expected = (tmp_path / "expected.safetensors").read_bytes()
     for name in ("rank0-one-host", "rank0-two-hosts", "rank1-two-hosts"):
         assert (tmp_path / f"{name}.safetensors").read_bytes() == expected, name
@@ -176,18 +179,8 @@ def test_a_sharded_adapter_streams_the_merged_weights_and_saves_the_adapter_one_
     (``merged_stream``) are the file one process's ``merged_state_dict`` gives, bit for bit, and the adapter
     saved from the gathered LoRA tensors is the one ``save_pretrained`` writes unsharded."""
     from tests.rollout.sharded_stream_ranks import adapter_on_rank
-    from trainer.rank_launch import rank_start_method
 
-    context = multiprocessing.get_context(rank_start_method())
-    ranks = [
-        context.Process(target=adapter_on_rank, args=(r, str(tmp_path / "store"), str(tmp_path)))
-        for r in range(2)
-    ]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=180)
-    assert [p.exitcode for p in ranks] == [0, 0]
+    on_two_ranks(adapter_on_rank, tmp_path)
     expected = (tmp_path / "expected-merged.safetensors").read_bytes()
     assert (tmp_path / "merged.safetensors").read_bytes() == expected
     merged = load(expected)
@@ -204,12 +197,7 @@ def test_an_adapter_that_cannot_be_merged_from_shards_is_refused_naming_the_laye
 
     from trainer.rollout.sharded_sync import gathered_adapter_state, merged_stream
 
-    def model() -> LlamaForCausalLM:
-        config = LlamaConfig(
-            vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
-        )
-        return LlamaForCausalLM(config)
-
+    model = small_llama
     embedding = get_peft_model(model(), LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]))
     with pytest.raises(NotImplementedError, match=r"layer model\.embed_tokens \(Embedding\)"):
         merged_stream(embedding)
