@@ -8,12 +8,13 @@ parser and running the client's commands never import them (a test checks it).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -294,7 +295,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _child(command: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(command, preexec_fn=_die_with_parent)
+    return subprocess.Popen(command, preexec_fn=_die_with_parent())
 
 
 def _start_reconciler(settings: Settings) -> Any:
@@ -324,15 +325,20 @@ def _start_webhook_dispatcher(settings: Settings) -> Any:
     return thread
 
 
-def _die_with_parent() -> None:
-    """Linux: the worker gets SIGTERM if `rlrun serve` dies, even by SIGKILL (no orphaned workers). The
-    kernel sends it when the thread that started the child ends: the main thread, or the KeptProcess thread
-    of a restarted child, which lives until its child has exited."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _die_with_parent() -> Callable[[], object] | None:
+    """Linux: what a child runs between fork and exec so that it gets SIGTERM if `rlrun serve` dies, even by
+    SIGKILL (no orphaned workers): ``prctl(PR_SET_PDEATHSIG, SIGTERM)``. The kernel sends it when the thread
+    that started the child ends: the main thread, or the KeptProcess thread of a restarted child, which
+    lives until its child has exited. libc is opened here, in the parent: loading a library between fork and
+    exec can deadlock when another thread of the parent held the loader's lock at the fork (`rlrun serve`
+    restarts a child while its server threads run). None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    pr_set_pdeathsig = 1
+    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    return functools.partial(prctl, pr_set_pdeathsig, signal.SIGTERM)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ request in flight."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,3 +97,35 @@ def test_ctrl_c_stops_serve_and_its_worker_and_starts_no_other(
     text = log.read_text()
     assert "starting another" not in text and "Traceback" not in text, text[-3000:]
     assert proc.returncode == 128 + signal.SIGINT  # as a shell reports a command ended by Ctrl+C
+
+
+def test_a_serve_killed_with_sigkill_takes_its_worker_with_it(tmp_path: Path) -> None:
+    """SIGKILL gives `rlrun serve` no chance to stop its worker; the kernel does (PR_SET_PDEATHSIG, set
+    between fork and exec from a libc opened in the parent: rlrun/server_commands.py), so no worker is left
+    orphaned to take runs for a server that is gone."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RLRUN_DATABASE_URL", "RLRUN_BROKER_URL")}
+    env |= {"RLRUN_HOME": str(tmp_path), "RLRUN_PORT": str(port)}
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlrun.cli", "serve", "--no-inference"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            wait_healthy(client, proc)
+        wait_until(lambda: len(serve_workers(tmp_path)) == 1, "serve started no worker")
+        (worker,) = serve_workers(tmp_path)
+        proc.kill()  # serve alone, not its process group
+        proc.wait(timeout=10)
+        wait_until(lambda: not Path(f"/proc/{worker}/cmdline").exists(), "the worker outlived serve", 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
