@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with CUDA (e.g. the `device` tool): bf16 GRPO step, a QLoRA DPO run, bf16 and
-# fp16 autocast SFT/DPO runs against fp32, 2 NCCL ranks (DDP, FSDP2; DPO and GRPO) against one GPU where there are 2
-# (tests/loops/test_gpu.py; skipped on CPU machines), then the memory
+# fp16 autocast SFT/DPO runs against fp32, 2 NCCL ranks (DDP, FSDP2; DPO and GRPO) against one GPU and an FSDP2
+# engine sync streamed over NCCL, where there are 2 GPUs (tests/loops/test_gpu.py; skipped on CPU machines), then the memory
 # bench in bf16 on the GPU (bench/memory.py --cuda). Installs the qlora and bench extras.
 # Run from the repository root:  bash scripts/gpu_checks.sh
 set -euo pipefail

@@ -213,3 +213,17 @@ def test_two_nccl_ranks_make_the_one_gpu_updates(
         assert all(v == v for v in losses)
     else:
         assert losses == pytest.approx(one.series(key), abs=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_model_sharded_over_two_gpus_streams_to_the_engine_a_parameter_at_a_time(tmp_path: Path) -> None:
+    """The engine sync of an FSDP2 policy with NCCL (the gloo version: tests/rollout/
+    test_safetensors_stream.py): each parameter gathered on the GPUs when the stream reaches it, the bytes
+    those of ``save_model`` on the unsharded model, one host or two, and a send cut short."""
+    from tests.rollout.sharded_stream_ranks import stream_on_rank
+    from tests.rollout.test_safetensors_stream import on_two_ranks
+
+    on_two_ranks(stream_on_rank, tmp_path, "nccl")
+    expected = (tmp_path / "expected.safetensors").read_bytes()
+    for name in ("rank0-one-host", "rank0-two-hosts", "rank1-two-hosts"):
+        assert (tmp_path / f"{name}.safetensors").read_bytes() == expected, name

@@ -30,13 +30,16 @@ def tied_tiny_model() -> torch.nn.Module:
     return model
 
 
-def stream_on_rank(rank: int, store: str, out: str) -> None:
+def stream_on_rank(rank: int, store: str, out: str, backend: str = "gloo") -> None:
     """Rank ``rank`` of 2: shard the model (FSDP2), then stream its state as a host's first rank (rank 0 in
     the one-host case; both ranks when each is a host's first) or join the gathers only (rank 1), writing
     what it streamed to ``out/rank<N>-<case>.safetensors``. Each case ends with a collective that compares
-    a number all ranks hold, so ranks whose gathers fell out of step fail (or time out) instead of passing."""
+    a number all ranks hold, so ranks whose gathers fell out of step fail (or time out) instead of passing.
+    ``backend`` ``nccl``: on GPU ``rank`` (tests/loops/test_gpu.py), the gathers on the GPUs."""
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+        backend, init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
     )
     try:
         model = tied_tiny_model()
@@ -45,11 +48,13 @@ def stream_on_rank(rank: int, store: str, out: str) -> None:
                 path = Path(folder) / "model.safetensors"
                 save_model(model, str(path))
                 (Path(out) / "expected.safetensors").write_bytes(path.read_bytes())
+        if backend == "nccl":
+            model = model.to(f"cuda:{rank}")
         model = wrap(model, Ranks(rank, 2, "fsdp"))
         assert any(isinstance(t, torch.distributed.tensor.DTensor) for t in model.state_dict().values())
 
         def check_in_step(case: str) -> None:
-            mark = torch.tensor([float(len(case))])
+            mark = torch.tensor([float(len(case))], device="cuda" if backend == "nccl" else "cpu")
             dist.all_reduce(mark)
             assert mark.item() == 2 * len(case), case
 

@@ -77,15 +77,14 @@ def small_llama(vocab: int = 11, *, tied: bool = False) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def on_two_ranks(target: Any, tmp_path: Path) -> None:
-    """``target(rank, store, folder)`` on 2 processes forked as ranks are (trainer/rank_launch.py), each
-    ending with exit code 0."""
+def on_two_ranks(target: Any, tmp_path: Path, *args: Any) -> None:
+    """``target(rank, store, folder, *args)`` on 2 processes forked as ranks are (trainer/rank_launch.py),
+    each ending with exit code 0."""
     from trainer.rank_launch import rank_start_method
 
     context = multiprocessing.get_context(rank_start_method())
-    ranks = [
-        context.Process(target=target, args=(r, str(tmp_path / "store"), str(tmp_path))) for r in range(2)
-    ]
+    where = (str(tmp_path / "store"), str(tmp_path), *args)
+    ranks = [context.Process(target=target, args=(r, *where)) for r in range(2)]
     for p in ranks:
         p.start()
     for p in ranks:
@@ -131,6 +130,12 @@ def test_tied_names_are_the_names_save_model_drops(tmp_path: Path) -> None:
     assert tied_names(small_llama()) == {}
 
 
+CPU_RANKS = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU gloo ranks (NCCL: tests/loops/test_gpu.py)"
+)
+
+
+@CPU_RANKS
 def test_a_sharded_model_streams_the_file_save_model_writes_a_parameter_at_a_time(tmp_path: Path) -> None:
     """2 gloo ranks shard a tied model (FSDP2) and stream it: as one host (rank 0 sends, rank 1 joins the
     gathers), as two hosts (both send), and with rank 0's send cut short; each case's bytes equal
@@ -172,6 +177,7 @@ def test_a_sync_that_fails_while_writing_keeps_the_last_whole_weights_for_a_rest
     assert (tmp_path / "model.safetensors").read_bytes() == whole
 
 
+@CPU_RANKS
 def test_a_sharded_adapter_streams_the_merged_weights_and_saves_the_adapter_one_process_would(
     tmp_path: Path,
 ) -> None:
