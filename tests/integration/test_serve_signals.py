@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -33,6 +34,25 @@ def wait_until(done: object, what: str, seconds: float = 60) -> None:
         time.sleep(0.1)
 
 
+def start_serve(home: Path, **popen: Any) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """`rlrun serve --no-inference` on the embedded defaults in ``home``, in a process group of its own (as
+    a terminal gives it), its output in ``home/serve.log``: the process, its port and the log."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("RLRUN_DATABASE_URL", "RLRUN_BROKER_URL")}
+    env |= {"RLRUN_HOME": str(home), "RLRUN_PORT": str(port)}
+    log = home / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlrun.cli", "serve", "--no-inference"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            **popen,
+        )
+    return proc, port, log
+
+
 @pytest.mark.parametrize(
     "inherited",
     [signal.SIG_DFL, signal.SIG_IGN],
@@ -44,19 +64,7 @@ def test_ctrl_c_stops_serve_and_its_worker_and_starts_no_other(
     """Where serve started with SIGINT ignored (as the suite's own processes do when `make test` runs in
     the background of a script), uvicorn's re-raise of the Ctrl+C does nothing; serve still ends with
     130 (it ended with 0 before serve noted the signal itself)."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RLRUN_DATABASE_URL", "RLRUN_BROKER_URL")}
-    env |= {"RLRUN_HOME": str(tmp_path), "RLRUN_PORT": str(port)}
-    log = tmp_path / "serve.log"
-    with log.open("wb") as out:  # a process group of its own, as a terminal gives it
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlrun.cli", "serve", "--no-inference"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, inherited),
-        )
+    proc, port, log = start_serve(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             wait_healthy(client, proc)
@@ -103,18 +111,7 @@ def test_a_serve_killed_with_sigkill_takes_its_worker_with_it(tmp_path: Path) ->
     """SIGKILL gives `rlrun serve` no chance to stop its worker; the kernel does (PR_SET_PDEATHSIG, set
     between fork and exec from a libc opened in the parent: rlrun/server_commands.py), so no worker is left
     orphaned to take runs for a server that is gone."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RLRUN_DATABASE_URL", "RLRUN_BROKER_URL")}
-    env |= {"RLRUN_HOME": str(tmp_path), "RLRUN_PORT": str(port)}
-    log = tmp_path / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "rlrun.cli", "serve", "--no-inference"],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc, port, _ = start_serve(tmp_path)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             wait_healthy(client, proc)
