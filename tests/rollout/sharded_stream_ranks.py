@@ -119,9 +119,10 @@ def adapter_on_rank(rank: int, store: str, out: str) -> None:
     """Rank ``rank`` of 2: shard an adapter model (FSDP2), then write what a sync sends from it: the merged
     weights streamed (``merged.safetensors``, rank 0; rank 1 joins the gathers) and the adapter saved from
     its gathered LoRA tensors (``adapter/``, rank 0); rank 0 first writes the same from the unsharded model
-    (``expected-merged.safetensors``, ``expected-adapter/``)."""
+    (``expected-merged.safetensors``, ``expected-adapter/``). Then a LoRA on the embedding, sharded, is
+    refused by ``merged_stream``."""
     from trainer.adapters import merged_state_dict
-    from trainer.rollout.sharded_sync import gathered_adapter_state, merged_stream
+    from trainer.rollout.weight_streams import gathered_adapter_state, merged_stream
 
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
@@ -144,6 +145,21 @@ def adapter_on_rank(rank: int, store: str, out: str) -> None:
         mark = torch.tensor([1.0])
         dist.all_reduce(mark)  # the ranks' collectives in step
         assert mark.item() == 2
+
+        # a LoRA on the embedding cannot be merged from shards: refused, naming the layer, before any gather
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(0)
+        plain = LlamaForCausalLM(tiny_config("llama-0.4m", build_tiny_tokenizer()))
+        embedding = get_peft_model(plain, LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]))
+        embedding = wrap(embedding, Ranks(rank, 2, "fsdp"))
+        try:
+            merged_stream(embedding)
+        except NotImplementedError as exc:
+            assert "layer model.embed_tokens (Embedding)" in str(exc), exc
+        else:
+            raise AssertionError("a sharded LoRA on the embedding was streamed")
         (Path(out) / f"rank{rank}.done").write_text(str(os.getpid()))
     finally:
         dist.destroy_process_group()

@@ -196,18 +196,34 @@ def test_a_sharded_adapter_streams_the_merged_weights_and_saves_the_adapter_one_
     assert len(load(adapter)) == 8  # A and B of q_proj and v_proj in both layers
 
 
-def test_an_adapter_that_cannot_be_merged_from_shards_is_refused_naming_the_layer() -> None:
-    """What ``merged_stream`` cannot merge a layer at a time (a LoRA on the embedding) and what
-    ``gathered_adapter_state`` would leave out (trained biases) are refused, before any gather."""
+def test_one_process_streams_the_merge_of_any_lora_layer_as_merged_state_dict_computes_it() -> None:
+    """On one process ``merged_stream`` (every merged engine sync) makes each merged layer as the stream
+    reaches it, with peft's own ``get_delta_weight``: a LoRA on the embedding too (sharded ranks refuse it:
+    tests/rollout/sharded_stream_ranks.py), the bytes those of ``merged_state_dict``'s whole copy."""
     from peft import LoraConfig, get_peft_model
 
-    from trainer.rollout.sharded_sync import gathered_adapter_state, merged_stream
+    from trainer.adapters import merged_state_dict
+    from trainer.rollout.weight_streams import merged_stream
 
-    model = small_llama
-    embedding = get_peft_model(model(), LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]))
-    with pytest.raises(NotImplementedError, match=r"layer model\.embed_tokens \(Embedding\)"):
-        merged_stream(embedding)
-    biased = get_peft_model(model(), LoraConfig(r=2, target_modules=["q_proj"], bias="lora_only"))
+    torch.manual_seed(0)
+    model = get_peft_model(small_llama(), LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.5)
+    expected = b"".join(SafetensorsStream(merged_state_dict(model)))
+    assert b"".join(merged_stream(model)) == expected
+    base = load(b"".join(SafetensorsStream(model.get_base_model().state_dict())))
+    merged = load(expected)
+    assert not torch.equal(merged["model.embed_tokens.weight"], base["model.embed_tokens.base_layer.weight"])
+
+
+def test_an_adapter_whose_biases_train_is_refused_as_a_lora_from_shards() -> None:
+    """What ``gathered_adapter_state`` would leave out (trained biases) is refused, before any gather."""
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.rollout.weight_streams import gathered_adapter_state
+
+    biased = get_peft_model(small_llama(), LoraConfig(r=2, target_modules=["q_proj"], bias="lora_only"))
     with pytest.raises(NotImplementedError, match="bias 'lora_only'"):
         gathered_adapter_state(biased)
-    assert len(merged_stream(get_peft_model(model(), LoraConfig(r=2, target_modules=["q_proj"])))) > 0

@@ -18,7 +18,7 @@ Weights reach the engines at each sync, which every rank calls at the same point
   ranks join the gathers and drop the result. No rank ever holds more than one whole parameter beyond its
   shards, and every host's engine gets the weights from the same gathers, so FSDP2 runs across hosts too.
   An adapter policy is merged into its base layer by layer as the stream reaches it, or, where the engine
-  runs LoRA, only its LoRA tensors are gathered (trainer/rollout/sharded_sync.py).
+  runs LoRA, only its LoRA tensors are gathered (trainer/rollout/weight_streams.py).
 
 Every rank then hears every host's outcome (the name to generate under, the engine's address, or its
 error): the exchange is also the barrier that keeps any rank from generating with the old weights, and a
@@ -42,7 +42,7 @@ from trainer.reporting import one_line
 from trainer.rollout.base import Completion, SamplingParams
 from trainer.rollout.engine_process import EngineError, attached_engine_token
 from trainer.rollout.served_engine import ServedEngine, open_served_engine
-from trainer.rollout.sharded_sync import gathered_adapter_state, merged_stream, model_stream
+from trainer.rollout.weight_streams import gathered_adapter_state, weights_stream
 
 
 def host_first_rank(ranks: Ranks) -> int:
@@ -87,7 +87,7 @@ class RankSharedEngine:
             if self.sharded and has_adapter(model) and self.local.adapter_sync == "lora":
                 adapter = gathered_adapter_state(model)  # small: gathered whole on every rank
             elif self.sharded:
-                stream = merged_stream(model) if has_adapter(model) else model_stream(model)
+                stream = weights_stream(model)
         except NotImplementedError as exc:  # decided alike on every rank, before any gather
             raise EngineError(f"the shared engine cannot take this policy: {exc}") from exc
         if self.leads:

@@ -61,7 +61,7 @@ BLOCK_BYTES = 1 << 20
 class Deferred:
     """A tensor made only when the stream reaches it (``make()``, which may run collectives: every rank then
     makes it in the stream's order), known before that by its shape and dtype alone (an adapter merged into
-    a sharded layer's weight: trainer/rollout/sharded_sync.py)."""
+    a sharded layer's weight: trainer/rollout/weight_streams.py)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
