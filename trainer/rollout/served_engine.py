@@ -345,15 +345,6 @@ class ServedEngine:
         # each tensor (each merged layer) made as the stream reaches it (trainer/rollout/weight_streams.py)
         self.sync_stream(weights_stream(model))
 
-    def sync_state(self, state: dict[str, Any]) -> None:
-        """``sync_weights`` from a whole model's state dict (plain parameter names: e.g. an adapter merged
-        into its base) rather than from a model.
-
-        Raises:
-            EngineError: the engine refused the reload.
-        """
-        self.sync_stream(SafetensorsStream(state))
-
     def sync_stream(self, stream: SafetensorsStream) -> None:
         """``sync_weights`` from the safetensors file ``stream`` makes (e.g. of a sharded model's state,
         each parameter gathered as the stream reaches it): uploaded to a front, or written to shared memory
