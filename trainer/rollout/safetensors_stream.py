@@ -60,8 +60,8 @@ BLOCK_BYTES = 1 << 20
 @dataclass(frozen=True)
 class Deferred:
     """A tensor made only when the stream reaches it (``make()``, which may run collectives: every rank then
-    makes it in the stream's order), known before that by its shape and dtype alone (an adapter merged into
-    a sharded layer's weight: trainer/rollout/weight_streams.py)."""
+    makes it in the stream's order), known before that by its shape and dtype alone (a layer's weight with an
+    adapter merged into it, gathered first where it is sharded: trainer/rollout/weight_streams.py)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
