@@ -20,13 +20,15 @@ def tar_entries(
     folder: Path, arcname: str, *, skip: frozenset[str] = frozenset(), extra: dict[str, bytes] | None = None
 ) -> list[Entry]:
     """(file, its tar entry under ``arcname/``, the entry's header bytes) for every file of ``folder``
-    but those whose path relative to it is in ``skip``, in a stable order; then ``extra``'s files (path
-    relative to the folder: its bytes), which replace the folder's files of the same path."""
+    but those whose path relative to it, or a folder's above them, is in ``skip``, in a stable order; then
+    ``extra``'s files (path relative to the folder: its bytes), which replace the folder's files of the same
+    path."""
     extra = extra or {}
     out: list[Entry] = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder)
-        if rel.as_posix() in skip or rel.as_posix() in extra:
+        skipped = rel.as_posix() in skip or any(parent.as_posix() in skip for parent in rel.parents)
+        if skipped or rel.as_posix() in extra:
             continue
         info = tarfile.TarInfo(f"{arcname}/{rel.as_posix()}")
         stat = path.stat()

@@ -3,7 +3,9 @@
 A checkpoint is a folder ``<root>/step-<N>/`` holding the model and tokenizer (``save_pretrained``, so
 ``from_pretrained`` loads it like any model folder), ``trainer_state.pt`` (everything else needed to resume
 exactly) and ``metrics.json`` (the metrics at that step, used for retention). It is written under a
-temporary name and renamed, so a crash never leaves half a checkpoint that looks complete.
+temporary name and renamed, so a crash never leaves half a checkpoint that looks complete. A run whose
+model is sharded over ranks (FSDP2) keeps its optimizer state in ``optimizer/`` instead of
+``trainer_state.pt``: each rank writes its own shards there (``trainer/distributed.py``).
 
 The learning-rate schedule is a pure function of the step (``warmup_constant_lr``), so restoring the step
 restores the schedule; there is no separate scheduler object to save.
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
 STATE_FILE = "trainer_state.pt"
 METRICS_FILE = "metrics.json"
+OPTIMIZER_SHARDS = "optimizer"  # the folder of a sharded run's optimizer state (one file per rank)
 
 
 class CheckpointSink(Protocol):
@@ -111,13 +114,14 @@ class Checkpointer:
         *,
         model: Any,
         tokenizer: Any,
-        optimizer_state: Mapping[str, Any],
+        optimizer_state: Mapping[str, Any] | None,
         sampler: EpochSampler,
         metrics: Mapping[str, float],
         extra: dict[str, Any] | None = None,
         files: Mapping[str, str] | None = None,
         model_state: Mapping[str, torch.Tensor] | None = None,
         write: bool = True,
+        optimizer_shards: Callable[[Path], None] | None = None,
     ) -> Path:
         """Write a complete checkpoint for ``step`` and prune old ones; returns its folder.
 
@@ -125,12 +129,17 @@ class Checkpointer:
         model (name -> content, e.g. a reward model's score statistics), inside the folder before it is
         renamed into place and announced, so a reader never sees the model without them. ``model_state``:
         the whole model's state when the model in memory is sharded (``save_pretrained`` writes it).
-        ``write=False`` (a rank other than 0 of a multi-rank run) only records the step: rank 0 writes."""
+        ``write=False`` (a rank other than 0 of a multi-rank run) only records the step: rank 0 writes.
+        ``optimizer_shards`` (a sharded model; then ``optimizer_state`` is None): writes the optimizer's
+        state into the folder it is given, called on every rank (each writes its own shards) once rank 0
+        has made the checkpoint's temporary folder; the function itself makes the ranks meet first."""
         target = step_dir(self.root, step)
+        tmp = self.root / f".tmp-step-{step:08d}"
         if not write:
+            if optimizer_shards is not None:
+                optimizer_shards(tmp / OPTIMIZER_SHARDS)
             self.saved[step] = {k: float(v) for k, v in metrics.items()}
             return target
-        tmp = self.root / f".tmp-step-{step:08d}"
         # The files are the long part (a 7B model: tens of seconds), watched as the ``checkpoint`` phase; a
         # stop inside it removes the half-written folder. Announcing the checkpoint comes after the phase.
         with self.sink.phase("checkpoint"):
@@ -147,6 +156,7 @@ class Checkpointer:
                     extra,
                     files,
                     model_state,
+                    optimizer_shards,
                 )
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -171,16 +181,19 @@ class Checkpointer:
         step: int,
         model: Any,
         tokenizer: Any,
-        optimizer_state: Mapping[str, Any],
+        optimizer_state: Mapping[str, Any] | None,
         sampler: EpochSampler,
         metrics: Mapping[str, float],
         extra: dict[str, Any] | None,
         files: Mapping[str, str] | None,
         model_state: Mapping[str, torch.Tensor] | None = None,
+        optimizer_shards: Callable[[Path], None] | None = None,
     ) -> None:
         """Write the checkpoint's files under ``tmp``, then rename it into place as ``target``."""
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+        if optimizer_shards is not None:  # first: the other ranks wait in it for this folder
+            optimizer_shards(tmp / OPTIMIZER_SHARDS)
         if model_state is None:
             model.save_pretrained(tmp)
         else:
@@ -191,6 +204,7 @@ class Checkpointer:
         state = {
             "step": step,
             "optimizer": optimizer_state,
+            "optimizer_shards": OPTIMIZER_SHARDS if optimizer_shards is not None else None,
             "rng": rng_state(),
             "sampler": sampler.state_dict(),
             "extra": extra or {},
@@ -208,11 +222,18 @@ def load_trainer_state(
     optimizer: torch.optim.Optimizer,
     sampler: EpochSampler,
     restore_optimizer: Callable[[dict[str, Any]], None] | None = None,
+    restore_shards: Callable[[Path], None] | None = None,
 ) -> ResumeState:
     """Restore optimizer, RNG and data position from a checkpoint folder (the model loads separately).
-    ``restore_optimizer`` loads the optimizer's state when ``load_state_dict`` cannot (a sharded model)."""
+    ``restore_optimizer`` loads the optimizer's state when ``load_state_dict`` cannot (a sharded model);
+    ``restore_shards`` reads it from the folder of shards a sharded run wrote (every rank calls it)."""
     state = torch.load(folder / STATE_FILE, weights_only=False)  # our own file: holds Python RNG tuples
-    (restore_optimizer or optimizer.load_state_dict)(state["optimizer"])
+    if state.get("optimizer_shards"):
+        if restore_shards is None:
+            raise ValueError(f"{folder} keeps its optimizer state in shards, and no reader of them was given")
+        restore_shards(folder / state["optimizer_shards"])
+    else:
+        (restore_optimizer or optimizer.load_state_dict)(state["optimizer"])
     sampler.load_state_dict(state["sampler"])
     restore_rng(state["rng"])
     return ResumeState(step=int(state["step"]), extra=dict(state["extra"]))

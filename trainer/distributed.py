@@ -11,8 +11,10 @@ the same global batch, which the tests check to 1e-5 with 2 gloo ranks.
   backward (Li et al. 2020, "PyTorch Distributed").
 - ``fsdp``: FSDP2 ``fully_shard`` on every transformer block, then the root: parameters, gradients and
   optimizer state are sharded over the ranks and gathered block by block for each forward and backward
-  (Zhao et al. 2023, "PyTorch FSDP"); a checkpoint gathers the full state on rank 0
-  (``torch.distributed.checkpoint.state_dict``).
+  (Zhao et al. 2023, "PyTorch FSDP"). A checkpoint's model is gathered onto rank 0 for
+  ``save_pretrained`` (an adapter's trained tensors only, under LoRA); its optimizer state is not: every
+  rank writes its own shards (``save_optimizer_shards``, torch.distributed.checkpoint) and reads back only
+  its own on resume, since Adam's two moments are twice the model (7B in fp32: 56 GB).
 
 Rank 0 alone talks to the outside (its reporter writes metrics, events and checkpoints); the others get a
 silent one. Decisions every rank must share (stop or go, a non-finite loss) are taken collectively.
@@ -20,7 +22,9 @@ silent one. Decisions every rank must share (stop or go, a non-finite loss) are 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -155,10 +159,20 @@ def is_sharded(model: Any) -> bool:
 
 
 def full_model_state(model: Any, ranks: Ranks) -> dict[str, Tensor] | None:
-    """The whole model's state dict on rank 0 (None on the others, and when nothing needs gathering: the
-    model saves itself). Under FSDP2 every rank must call it (it gathers the shards)."""
+    """What ``save_pretrained`` writes of a sharded model, on rank 0 (None on the others, and when nothing
+    needs gathering: the model saves itself). Under FSDP2 every rank must call it (it gathers the shards).
+    An adapter model (peft) gets only its trained tensors (the LoRA weights, and any head it trains), a
+    tensor at a time: the adapter's checkpoint holds nothing else, so the frozen base is never gathered."""
     if not is_sharded(model):
         return None
+    if hasattr(model, "peft_config"):
+        trained = {name for name, p in model.named_parameters() if p.requires_grad}
+        gathered = {
+            name: t.full_tensor().cpu() if hasattr(t, "full_tensor") else t.detach().cpu()
+            for name, t in model.state_dict().items()
+            if name in trained
+        }
+        return gathered if ranks.main else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -166,14 +180,43 @@ def full_model_state(model: Any, ranks: Ranks) -> dict[str, Tensor] | None:
 
 
 def full_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state as one process would hold it (gathered from the shards under FSDP2: every
-    rank must call it; rank 0 gets the whole state)."""
-    if not is_sharded(model):
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    """The optimizer's state as one process holds it (a checkpoint of an unsharded model). A sharded
+    model's is written by every rank instead (``save_optimizer_shards``)."""
+    if is_sharded(model):
+        raise ValueError("a sharded model's optimizer state is saved in shards (save_optimizer_shards)")
+    return optimizer.state_dict()
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return dict(get_optimizer_state_dict(model, optimizer, options=options))
+
+def save_optimizer_shards(model: Any, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Every rank writes its own shards of the optimizer's state into ``folder``
+    (torch.distributed.checkpoint: a file per rank, and the plan's ``.metadata`` from rank 0), so no rank
+    ever holds the whole state. Every rank must call it, and each returns once all the files are written.
+    ``folder``'s parent must exist for every rank by the time the ranks meet (the barrier here: rank 0
+    makes it first)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    dist.barrier()
+    state = get_optimizer_state_dict(model, optimizer)  # each rank's own shards (DTensors), not gathered
+    save({"optimizer": state}, storage_writer=FileSystemWriter(folder))
+
+
+def load_optimizer_shards(model: Any, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Restore what ``save_optimizer_shards`` wrote: each rank reads the parts of the files its own shards
+    need (the ranks may even be more or fewer than those that wrote them: torch.distributed.checkpoint
+    reshards). Every rank must call it. A process of its own (no process group) reads the whole state."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    # the state to read into: a fresh optimizer's, made by a step of lr 0 (torch's own initialisation)
+    state = get_optimizer_state_dict(model, optimizer)
+    alone = not dist.is_initialized()
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        load({"optimizer": state}, storage_reader=FileSystemReader(folder), no_dist=alone)
+    set_optimizer_state_dict(model, optimizer, state)
 
 
 def load_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

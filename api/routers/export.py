@@ -2,10 +2,11 @@
 
 ``format=hf`` streams a full fine-tuning run's final model folder (``from_pretrained`` loads it);
 ``format=adapter`` streams an adapter run's adapter folder (peft's ``PeftModel.from_pretrained`` over the
-base). The resume-only files of a checkpoint (the trainer state, a pickle with the optimizer, and the
-retention metrics) are left out. The API only streams files it already has: merging an adapter into
-its base needs torch, so ``format=hf`` of an adapter run streams the folder of a succeeded ``merge`` run
-of it (a worker job, trainer/loops/merge.py), and answers 409 ``merge_required`` until there is one.
+base). The resume-only files of a checkpoint (the trainer state, a pickle with the optimizer; a sharded
+run's optimizer shards; and the retention metrics) are left out. The API only streams files it already
+has: merging an adapter into its base needs torch, so ``format=hf`` of an adapter run streams the folder
+of a succeeded ``merge`` run of it (a worker job, trainer/loops/merge.py), and answers 409
+``merge_required`` until there is one.
 Either carries a model card as its ``README.md`` (api/model_card.py): what produced it.
 """
 
@@ -28,8 +29,9 @@ from trainer.specs import MODELLESS_ALGORITHMS
 
 router = APIRouter(prefix="/v1/runs/{run_id}/export", tags=["runs"])
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (400, 404, 409, 422)}
-# trainer/checkpoints.py's STATE_FILE and METRICS_FILE (not imported: that module imports torch).
-RESUME_ONLY = frozenset({"trainer_state.pt", "metrics.json"})
+# trainer/checkpoints.py's STATE_FILE, METRICS_FILE and OPTIMIZER_SHARDS (a folder) (not imported: that
+# module imports torch).
+RESUME_ONLY = frozenset({"trainer_state.pt", "metrics.json", "optimizer"})
 
 
 class ExportRefused(ApiError):

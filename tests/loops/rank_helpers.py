@@ -15,6 +15,13 @@ def rank_context(tiny_cache: str, out: str, ranks: Ranks) -> LoopContext:
     return dataclasses.replace(loop_ctx(Path(tiny_cache), Path(out)), ranks=ranks)
 
 
+def resuming_context(tiny_cache: str, out: str, resume_from: str, ranks: Ranks) -> LoopContext:
+    """``rank_context`` of a run resumed from the checkpoint folder ``resume_from``."""
+    return dataclasses.replace(
+        loop_ctx(Path(tiny_cache), Path(out), resume_from=Path(resume_from)), ranks=ranks
+    )
+
+
 def memory_reporter() -> Reporter:
     return MemoryReporter()
 

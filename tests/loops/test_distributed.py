@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ from tests.loops.rank_helpers import (
     metrics_and_result,
     rank_context,
     recording_context,
+    resuming_context,
 )
 from trainer.loops import LOOPS
 from trainer.models import load_causal_lm
@@ -203,6 +205,90 @@ def test_a_lora_sft_run_on_sharded_ranks_builds_its_preset_once_and_matches(
     assert two["status"] == "succeeded"
     for key in KEYS["sft"]:
         assert series(two["metrics"], key) == pytest.approx(series(one["metrics"], key), abs=1e-5), key
+    # the saved adapter (rank 0 gathers only the trained tensors): one process's, every tensor of it
+    from safetensors.torch import load_file
+
+    ours = load_file(str(Path(two["output"]) / "adapter_model.safetensors"))
+    theirs = load_file(str(Path(one["output"]) / "adapter_model.safetensors"))
+    assert sorted(ours) == sorted(theirs) and any("lora_B" in name for name in ours)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(
+            ours[name], tensor, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+@pytest.mark.slow
+@gloo_only
+def test_sharded_ranks_checkpoint_their_own_optimizer_shards_and_resume_from_them_exactly(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    """FSDP2 over 2 ranks: a checkpoint's optimizer state is written by each rank as its own shards
+    (optimizer/, one file per rank holding about half of Adam's moments; none in trainer_state.pt); a run
+    resumed from it on 2 ranks makes the uninterrupted run's last steps exactly, and one process reads the
+    shards back whole (one process's run has the same state, to float32 rounding). A checkpoint of the
+    format before (the whole state in trainer_state.pt) still resumes on sharded ranks."""
+    spec = run_spec("dpo", max_steps=6, checkpoint_every=3, keep_last_checkpoints=5)
+    straight = two_ranks(spec, "fsdp", tiny_cache, tmp_path / "straight")
+    assert straight["checkpoints"] == [3, 6]
+    third = tmp_path / "straight" / "step-00000003"
+    shards = third / "optimizer"
+    assert sorted(p.name for p in shards.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert torch.load(third / "trainer_state.pt", weights_only=False)["optimizer"] is None
+    model, _ = load_causal_lm(str(third))
+    moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters())  # exp_avg, exp_avg_sq
+    sizes = [(shards / f"__{rank}_0.distcp").stat().st_size for rank in (0, 1)]
+    assert all(0.35 * moments < size < 0.65 * moments for size in sizes), (sizes, moments)
+
+    job = rank_job(
+        spec,
+        functools.partial(resuming_context, str(tiny_cache), str(tmp_path / "resumed"), str(third)),
+        "fsdp",
+    )
+    resumed = launch(job, 2)
+    assert resumed["checkpoints"] == [6]
+    steps = sorted({s for s, k, _ in resumed["metrics"] if k == "loss"})
+    assert steps == [4, 5, 6]
+    later = [(s, k, v) for s, k, v in straight["metrics"] if s > 3 and k in KEYS["dpo"]]
+    assert [(s, k, v) for s, k, v in resumed["metrics"] if k in KEYS["dpo"]] == later
+    a, _ = load_causal_lm(straight["output"])
+    b, _ = load_causal_lm(resumed["output"])
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(x, y), name
+
+    # one process reads the whole state from the shards; its own run of the spec holds the same state
+    from trainer.distributed import load_optimizer_shards
+    from trainer.loops.session import make_optimizer
+
+    one = single(spec, tiny_cache, tmp_path / "one")
+    assert one["checkpoints"] == [3, 6]
+    expected = torch.load(tmp_path / "one" / "step-00000003" / "trainer_state.pt", weights_only=False)
+    optimizer = make_optimizer(model, 1e-3, 0.0, "fp32")
+    load_optimizer_shards(model, optimizer, shards)
+    got = optimizer.state_dict()["state"]
+    assert len(got) == len(expected["optimizer"]["state"]) == len(list(model.parameters()))
+    for index, state in expected["optimizer"]["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got[index][key], state[key], atol=1e-6, rtol=1e-4)
+        assert float(got[index]["step"]) == float(state["step"]) == 3
+
+    # a sharded run's checkpoint from before the shards (the whole optimizer state in trainer_state.pt,
+    # keyed by parameter names, as torch's full_state_dict gathered it) still resumes on sharded ranks:
+    # made here from one process's, it continues with one process's last steps
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    old = tmp_path / "old" / "step-00000003"
+    shutil.copytree(tmp_path / "one" / "step-00000003", old)
+    optimizer = make_optimizer(model, 1e-3, 0.0, "fp32")
+    optimizer.load_state_dict(expected["optimizer"])
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    expected["optimizer"] = dict(get_optimizer_state_dict(model, optimizer, options=full))
+    torch.save(expected, old / "trainer_state.pt")
+    folder = str(tmp_path / "from-old")
+    job = rank_job(spec, functools.partial(resuming_context, str(tiny_cache), folder, str(old)), "fsdp")
+    from_old = launch(job, 2)
+    later = [v for s, k, v in one["metrics"] if s > 3 and k == "loss"]
+    assert len(later) == 3
+    assert [v for _, k, v in from_old["metrics"] if k == "loss"] == pytest.approx(later, abs=1e-5)
 
 
 @pytest.mark.slow

@@ -50,8 +50,11 @@ from trainer.distributed import (
     full_model_state,
     full_optimizer_state,
     grad_sum_factor,
+    is_sharded,
+    load_optimizer_shards,
     load_optimizer_state,
     local_norm,
+    save_optimizer_shards,
     unwrap,
     wrap,
 )
@@ -402,6 +405,7 @@ class TrainingSession:
                 optimizer=self.optimizer,
                 sampler=self.sampler,
                 restore_optimizer=lambda state: load_optimizer_state(model, self.optimizer, state),
+                restore_shards=lambda folder: load_optimizer_shards(model, self.optimizer, folder),
             )
             self.first = self.step = resumed.step
             self.extra = resumed.extra
@@ -527,9 +531,11 @@ class TrainingSession:
 
     def save(self, step: int, metrics: dict[str, float], files: dict[str, str] | None = None) -> Path:
         """A checkpoint of ``step``. Every rank of a multi-rank run calls it (a sharded model's state is
-        gathered from all of them); rank 0 writes it."""
+        gathered from all of them); rank 0 writes it, but for a sharded model's optimizer state, which every
+        rank writes its own shards of."""
         model_state = full_model_state(self.model, self.ranks)
-        optimizer_state = full_optimizer_state(self.model, self.optimizer)
+        sharded = is_sharded(self.model)
+        optimizer_state = None if sharded else full_optimizer_state(self.model, self.optimizer)
         extra = self.extra_state() | ({"trained_tokens": self.trained_tokens} if self.trained_tokens else {})
         return self.checkpointer.save(
             step,
@@ -542,4 +548,9 @@ class TrainingSession:
             files=(files or {}) | self.model_files,
             model_state=model_state,
             write=self.ranks.main,
+            optimizer_shards=(
+                (lambda folder: save_optimizer_shards(self.model, self.optimizer, folder))
+                if sharded
+                else None
+            ),
         )
