@@ -192,3 +192,52 @@ def test_bf16_on_cuda(tiny: tuple[Any, Any], prompts: list[list[int]]) -> None:
     assert_well_formed(first, prompts, 3, tokenizer, pad_free=False)
     greedy = engine.generate(prompts, 1, SamplingParams(max_new_tokens=MAX_NEW, greedy=True))
     assert_well_formed(greedy, prompts, 1, tokenizer, pad_free=False)
+
+
+def llama_on_meta(**config: Any) -> Any:
+    """A Llama of ``config`` with no weights behind it (the meta device): its shape and dtype only."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        return LlamaForCausalLM(LlamaConfig(**config))
+
+
+def test_chunks_grow_past_64_rows_only_while_their_kv_cache_fits_1_gib() -> None:
+    """``chunk_rows`` by hand: bytes of KV cache a token = 2 (keys, values) x layers x kv heads x head dim x
+    dtype size; rows = 2**30 // (that x tokens a row), never under 64."""
+    from trainer.rollout.hf_engine import chunk_rows
+
+    # the demo's model (tiny:llama-char-0.4m's shape): 2 x 2 x 4 x 32 x 4 = 2,048 B a token, 12-token rows
+    demo = llama_on_meta(num_hidden_layers=2, num_attention_heads=4, hidden_size=128, intermediate_size=256)
+    assert chunk_rows(demo, 12) == 2**30 // (2_048 * 12) == 43_690
+    # SmolLM2-135M's shape (grouped queries: 3 kv heads of 64): 2 x 30 x 3 x 64 x 4 = 46,080 B, 124 tokens
+    smol = llama_on_meta(
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        intermediate_size=1536,
+        vocab_size=512,
+    )
+    assert chunk_rows(smol, 124) == 2**30 // (46_080 * 124) == 187
+    # Llama-2-7B's shape in bf16, 1,536-token rows: 768 MiB a row, so the floor of 64 rows holds
+    big = llama_on_meta(
+        num_hidden_layers=32, num_attention_heads=32, hidden_size=4096, intermediate_size=64, vocab_size=64
+    ).to(torch.bfloat16)
+    assert 2 * 32 * 32 * 128 * 2 * 1_536 == 768 * 2**20
+    assert chunk_rows(big, 1_536) == 64
+    assert chunk_rows(torch.nn.Linear(2, 2), 12) == 64  # no config to size the cache by
+
+
+def test_default_chunks_give_the_completions_of_small_ones(
+    eos_prone: tuple[Any, Any], prompts: list[list[int]]
+) -> None:
+    """One call of every row (the default for the tiny model) samples what calls of 2 rows sample: each row
+    draws from its own seeded stream, and padding to a longer prompt changes nothing."""
+    model, tokenizer = eos_prone
+    params = SamplingParams(max_new_tokens=MAX_NEW, seed=0)
+    default = HFEngine(model, tokenizer).generate(prompts, 3, params)
+    small = HFEngine(model, tokenizer, batch_size=2).generate(prompts, 3, params)
+    assert [(c.token_ids, c.finish_reason) for c in default] == [
+        (c.token_ids, c.finish_reason) for c in small
+    ]
