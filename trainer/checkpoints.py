@@ -192,7 +192,7 @@ class Checkpointer:
         """Write the checkpoint's files under ``tmp``, then rename it into place as ``target``."""
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        if optimizer_shards is not None:  # first: the other ranks wait in it for this folder
+        if optimizer_shards is not None:  # first: the other ranks wait in it until this folder is made
             optimizer_shards(tmp / OPTIMIZER_SHARDS)
         if model_state is None:
             model.save_pretrained(tmp)

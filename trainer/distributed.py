@@ -22,6 +22,7 @@ silent one. Decisions every rank must share (stop or go, a non-finite loss) are 
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -161,17 +162,25 @@ def is_sharded(model: Any) -> bool:
 def full_model_state(model: Any, ranks: Ranks) -> dict[str, Tensor] | None:
     """What ``save_pretrained`` writes of a sharded model, on rank 0 (None on the others, and when nothing
     needs gathering: the model saves itself). Under FSDP2 every rank must call it (it gathers the shards).
-    An adapter model (peft) gets only its trained tensors (the LoRA weights, and any head it trains), a
-    tensor at a time: the adapter's checkpoint holds nothing else, so the frozen base is never gathered."""
+    An adapter model (peft) gets only what peft's ``save_pretrained`` can take from it: its trained tensors
+    (the LoRA weights, any head it trains) and the embedding layers' weights (peft saves those too when the
+    adapter targets them), a tensor at a time; the frozen base is never gathered."""
     if not is_sharded(model):
         return None
-    if hasattr(model, "peft_config"):
+    from trainer.adapters import has_adapter
+
+    if has_adapter(model):
+        from peft.utils.constants import EMBEDDING_LAYER_NAMES
+
         trained = {name for name, p in model.named_parameters() if p.requires_grad}
-        gathered = {
-            name: t.full_tensor().cpu() if hasattr(t, "full_tensor") else t.detach().cpu()
-            for name, t in model.state_dict().items()
-            if name in trained
-        }
+        embedding = re.compile(rf"(^|\.)({'|'.join(EMBEDDING_LAYER_NAMES)})(\.base_layer)?\.weight$")
+        gathered = {}
+        for name, t in model.state_dict().items():
+            if name in trained or embedding.search(name):
+                # every rank gathers (a collective); rank 0 keeps the whole tensor
+                whole = t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
+                if ranks.main:
+                    gathered[name] = whole.cpu()
         return gathered if ranks.main else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -191,13 +200,22 @@ def save_optimizer_shards(model: Any, optimizer: torch.optim.Optimizer, folder: 
     """Every rank writes its own shards of the optimizer's state into ``folder``
     (torch.distributed.checkpoint: a file per rank, and the plan's ``.metadata`` from rank 0), so no rank
     ever holds the whole state. Every rank must call it, and each returns once all the files are written.
-    ``folder``'s parent must exist for every rank by the time the ranks meet (the barrier here: rank 0
-    makes it first)."""
+
+    ``folder``'s parent is the checkpoint's temporary folder, which rank 0 clears and makes before it calls
+    this: the barrier keeps every rank's writes after that, and a rank that then does not see the folder is
+    on a host without the shared artifacts folder (its shard would land on its own disk, and the checkpoint
+    would look whole without it), so it fails saying so."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save
 
     dist.barrier()
+    if not folder.parent.is_dir():
+        raise RuntimeError(
+            f"rank {dist.get_rank()} does not see {folder.parent}, which rank 0 made for a checkpoint: every "
+            "host of a run must see the artifacts folder at the same path (RLRUN_ARTIFACTS_DIR on shared "
+            "storage, docs/runs.md)"
+        )
     state = get_optimizer_state_dict(model, optimizer)  # each rank's own shards (DTensors), not gathered
     save({"optimizer": state}, storage_writer=FileSystemWriter(folder))
 
@@ -220,7 +238,8 @@ def load_optimizer_shards(model: Any, optimizer: torch.optim.Optimizer, folder: 
 
 
 def load_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Restore what ``full_optimizer_state`` returned (sharded again under FSDP2)."""
+    """Restore a whole optimizer state: ``full_optimizer_state``'s, or under FSDP2 (sharded again here) one
+    a sharded run's checkpoint held before its optimizer state was kept in shards."""
     if not is_sharded(model):
         optimizer.load_state_dict(state)
         return

@@ -202,25 +202,41 @@ def llama_on_meta(**config: Any) -> Any:
         return LlamaForCausalLM(LlamaConfig(**config))
 
 
-def test_chunks_grow_past_64_rows_only_while_their_kv_cache_fits_1_gib() -> None:
-    """``chunk_rows`` by hand: bytes of KV cache a token = 2 (keys, values) x layers x kv heads x head dim x
-    dtype size; rows = 2**30 // (that x tokens a row), never under 64."""
+def test_chunks_grow_past_64_rows_only_while_they_fit_1_gib() -> None:
+    """``chunk_rows`` by hand: a row costs its KV cache, 2 (keys, values) x layers x kv heads x head dim x
+    dtype size a token, plus a decode step's 4 float32 vocabulary-sized tensors; rows = 2**30 // that,
+    within [64, 512]."""
     from trainer.rollout.hf_engine import chunk_rows
 
-    # the demo's model (tiny:llama-char-0.4m's shape): 2 x 2 x 4 x 32 x 4 = 2,048 B a token, 12-token rows
-    demo = llama_on_meta(num_hidden_layers=2, num_attention_heads=4, hidden_size=128, intermediate_size=256)
-    assert chunk_rows(demo, 12) == 2**30 // (2_048 * 12) == 43_690
-    # SmolLM2-135M's shape (grouped queries: 3 kv heads of 64): 2 x 30 x 3 x 64 x 4 = 46,080 B, 124 tokens
+    # the demo's model (tiny:llama-char-0.4m's shape): 2 x 2 x 4 x 32 x 4 = 2,048 B a token, 12-token rows:
+    # 2**30 // (24,576 + 1,600) = 41,020 rows, capped at 512
+    demo = llama_on_meta(
+        num_hidden_layers=2, num_attention_heads=4, hidden_size=128, intermediate_size=256, vocab_size=100
+    )
+    assert 2**30 // (2_048 * 12 + 4 * 100 * 4) == 41_020 and chunk_rows(demo, 12) == 512
+    # SmolLM2-135M's shape (grouped queries: 3 kv heads of 64): 2 x 30 x 3 x 64 x 4 = 46,080 B a token,
+    # 124-token rows, a 49,152-token vocabulary
     smol = llama_on_meta(
         num_hidden_layers=30,
         num_attention_heads=9,
         num_key_value_heads=3,
         hidden_size=576,
-        intermediate_size=1536,
-        vocab_size=512,
+        intermediate_size=64,
+        vocab_size=49_152,
     )
-    assert chunk_rows(smol, 124) == 2**30 // (46_080 * 124) == 187
-    # Llama-2-7B's shape in bf16, 1,536-token rows: 768 MiB a row, so the floor of 64 rows holds
+    assert chunk_rows(smol, 124) == 2**30 // (46_080 * 124 + 16 * 49_152) == 165
+    # a small cache and a large vocabulary (262,144): the decode step's tensors halve the rows
+    wide = llama_on_meta(
+        num_hidden_layers=18,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        hidden_size=640,
+        intermediate_size=64,
+        vocab_size=262_144,
+    )
+    assert chunk_rows(wide, 128) == 2**30 // (2 * 18 * 256 * 4 * 128 + 16 * 262_144) == 120
+    # Llama-2-7B's shape in bf16, 1,536-token rows: 768 MiB of cache a row, so the floor of 64 rows holds
     big = llama_on_meta(
         num_hidden_layers=32, num_attention_heads=32, hidden_size=4096, intermediate_size=64, vocab_size=64
     ).to(torch.bfloat16)
@@ -230,14 +246,30 @@ def test_chunks_grow_past_64_rows_only_while_their_kv_cache_fits_1_gib() -> None
 
 
 def test_default_chunks_give_the_completions_of_small_ones(
-    eos_prone: tuple[Any, Any], prompts: list[list[int]]
+    eos_prone: tuple[Any, Any], prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One call of every row (the default for the tiny model) samples what calls of 2 rows sample: each row
-    draws from its own seeded stream, and padding to a longer prompt changes nothing."""
+    """90 rows in one call (the default for the tiny model; 64 rows a call before) sample what calls of 2
+    rows sample: each row draws from its own seeded stream, and padding to a longer prompt changes nothing.
+    Sharded ranks generating in step (``synced_gpus``) keep 64 rows a call whatever their prompts."""
     model, tokenizer = eos_prone
+    many = prompts * 6  # 30 prompts x 3 samples
     params = SamplingParams(max_new_tokens=MAX_NEW, seed=0)
-    default = HFEngine(model, tokenizer).generate(prompts, 3, params)
-    small = HFEngine(model, tokenizer, batch_size=2).generate(prompts, 3, params)
+    calls: list[int] = []
+    chunk = HFEngine._generate_chunk
+
+    def counted(self: HFEngine, prompts: list[list[int]], n: int, *args: Any) -> list[Completion]:
+        calls.append(len(prompts) * n)
+        return chunk(self, prompts, n, *args)
+
+    monkeypatch.setattr(HFEngine, "_generate_chunk", counted)
+    default = HFEngine(model, tokenizer).generate(many, 3, params)
+    assert calls == [90]
+    small = HFEngine(model, tokenizer, batch_size=2).generate(many, 3, params)
     assert [(c.token_ids, c.finish_reason) for c in default] == [
         (c.token_ids, c.finish_reason) for c in small
     ]
+
+    calls.clear()
+    monkeypatch.setattr(HFEngine, "_generate_chunk", lambda self, p, n, *a: calls.append(len(p) * n) or [])
+    HFEngine(model, tokenizer, synced_gpus=True).generate(many, 3, params)
+    assert calls == [63, 27]  # 21 prompts of 3 rows, then the rest

@@ -102,28 +102,35 @@ def completions_from_generate(
 
 
 MIN_CHUNK_ROWS = 64
-KV_CACHE_BUDGET = 1 << 30  # a chunk holds more than MIN_CHUNK_ROWS rows only within this much KV cache
+MAX_CHUNK_ROWS = 512
+CHUNK_BUDGET = 1 << 30  # bytes: a chunk holds more than MIN_CHUNK_ROWS rows only within this much
+STEP_VOCAB_COPIES = 4  # float32 (rows, vocab) tensors a decode step holds: logits, noise, its log, scores
 
 
 def chunk_rows(model: Any, row_tokens: int) -> int:
-    """Rows per ``generate`` call when the caller sets none: ``MIN_CHUNK_ROWS``, or more while the chunk's
-    KV cache (``2 x layers x kv_heads x head_dim x bytes`` a token, ``row_tokens`` a row: the longest prompt
-    and the new tokens) stays within ``KV_CACHE_BUDGET``. Each call has a fixed cost (a forward pass per new
-    token whatever the rows, the sampling per step), so a small model's many short rows run faster in fewer
-    calls (the demo's GRPO, 128 rows of 12 tokens: 64 -> 128 rows a call, ~12% less time a step on a 2-core
-    CPU); a large model's rows are never fewer than 64, as before (7B, 1,536 tokens a row: 768 MB each).
-    A model whose config does not give the cache's shape gets ``MIN_CHUNK_ROWS``."""
+    """Rows per ``generate`` call when the caller sets none: ``MIN_CHUNK_ROWS``, or more (up to
+    ``MAX_CHUNK_ROWS``) while the chunk's memory stays within ``CHUNK_BUDGET``. A row costs its KV cache
+    (``2 x layers x kv_heads x head_dim x dtype bytes`` a token, ``row_tokens`` tokens: the longest prompt
+    and the new tokens) and the float32 vocabulary-sized tensors of a decode step (``STEP_VOCAB_COPIES x
+    vocab x 4`` bytes). Each call has a fixed cost (a forward pass per new token whatever the rows, the
+    sampling per step), so a small model's many short rows run faster in fewer calls (the demo's GRPO, 128
+    rows of 12 tokens: 64 -> 128 rows a call, ~13% less time over 100 steps on a 2-core CPU); a large
+    model's rows are never fewer than 64, as before (7B, 1,536 tokens a row: 768 MB of cache each). A model
+    whose config does not give the cache's shape gets ``MIN_CHUNK_ROWS``."""
     config = getattr(model, "config", None)
     get = functools.partial(getattr, config)
     try:
         layers, heads = int(get("num_hidden_layers")), int(get("num_attention_heads"))
         kv_heads = int(get("num_key_value_heads", None) or heads)
         head_dim = int(get("head_dim", None) or int(get("hidden_size")) // heads)
+        vocab = int(get("vocab_size"))
         dtype = next(model.parameters()).dtype
     except (AttributeError, TypeError, ValueError, StopIteration):
         return MIN_CHUNK_ROWS
-    per_row = 2 * layers * kv_heads * head_dim * dtype.itemsize * max(1, row_tokens)
-    return max(MIN_CHUNK_ROWS, int(KV_CACHE_BUDGET // per_row))
+    per_row = (
+        2 * layers * kv_heads * head_dim * dtype.itemsize * max(1, row_tokens) + STEP_VOCAB_COPIES * vocab * 4
+    )
+    return min(MAX_CHUNK_ROWS, max(MIN_CHUNK_ROWS, int(CHUNK_BUDGET // per_row)))
 
 
 @contextlib.contextmanager
