@@ -70,3 +70,34 @@ def test_entropy_matches_naive_random() -> None:
     p = torch.softmax(logits, -1)
     naive = -(p * torch.log(p)).sum(-1)
     torch.testing.assert_close(entropy_from_logits(logits), naive)
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 2 * 4 * 9, 3 * 4 * 9, 1 << 24])
+def test_row_chunks_of_any_size_give_the_naive_values(
+    chunk_elements: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``CHUNK_ELEMENTS`` of one element (a row a chunk), 2 rows (5 rows: chunks of 2, 2, 1), 3 rows and all
+    rows: log-probabilities (float64, bfloat16) and entropies equal the naive formulas, and so do their
+    gradients."""
+    from trainer.algorithms import logprobs
+
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", chunk_elements)
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(5, 4, 9, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    labels = torch.randint(0, 9, (5, 4), generator=g)
+    rows = len(logprobs.row_chunks(logits)[0])
+    assert rows == {1: 1, 72: 2, 108: 3}.get(chunk_elements, 5)
+
+    naive = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    got = token_logprobs(logits, labels)
+    torch.testing.assert_close(got, naive)
+    weights = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    (want_grad,) = torch.autograd.grad((naive * weights).sum(), logits)
+    (got_grad,) = torch.autograd.grad((got * weights).sum(), logits)
+    torch.testing.assert_close(got_grad, want_grad)
+
+    p = torch.softmax(logits, -1)
+    torch.testing.assert_close(entropy_from_logits(logits), -(p * torch.log(p)).sum(-1))
+    half = logits.detach().bfloat16()
+    reference = torch.log_softmax(half.float(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(token_logprobs(half, labels).float(), reference, atol=0.05, rtol=0.02)
