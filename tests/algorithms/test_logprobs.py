@@ -85,7 +85,7 @@ def test_row_chunks_of_any_size_give_the_naive_values(
     g = torch.Generator().manual_seed(11)
     logits = (torch.randn(5, 4, 9, generator=g, dtype=torch.float64) * 3).requires_grad_()
     labels = torch.randint(0, 9, (5, 4), generator=g)
-    rows = len(logprobs.row_chunks(logits)[0])
+    rows = len(logprobs._row_chunks(logits)[0])
     assert rows == {1: 1, 72: 2, 108: 3}.get(chunk_elements, 5)
 
     naive = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)

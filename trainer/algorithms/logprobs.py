@@ -11,7 +11,7 @@ from torch import Tensor
 CHUNK_ELEMENTS = 1 << 24
 
 
-def row_chunks(logits: Tensor) -> tuple[Tensor, ...]:
+def _row_chunks(logits: Tensor) -> tuple[Tensor, ...]:
     """``logits`` (B, T, V) split along B into chunks of at most ``CHUNK_ELEMENTS`` (at least one row)."""
     per_row = max(1, logits[0].numel()) if logits.shape[0] else 1
     return torch.split(logits, max(1, CHUNK_ELEMENTS // per_row))
@@ -25,7 +25,7 @@ def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
         torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
     Here the label logit is gathered first and a ``logsumexp`` is taken a chunk of batch rows at a time
-    (``row_chunks``: at most ``CHUNK_ELEMENTS``, or one (T, V) row), so the peak extra memory is a chunk
+    (``_row_chunks``: at most ``CHUNK_ELEMENTS``, or one (T, V) row), so the peak extra memory is a chunk
     instead of (B, T, V) (TRL ``selective_log_softmax`` goes a row at a time). For half-precision logits
     ``logsumexp`` loses accuracy, so each chunk goes through ``log_softmax`` in its own dtype instead; the
     memory bound is the same.
@@ -47,11 +47,11 @@ def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
         if logits.shape[0] == 0:
             return picked
         # A chunk of rows at a time: logsumexp allocates the chunk's (rows, T, V), not (B, T, V).
-        lse = torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in row_chunks(logits)])
+        lse = torch.cat([torch.logsumexp(chunk, dim=-1) for chunk in _row_chunks(logits)])
         return picked - lse
     if logits.shape[0] == 0:
         return logits.new_zeros(labels.shape)
-    chunks = row_chunks(logits)
+    chunks = _row_chunks(logits)
     label_chunks = torch.split(labels, [len(c) for c in chunks])
     return torch.cat(
         [
@@ -75,7 +75,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
         (B, T) entropy in nats, differentiable; float32 for half-precision logits, else their dtype.
 
     Formula: ``H = logsumexp(z) - sum_v softmax(z)_v * z_v`` (equal to ``-sum p log p``), computed
-    a chunk of batch rows at a time (``row_chunks``); half-precision logits are upcast to float32 a chunk at
+    a chunk of batch rows at a time (``_row_chunks``); half-precision logits are upcast to float32 a chunk at
     a time (never the whole). Under ``torch.no_grad()`` (logging) the extra memory is one chunk's softmax;
     with grad (an entropy bonus) autograd keeps every chunk's softmax, as the naive version would.
 
@@ -85,7 +85,7 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     if logits.shape[0] == 0:
         return logits.new_zeros(logits.shape[:-1])
     out = []
-    for chunk in row_chunks(logits):
+    for chunk in _row_chunks(logits):
         if chunk.dtype in (torch.float16, torch.bfloat16):
             chunk = chunk.float()
         p = torch.softmax(chunk, dim=-1)
