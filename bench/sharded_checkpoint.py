@@ -76,6 +76,17 @@ def stepped_optimizer(model: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+def measured(way: Any, model: Any, optimizer: torch.optim.Optimizer, folder: Path) -> tuple[int, float]:
+    """``way(model, optimizer, folder)`` on every rank at once: this rank's memory growth and the seconds."""
+    dist.barrier()
+    with PeakResident() as peak:
+        began = time.perf_counter()
+        way(model, optimizer, folder)
+        dist.barrier()
+        seconds = time.perf_counter() - began
+    return peak.growth, seconds
+
+
 def rank(rank_: int, way: str, args: argparse.Namespace, store: str, out: str, folder: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank_, world_size=2)
@@ -83,31 +94,11 @@ def rank(rank_: int, way: str, args: argparse.Namespace, store: str, out: str, f
         model = sharded_model(args.hidden, args.layers, args.vocab)
         params = sum(p.numel() for p in model.parameters())
         save, load = WAYS[way]
-        optimizer = stepped_optimizer(model)
-        dist.barrier()
-        with PeakResident() as saving:
-            began = time.perf_counter()
-            save(model, optimizer, Path(folder))
-            dist.barrier()
-            save_s = time.perf_counter() - began
-        fresh = stepped_optimizer(model)  # a resumed run's optimizer, before its state is read
-        dist.barrier()
-        with PeakResident() as loading:
-            began = time.perf_counter()
-            load(model, fresh, Path(folder))
-            dist.barrier()
-            load_s = time.perf_counter() - began
-        Path(f"{out}.{rank_}").write_text(
-            json.dumps(
-                {
-                    "params": params,
-                    "save": saving.growth,
-                    "load": loading.growth,
-                    "save_s": save_s,
-                    "load_s": load_s,
-                }
-            )
-        )
+        saved, save_s = measured(save, model, stepped_optimizer(model), Path(folder))
+        # a resumed run's optimizer, before its state is read
+        loaded, load_s = measured(load, model, stepped_optimizer(model), Path(folder))
+        figures = {"params": params, "save": saved, "load": loaded, "save_s": save_s, "load_s": load_s}
+        Path(f"{out}.{rank_}").write_text(json.dumps(figures))
     finally:
         dist.destroy_process_group()
 

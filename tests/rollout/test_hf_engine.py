@@ -194,12 +194,15 @@ def test_bf16_on_cuda(tiny: tuple[Any, Any], prompts: list[list[int]]) -> None:
     assert_well_formed(greedy, prompts, 1, tokenizer, pad_free=False)
 
 
-def llama_on_meta(**config: Any) -> Any:
-    """A Llama of ``config`` with no weights behind it (the meta device): its shape and dtype only."""
+def llama_on_meta(layers: int, heads: int, kv_heads: int, hidden: int, vocab: int, **config: Any) -> Any:
+    """A Llama of that shape with no weights behind it (the meta device): its shape and dtype only."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    shape = {"num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
     with torch.device("meta"):
-        return LlamaForCausalLM(LlamaConfig(**config))
+        return LlamaForCausalLM(
+            LlamaConfig(**shape, hidden_size=hidden, vocab_size=vocab, intermediate_size=64, **config)
+        )
 
 
 def test_chunks_grow_past_64_rows_only_while_they_fit_1_gib() -> None:
@@ -210,36 +213,17 @@ def test_chunks_grow_past_64_rows_only_while_they_fit_1_gib() -> None:
 
     # the demo's model (tiny:llama-char-0.4m's shape): 2 x 2 x 4 x 32 x 4 = 2,048 B a token, 12-token rows:
     # 2**30 // (24,576 + 1,600) = 41,020 rows, capped at 512
-    demo = llama_on_meta(
-        num_hidden_layers=2, num_attention_heads=4, hidden_size=128, intermediate_size=256, vocab_size=100
-    )
+    demo = llama_on_meta(2, 4, 4, 128, 100)
     assert 2**30 // (2_048 * 12 + 4 * 100 * 4) == 41_020 and chunk_rows(demo, 12) == 512
     # SmolLM2-135M's shape (grouped queries: 3 kv heads of 64): 2 x 30 x 3 x 64 x 4 = 46,080 B a token,
     # 124-token rows, a 49,152-token vocabulary
-    smol = llama_on_meta(
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        hidden_size=576,
-        intermediate_size=64,
-        vocab_size=49_152,
-    )
+    smol = llama_on_meta(30, 9, 3, 576, 49_152)
     assert chunk_rows(smol, 124) == 2**30 // (46_080 * 124 + 16 * 49_152) == 165
     # a small cache and a large vocabulary (262,144): the decode step's tensors halve the rows
-    wide = llama_on_meta(
-        num_hidden_layers=18,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=256,
-        hidden_size=640,
-        intermediate_size=64,
-        vocab_size=262_144,
-    )
+    wide = llama_on_meta(18, 4, 1, 640, 262_144, head_dim=256)
     assert chunk_rows(wide, 128) == 2**30 // (2 * 18 * 256 * 4 * 128 + 16 * 262_144) == 120
     # Llama-2-7B's shape in bf16, 1,536-token rows: 768 MiB of cache a row, so the floor of 64 rows holds
-    big = llama_on_meta(
-        num_hidden_layers=32, num_attention_heads=32, hidden_size=4096, intermediate_size=64, vocab_size=64
-    ).to(torch.bfloat16)
+    big = llama_on_meta(32, 32, 32, 4096, 64).to(torch.bfloat16)
     assert 2 * 32 * 32 * 128 * 2 * 1_536 == 768 * 2**20
     assert chunk_rows(big, 1_536) == 64
     assert chunk_rows(torch.nn.Linear(2, 2), 12) == 64  # no config to size the cache by
