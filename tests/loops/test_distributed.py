@@ -198,11 +198,12 @@ def test_a_lora_sft_run_on_sharded_ranks_builds_its_preset_once_and_matches(
     """SFT with LoRA over FSDP2, the ranks starting from an empty model cache: rank 0 builds the preset
     (transformers saves only on the main rank, so two ranks building it at once left a broken folder); the
     ranks' shares are normalised by the whole batch's completion tokens, and the adapter trains as in one
-    process."""
-    spec = {**run_spec("sft"), "adapter": {"r": 4, "alpha": 8}}
+    process. Resumed on 2 ranks from its step-5 checkpoint (the adapter and its optimizer shards), it makes
+    the same last 5 steps and the same adapter exactly."""
+    spec = {**run_spec("sft", checkpoint_every=5), "adapter": {"r": 4, "alpha": 8}}
     one = single(spec, tiny_cache, tmp_path / "one")
     two = two_ranks(spec, "fsdp", tmp_path / "fresh-cache", tmp_path / "two")
-    assert two["status"] == "succeeded"
+    assert two["status"] == "succeeded" and two["checkpoints"] == [5, 10]
     for key in KEYS["sft"]:
         assert series(two["metrics"], key) == pytest.approx(series(one["metrics"], key), abs=1e-5), key
     # the saved adapter (rank 0 gathers only the trained tensors): one process's, every tensor of it
@@ -215,6 +216,16 @@ def test_a_lora_sft_run_on_sharded_ranks_builds_its_preset_once_and_matches(
         torch.testing.assert_close(
             ours[name], tensor, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+    fifth = tmp_path / "two" / "step-00000005"
+    assert (fifth / "optimizer" / ".metadata").exists()
+    resume = functools.partial(resuming_context, str(tmp_path / "fresh-cache"), str(tmp_path / "resumed"))
+    resumed = launch(rank_job(spec, functools.partial(resume, str(fifth)), "fsdp"), 2)
+    assert [m for m in resumed["metrics"] if m[1] in KEYS["sft"]] == [
+        m for m in two["metrics"] if m[0] > 5 and m[1] in KEYS["sft"]
+    ]
+    again = load_file(str(Path(resumed["output"]) / "adapter_model.safetensors"))
+    assert sorted(again) == sorted(ours) and all(torch.equal(again[n], ours[n]) for n in ours)
 
 
 @pytest.mark.slow
