@@ -22,6 +22,12 @@ def resuming_context(tiny_cache: str, out: str, resume_from: str, ranks: Ranks) 
     )
 
 
+def own_disk_context(tiny_cache: str, out: str, ranks: Ranks) -> LoopContext:
+    """``rank_context`` with each rank's checkpoints in a folder of its own (``out/rank<N>``): ranks on
+    hosts that do not share the artifacts folder."""
+    return rank_context(tiny_cache, str(Path(out) / f"rank{ranks.rank}"), ranks)
+
+
 def memory_reporter() -> Reporter:
     return MemoryReporter()
 

@@ -30,6 +30,7 @@ from tests.loops.rank_helpers import (
     failing_context,
     memory_reporter,
     metrics_and_result,
+    own_disk_context,
     rank_context,
     recording_context,
     resuming_context,
@@ -300,6 +301,22 @@ def test_sharded_ranks_checkpoint_their_own_optimizer_shards_and_resume_from_the
     later = [v for s, k, v in one["metrics"] if s > 3 and k == "loss"]
     assert len(later) == 3
     assert [v for _, k, v in from_old["metrics"] if k == "loss"] == pytest.approx(later, abs=1e-5)
+
+
+@pytest.mark.slow
+@gloo_only
+def test_sharded_ranks_that_do_not_share_the_artifacts_folder_fail_at_the_first_checkpoint_saying_so(
+    tiny_cache: Path, tmp_path: Path
+) -> None:
+    """Each rank writes its optimizer shards into the checkpoint folder rank 0 made: a rank on a host
+    without the shared artifacts folder fails naming it, and no checkpoint is left looking whole."""
+    spec = run_spec("dpo", max_steps=2, checkpoint_every=1)
+    job = rank_job(spec, functools.partial(own_disk_context, str(tiny_cache), str(tmp_path)), "fsdp")
+    with pytest.raises(
+        RankFailed, match=r"rank 1 of 2 failed: RuntimeError: rank 1 does not see .*RLRUN_ARTIFACTS_DIR"
+    ):
+        launch(job, 2)
+    assert not list(tmp_path.glob("rank*/step-*"))
 
 
 @pytest.mark.slow
