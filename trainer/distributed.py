@@ -159,6 +159,13 @@ def is_sharded(model: Any) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def whole(t: Tensor) -> Tensor:
+    """``t`` gathered whole (a collective, for a ``DTensor``), or ``t`` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def full_model_state(model: Any, ranks: Ranks) -> dict[str, Tensor] | None:
     """What ``save_pretrained`` writes of a sharded model, on rank 0 (None on the others, and when nothing
     needs gathering: the model saves itself). Under FSDP2 every rank must call it (it gathers the shards).
@@ -177,23 +184,14 @@ def full_model_state(model: Any, ranks: Ranks) -> dict[str, Tensor] | None:
         gathered = {}
         for name, t in model.state_dict().items():
             if name in trained or embedding.search(name):
-                # every rank gathers (a collective); rank 0 keeps the whole tensor
-                whole = t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
+                gathered_t = whole(t.detach())  # every rank gathers (a collective); rank 0 keeps it
                 if ranks.main:
-                    gathered[name] = whole.cpu()
+                    gathered[name] = gathered_t.cpu()
         return gathered if ranks.main else None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k: v for k, v in state.items() if isinstance(v, Tensor)} if ranks.main else None
-
-
-def full_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state as one process holds it (a checkpoint of an unsharded model). A sharded
-    model's is written by every rank instead (``save_optimizer_shards``)."""
-    if is_sharded(model):
-        raise ValueError("a sharded model's optimizer state is saved in shards (save_optimizer_shards)")
-    return optimizer.state_dict()
 
 
 def save_optimizer_shards(model: Any, optimizer: torch.optim.Optimizer, folder: Path) -> None:
@@ -238,8 +236,9 @@ def load_optimizer_shards(model: Any, optimizer: torch.optim.Optimizer, folder: 
 
 
 def load_optimizer_state(model: Any, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Restore a whole optimizer state: ``full_optimizer_state``'s, or under FSDP2 (sharded again here) one
-    a sharded run's checkpoint held before its optimizer state was kept in shards."""
+    """Restore a whole optimizer state: an unsharded run's ``optimizer.state_dict()``, or under FSDP2
+    (sharded again here) one a sharded run's checkpoint held before its optimizer state was kept in
+    shards."""
     if not is_sharded(model):
         optimizer.load_state_dict(state)
         return

@@ -48,7 +48,6 @@ from trainer.distributed import (
     current,
     from_main,
     full_model_state,
-    full_optimizer_state,
     grad_sum_factor,
     is_sharded,
     load_optimizer_shards,
@@ -535,7 +534,7 @@ class TrainingSession:
         rank writes its own shards of."""
         model_state = full_model_state(self.model, self.ranks)
         sharded = is_sharded(self.model)
-        optimizer_state = None if sharded else full_optimizer_state(self.model, self.optimizer)
+        optimizer_state = None if sharded else self.optimizer.state_dict()
         extra = self.extra_state() | ({"trained_tokens": self.trained_tokens} if self.trained_tokens else {})
         return self.checkpointer.save(
             step,

@@ -30,12 +30,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.adapters import holds_adapter
+from trainer.distributed import whole
 from trainer.rollout.safetensors_stream import Deferred, SafetensorsStream, tied_names
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """``t`` gathered whole (a collective, for a ``DTensor``), or ``t`` itself."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def weights_stream(model: Any) -> SafetensorsStream:
