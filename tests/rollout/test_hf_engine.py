@@ -228,6 +228,18 @@ def test_chunks_grow_past_64_rows_only_while_they_fit_1_gib() -> None:
     assert chunk_rows(big, 1_536) == 64
     assert chunk_rows(torch.nn.Linear(2, 2), 12) == 64  # no config to size the cache by
 
+    # a 4-bit base's packed uint8 weights do not size its cache: its floating-point layers' dtype does
+    class Packed(torch.nn.Module):  # SmolLM2's shape in bf16 behind a first weight packed in uint8
+        def __init__(self) -> None:
+            super().__init__()
+            self.packed = torch.nn.Parameter(torch.empty(8, dtype=torch.uint8), requires_grad=False)
+            self.inner = llama_on_meta(30, 9, 3, 576, 49_152).to(torch.bfloat16)
+            self.config = self.inner.config
+
+    packed = Packed()
+    assert next(packed.parameters()).dtype == torch.uint8
+    assert chunk_rows(packed, 124) == 2**30 // (23_040 * 124 + 16 * 49_152) == 294  # 484 if sized by uint8
+
 
 def test_default_chunks_give_the_completions_of_small_ones(
     eos_prone: tuple[Any, Any], prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch

@@ -124,7 +124,9 @@ def chunk_rows(model: Any, row_tokens: int) -> int:
         kv_heads = int(get("num_key_value_heads", None) or heads)
         head_dim = int(get("head_dim", None) or int(get("hidden_size")) // heads)
         vocab = int(get("vocab_size"))
-        dtype = next(model.parameters()).dtype
+        # the first floating-point weight's: a 4-bit (QLoRA) base packs its linear weights into uint8, while
+        # its cache is kept in the compute dtype of its floating-point layers
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
     except (AttributeError, TypeError, ValueError, StopIteration):
         return MIN_CHUNK_ROWS
     per_row = (
